@@ -1,0 +1,199 @@
+//! The one error enum of `pdd-core`.
+//!
+//! Each variant has a stable snake_case [`Error::reason`] (what Python sees as
+//! `exc.reason`), an [`ErrorClass`] that picks the Python exception type, and the
+//! [`AbortReason`] a peer is told when the error ends a connection.
+
+use crate::wire::{AbortReason, FrameKind};
+
+/// How an [`Error`] should surface to a caller. The binding crate maps each class to
+/// one Python exception type (`ProtocolError`, `InvalidArgument`, `TransportError`,
+/// `DeadlineExceeded`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// Bytes from a peer broke the protocol (malformed, corrupted, unknown).
+    Protocol,
+    /// The local caller asked for something impossible (bad argument, out of range).
+    InvalidArgument,
+    /// The peer or the connection failed (aborted, refused, authentication).
+    Connection,
+    /// A bounded wait ran out.
+    Timeout,
+}
+
+/// Everything that can go wrong in `pdd-core`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The first two bytes of a frame are not `PD`.
+    #[error("bad magic {found:02x?}: not a pdd_transport frame")]
+    BadMagic {
+        /// The two bytes found.
+        found: [u8; 2],
+    },
+    /// The header's wire version is not one this build can parse.
+    #[error("unsupported wire version {found} (this build speaks {supported})")]
+    UnsupportedWireVersion {
+        /// Version byte found.
+        found: u8,
+        /// Version this build speaks.
+        supported: u8,
+    },
+    /// The header's kind byte names no frame kind of this version.
+    #[error("unknown frame kind 0x{kind:02x}")]
+    UnknownKind {
+        /// Kind byte found.
+        kind: u8,
+    },
+    /// The payload length exceeds the configured maximum; nothing was allocated.
+    #[error("frame payload of {len} bytes exceeds the limit of {max} bytes")]
+    FrameTooLarge {
+        /// Length found (or requested when encoding).
+        len: u64,
+        /// The limit in force.
+        max: u32,
+    },
+    /// Flag bits set that the frame kind does not define.
+    #[error("flags 0x{flags:04x} are not valid for {kind}")]
+    InvalidFlags {
+        /// Frame kind.
+        kind: FrameKind,
+        /// Flags found.
+        flags: u16,
+    },
+    /// Reserved header bytes are not zero.
+    #[error("reserved header bytes are not zero")]
+    ReservedNonZero,
+    /// CRC32C over header and payload does not match.
+    #[error("checksum mismatch: header says {expected:08x}, computed {computed:08x}")]
+    ChecksumMismatch {
+        /// CRC in the header.
+        expected: u32,
+        /// CRC computed over the bytes received.
+        computed: u32,
+    },
+    /// The payload ended inside a field.
+    #[error("{kind} payload truncated in field {field}")]
+    Truncated {
+        /// Frame kind.
+        kind: FrameKind,
+        /// Field being read.
+        field: &'static str,
+    },
+    /// The payload has bytes after its last field.
+    #[error("{kind} payload has {extra} trailing bytes")]
+    TrailingBytes {
+        /// Frame kind.
+        kind: FrameKind,
+        /// How many bytes were left over.
+        extra: u64,
+    },
+    /// A field holds a value the protocol forbids.
+    #[error("{kind}.{field}: {detail}")]
+    InvalidField {
+        /// Frame kind.
+        kind: FrameKind,
+        /// Field name as in docs/protocol.md.
+        field: &'static str,
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// A stream decoder is used again after it returned an error; framing is lost and
+    /// the connection must be closed.
+    #[error("the decoder failed earlier; this stream must be closed")]
+    DecoderPoisoned,
+    /// HELLO: the peers' version ranges do not overlap.
+    #[error(
+        "no common protocol version: ours {ours_min}..={ours_max}, peer's {peer_min}..={peer_max}"
+    )]
+    VersionMismatch {
+        /// Our lowest version.
+        ours_min: u16,
+        /// Our highest version.
+        ours_max: u16,
+        /// Peer's lowest version.
+        peer_min: u16,
+        /// Peer's highest version.
+        peer_max: u16,
+    },
+    /// HELLO: the peer's credentials were refused.
+    #[error("authentication failed: {detail}")]
+    AuthFailed {
+        /// Which check failed (never the secret itself).
+        detail: &'static str,
+    },
+    /// HELLO: the peer's role may not connect to ours.
+    #[error("role {peer} may not connect to role {ours}")]
+    RoleRefused {
+        /// Our role.
+        ours: crate::wire::Role,
+        /// The peer's role.
+        peer: crate::wire::Role,
+    },
+    /// The peer sent ABORT.
+    #[error("peer aborted ({reason}): {message}")]
+    PeerAborted {
+        /// The peer's reason code.
+        reason: AbortReason,
+        /// The peer's message.
+        message: String,
+    },
+    /// A local caller passed an argument the protocol cannot carry.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+}
+
+impl Error {
+    /// Stable snake_case code for this error, exposed to Python as `exc.reason`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Error::BadMagic { .. } => "bad_magic",
+            Error::UnsupportedWireVersion { .. } => "unsupported_version",
+            Error::UnknownKind { .. } => "unknown_kind",
+            Error::FrameTooLarge { .. } => "frame_too_large",
+            Error::InvalidFlags { .. } => "invalid_flags",
+            Error::ReservedNonZero => "reserved_nonzero",
+            Error::ChecksumMismatch { .. } => "checksum_mismatch",
+            Error::Truncated { .. } => "truncated",
+            Error::TrailingBytes { .. } => "trailing_bytes",
+            Error::InvalidField { .. } => "invalid_field",
+            Error::DecoderPoisoned => "decoder_poisoned",
+            Error::VersionMismatch { .. } => "version_mismatch",
+            Error::AuthFailed { .. } => "auth_failed",
+            Error::RoleRefused { .. } => "role_refused",
+            Error::PeerAborted { .. } => "peer_aborted",
+            Error::InvalidArgument(_) => "invalid_argument",
+        }
+    }
+
+    /// Which kind of Python exception this becomes.
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            Error::VersionMismatch { .. }
+            | Error::AuthFailed { .. }
+            | Error::RoleRefused { .. }
+            | Error::PeerAborted { .. } => ErrorClass::Connection,
+            Error::InvalidArgument(_) => ErrorClass::InvalidArgument,
+            _ => ErrorClass::Protocol,
+        }
+    }
+
+    /// The reason code to put in the ABORT frame that this error ends a connection with.
+    pub fn abort_reason(&self) -> AbortReason {
+        match self {
+            Error::UnsupportedWireVersion { .. } | Error::VersionMismatch { .. } => {
+                AbortReason::UnsupportedVersion
+            }
+            Error::UnknownKind { .. } => AbortReason::UnknownKind,
+            Error::FrameTooLarge { .. } => AbortReason::FrameTooLarge,
+            Error::ChecksumMismatch { .. } => AbortReason::ChecksumMismatch,
+            Error::AuthFailed { .. } | Error::RoleRefused { .. } => AbortReason::AuthFailed,
+            Error::PeerAborted { reason, .. } => *reason,
+            Error::InvalidArgument(_) => AbortReason::Internal,
+            _ => AbortReason::ProtocolError,
+        }
+    }
+}
+
+/// Shorthand for `Result<T, pdd_core::Error>`.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

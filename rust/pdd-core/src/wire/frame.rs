@@ -1,0 +1,793 @@
+//! Typed frames and their payload layouts. Field order here is the byte order on the
+//! wire; docs/protocol.md lists the same fields with their offsets.
+
+use bytes::{BufMut, Bytes};
+
+use super::reader::{PayloadReader, PayloadWriter};
+use super::tokens::{encoded_len, put_tokens, read_tokens};
+use super::{
+    AbortReason, FrameKind, Role, FLAG_FINAL, FLAG_KV_COMPLETE, HARD_MAX_PAYLOAD,
+    MAX_ABORT_MESSAGE_LEN, MAX_CREDENTIAL_LEN, MAX_PAGE_SIZE, MIN_MAX_PAYLOAD,
+};
+use crate::error::{Error, Result};
+
+/// HELLO: the first frame on every connection, in both directions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    /// Lowest protocol version the sender speaks (>= 1).
+    pub min_version: u16,
+    /// Highest protocol version the sender speaks (>= `min_version`).
+    pub max_version: u16,
+    /// The sender's role.
+    pub role: Role,
+    /// Lane index inside the session: 0 is the control lane, 1.. are bulk lanes.
+    pub lane: u16,
+    /// Session the lane belongs to (chosen by the connecting side; lanes of one
+    /// session share it).
+    pub session_id: u64,
+    /// Capability bits (see [`super::capability`]); unknown bits are allowed.
+    pub capabilities: u64,
+    /// Largest payload the sender is willing to receive.
+    pub max_payload: u32,
+    /// Opaque credential (a pre-shared token), at most 512 bytes.
+    pub credential: Bytes,
+}
+
+/// KV_GRANT: a receiver grants a sender `layer_count x page_count` pages of
+/// `page_bytes` each for one transfer. Pages are then addressed relative to the
+/// grant; the receiver alone knows where they live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvGrant {
+    /// Transfer this grant is for (chosen by the sender, unique per session).
+    pub transfer_id: u64,
+    /// The request the KV belongs to.
+    pub request_id: u64,
+    /// Layers in the grant (>= 1).
+    pub layer_count: u16,
+    /// Pages per layer in the grant (>= 1).
+    pub page_count: u32,
+    /// Bytes of one page of one layer (>= 1).
+    pub page_bytes: u32,
+    /// Milliseconds the receiver will wait for the transfer; 0 = no deadline.
+    pub deadline_ms: u32,
+}
+
+/// Fixed part of a KV_PAGES payload, before the page data.
+pub const KV_PAGES_FIXED_LEN: usize = 24;
+
+/// KV_PAGES: a block of pages inside a grant, layer-major (all pages of
+/// `layer_start`, then of the next layer...).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvPages {
+    /// Transfer (and so grant) the pages belong to.
+    pub transfer_id: u64,
+    /// First layer, relative to the grant.
+    pub layer_start: u16,
+    /// Number of layers (>= 1).
+    pub layer_count: u16,
+    /// First page, relative to the grant.
+    pub page_start: u32,
+    /// Number of pages per layer (>= 1).
+    pub page_count: u32,
+    /// Bytes per page (>= 1); must equal the grant's.
+    pub page_bytes: u32,
+    /// `layer_count * page_count * page_bytes` bytes of KV.
+    pub data: Bytes,
+}
+
+/// KV_DONE: the sender has sent every KV_PAGES of a transfer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvDone {
+    /// Transfer that is complete.
+    pub transfer_id: u64,
+    /// KV_PAGES frames sent for it, over all lanes.
+    pub chunk_count: u32,
+    /// Page bytes sent for it, over all lanes.
+    pub byte_count: u64,
+}
+
+/// PREFIX_QUERY: match a prompt against the decoder's radix cache, and pin the match
+/// for `lease_ms` if non-zero.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefixQuery {
+    /// Correlates the reply.
+    pub query_id: u64,
+    /// The request being planned.
+    pub request_id: u64,
+    /// Cache namespace (LoRA adapter, salt); 0 = none.
+    pub namespace: u64,
+    /// Radix page size in tokens (1..=256).
+    pub page_size: u16,
+    /// Lease to pin the match for, in ms; 0 = match only, pin nothing.
+    pub lease_ms: u32,
+    /// The prompt's token IDs.
+    pub tokens: Vec<u32>,
+}
+
+/// PREFIX_REPLY: the decoder's answer to a PREFIX_QUERY.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefixReply {
+    /// The query answered.
+    pub query_id: u64,
+    /// Tokens of the prompt the decoder holds KV for (a multiple of the page size).
+    pub matched_tokens: u32,
+    /// Hash of the matched prefix, so the sender can check both sides mean the same.
+    pub prefix_hash: u64,
+    /// Lease pinning the match; 0 = nothing pinned.
+    pub lease_id: u64,
+    /// Lease duration granted, in ms (0 when `lease_id` is 0).
+    pub lease_ms: u32,
+}
+
+/// One radix cache event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// Pages stored under `parent` (None: at the root).
+    Stored {
+        /// Hash of the page the new pages hang from.
+        parent: Option<u64>,
+        /// Hashes of the stored pages, in order (>= 1).
+        page_hashes: Vec<u64>,
+    },
+    /// Pages evicted (>= 1).
+    Removed {
+        /// Hashes of the removed pages.
+        page_hashes: Vec<u64>,
+    },
+    /// The whole cache was cleared.
+    Cleared,
+}
+
+/// CACHE_EVENTS: consecutive events of one cache, ids `first_event_id..`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheEvents {
+    /// The cache (decoder instance) the events come from.
+    pub source_id: u64,
+    /// Id of the first event; the rest follow consecutively.
+    pub first_event_id: u64,
+    /// The events.
+    pub events: Vec<CacheEvent>,
+}
+
+/// HANDOFF: token IDs RelayDecode generated, for MainDecode to extend-decode.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Handoff {
+    /// The request.
+    pub request_id: u64,
+    /// Handoff sequence number within the request, from 0.
+    pub seq: u32,
+    /// Sequence position of `token_ids[0]`.
+    pub first_position: u32,
+    /// The token IDs (non-empty unless `final_`).
+    pub token_ids: Vec<u32>,
+    /// Last handoff: MainDecode owns the request afterwards.
+    pub final_: bool,
+}
+
+/// HANDOFF_ACK: cumulative acknowledgement of handoffs `0..=acked_seq`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HandoffAck {
+    /// The request.
+    pub request_id: u64,
+    /// Highest handoff sequence number received in order.
+    pub acked_seq: u32,
+    /// Position after the last token received.
+    pub next_position: u32,
+    /// The final handoff is received; RelayDecode may free the request.
+    pub final_: bool,
+}
+
+/// PROGRESS: MainDecode reached `position` (its KV covers positions `< position`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Progress {
+    /// The request.
+    pub request_id: u64,
+    /// First position MainDecode has no KV for yet.
+    pub position: u32,
+    /// MainDecode holds the complete prompt KV (handoffs may start).
+    pub kv_complete: bool,
+}
+
+/// ABORT: ends one request (`request_id != 0`) or the whole connection (`0`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Abort {
+    /// Request aborted, or 0 for the connection.
+    pub request_id: u64,
+    /// Why.
+    pub reason: AbortReason,
+    /// Human-readable detail, UTF-8, at most 1024 bytes.
+    pub message: String,
+}
+
+/// PING and PONG: a PONG echoes the PING's fields.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ping {
+    /// Matches a PONG to its PING.
+    pub nonce: u64,
+    /// The PING sender's clock, in ns (opaque to the peer).
+    pub sent_at_ns: u64,
+}
+
+/// Any frame of wire protocol v1.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame {
+    /// HELLO
+    Hello(Hello),
+    /// KV_GRANT
+    KvGrant(KvGrant),
+    /// KV_PAGES
+    KvPages(KvPages),
+    /// KV_DONE
+    KvDone(KvDone),
+    /// PREFIX_QUERY
+    PrefixQuery(PrefixQuery),
+    /// PREFIX_REPLY
+    PrefixReply(PrefixReply),
+    /// CACHE_EVENTS
+    CacheEvents(CacheEvents),
+    /// HANDOFF
+    Handoff(Handoff),
+    /// HANDOFF_ACK
+    HandoffAck(HandoffAck),
+    /// PROGRESS
+    Progress(Progress),
+    /// ABORT
+    Abort(Abort),
+    /// PING
+    Ping(Ping),
+    /// PONG
+    Pong(Ping),
+}
+
+impl Frame {
+    /// The frame's kind.
+    pub fn kind(&self) -> FrameKind {
+        match self {
+            Frame::Hello(_) => FrameKind::Hello,
+            Frame::KvGrant(_) => FrameKind::KvGrant,
+            Frame::KvPages(_) => FrameKind::KvPages,
+            Frame::KvDone(_) => FrameKind::KvDone,
+            Frame::PrefixQuery(_) => FrameKind::PrefixQuery,
+            Frame::PrefixReply(_) => FrameKind::PrefixReply,
+            Frame::CacheEvents(_) => FrameKind::CacheEvents,
+            Frame::Handoff(_) => FrameKind::Handoff,
+            Frame::HandoffAck(_) => FrameKind::HandoffAck,
+            Frame::Progress(_) => FrameKind::Progress,
+            Frame::Abort(_) => FrameKind::Abort,
+            Frame::Ping(_) => FrameKind::Ping,
+            Frame::Pong(_) => FrameKind::Pong,
+        }
+    }
+
+    /// Header flag bits this frame encodes with.
+    pub fn flags(&self) -> u16 {
+        match self {
+            Frame::Handoff(h) if h.final_ => FLAG_FINAL,
+            Frame::HandoffAck(a) if a.final_ => FLAG_FINAL,
+            Frame::Progress(p) if p.kv_complete => FLAG_KV_COMPLETE,
+            _ => 0,
+        }
+    }
+
+    /// Check the invariants the decoder enforces, so that nothing un-decodable is
+    /// ever sent.
+    pub fn validate(&self) -> Result<()> {
+        let arg = |m: String| Err(Error::InvalidArgument(m));
+        match self {
+            Frame::Hello(h) => {
+                if h.min_version == 0 || h.min_version > h.max_version {
+                    return arg(format!(
+                        "HELLO version range {}..={} is empty or starts at 0",
+                        h.min_version, h.max_version
+                    ));
+                }
+                if !(MIN_MAX_PAYLOAD..=HARD_MAX_PAYLOAD).contains(&h.max_payload) {
+                    return arg(format!(
+                        "HELLO max_payload {} outside {MIN_MAX_PAYLOAD}..={HARD_MAX_PAYLOAD}",
+                        h.max_payload
+                    ));
+                }
+                if h.credential.len() > MAX_CREDENTIAL_LEN {
+                    return arg(format!("credential longer than {MAX_CREDENTIAL_LEN} bytes"));
+                }
+            }
+            Frame::KvGrant(g) => {
+                if g.layer_count == 0 || g.page_count == 0 || g.page_bytes == 0 {
+                    return arg(
+                        "KV_GRANT layer_count, page_count and page_bytes must be >= 1".into(),
+                    );
+                }
+            }
+            Frame::KvPages(p) => {
+                check_page_block(p).or_else(arg)?;
+            }
+            Frame::PrefixQuery(q) => {
+                if q.page_size == 0 || q.page_size > MAX_PAGE_SIZE {
+                    return arg(format!(
+                        "page_size {} outside 1..={MAX_PAGE_SIZE}",
+                        q.page_size
+                    ));
+                }
+            }
+            Frame::PrefixReply(r) => {
+                if (r.lease_id == 0) != (r.lease_ms == 0) {
+                    return arg(
+                        "PREFIX_REPLY lease_id and lease_ms must both be 0 or both non-zero".into(),
+                    );
+                }
+            }
+            Frame::CacheEvents(c) => {
+                for e in &c.events {
+                    match e {
+                        CacheEvent::Stored { page_hashes, .. }
+                        | CacheEvent::Removed { page_hashes }
+                            if page_hashes.is_empty() =>
+                        {
+                            return arg("a cache event must name at least one page".into());
+                        }
+                        _ => {}
+                    }
+                }
+                let last = (c.events.len() as u64).saturating_sub(1);
+                if c.first_event_id.checked_add(last).is_none() {
+                    return arg("event ids overflow u64".into());
+                }
+            }
+            Frame::Handoff(h) => {
+                if h.token_ids.is_empty() && !h.final_ {
+                    return arg("a non-final HANDOFF must carry at least one token".into());
+                }
+                if u64::from(h.first_position) + h.token_ids.len() as u64 > u64::from(u32::MAX) {
+                    return arg("HANDOFF positions overflow u32".into());
+                }
+            }
+            Frame::Abort(a) => {
+                if a.message.len() > MAX_ABORT_MESSAGE_LEN {
+                    return arg(format!(
+                        "ABORT message longer than {MAX_ABORT_MESSAGE_LEN} bytes"
+                    ));
+                }
+            }
+            Frame::KvDone(_)
+            | Frame::HandoffAck(_)
+            | Frame::Progress(_)
+            | Frame::Ping(_)
+            | Frame::Pong(_) => {}
+        }
+        Ok(())
+    }
+
+    /// Payload length in bytes (header excluded). Call after [`Frame::validate`].
+    pub fn payload_len(&self) -> Result<usize> {
+        Ok(match self {
+            Frame::Hello(h) => 2 + 2 + 1 + 2 + 8 + 8 + 4 + 2 + h.credential.len(),
+            Frame::KvGrant(_) => 8 + 8 + 2 + 4 + 4 + 4,
+            Frame::KvPages(p) => KV_PAGES_FIXED_LEN + p.data.len(),
+            Frame::KvDone(_) => 8 + 4 + 8,
+            Frame::PrefixQuery(q) => 8 + 8 + 8 + 2 + 4 + encoded_len(&q.tokens)?,
+            Frame::PrefixReply(_) => 8 + 4 + 8 + 8 + 4,
+            Frame::CacheEvents(c) => {
+                let mut n = 8 + 8 + 4;
+                for e in &c.events {
+                    n += match e {
+                        CacheEvent::Stored {
+                            parent,
+                            page_hashes,
+                        } => {
+                            1 + 1 + if parent.is_some() { 8 } else { 0 } + 4 + 8 * page_hashes.len()
+                        }
+                        CacheEvent::Removed { page_hashes } => 1 + 4 + 8 * page_hashes.len(),
+                        CacheEvent::Cleared => 1,
+                    };
+                }
+                n
+            }
+            Frame::Handoff(h) => 8 + 4 + 4 + encoded_len(&h.token_ids)?,
+            Frame::HandoffAck(_) => 8 + 4 + 4,
+            Frame::Progress(_) => 8 + 4,
+            Frame::Abort(a) => 8 + 2 + 2 + a.message.len(),
+            Frame::Ping(_) | Frame::Pong(_) => 16,
+        })
+    }
+
+    /// Append the payload (no header). Call after [`Frame::validate`].
+    pub(crate) fn put_payload(&self, out: &mut impl BufMut) -> Result<()> {
+        match self {
+            Frame::Hello(h) => {
+                out.put_u16_le(h.min_version);
+                out.put_u16_le(h.max_version);
+                out.put_u8(h.role as u8);
+                out.put_u16_le(h.lane);
+                out.put_u64_le(h.session_id);
+                out.put_u64_le(h.capabilities);
+                out.put_u32_le(h.max_payload);
+                out.put_u16_le(h.credential.len() as u16);
+                out.put_slice(&h.credential);
+            }
+            Frame::KvGrant(g) => {
+                out.put_u64_le(g.transfer_id);
+                out.put_u64_le(g.request_id);
+                out.put_u16_le(g.layer_count);
+                out.put_u32_le(g.page_count);
+                out.put_u32_le(g.page_bytes);
+                out.put_u32_le(g.deadline_ms);
+            }
+            Frame::KvPages(p) => {
+                out.put_slice(&kv_pages_fixed(p));
+                out.put_slice(&p.data);
+            }
+            Frame::KvDone(d) => {
+                out.put_u64_le(d.transfer_id);
+                out.put_u32_le(d.chunk_count);
+                out.put_u64_le(d.byte_count);
+            }
+            Frame::PrefixQuery(q) => {
+                out.put_u64_le(q.query_id);
+                out.put_u64_le(q.request_id);
+                out.put_u64_le(q.namespace);
+                out.put_u16_le(q.page_size);
+                out.put_u32_le(q.lease_ms);
+                put_tokens(out, &q.tokens)?;
+            }
+            Frame::PrefixReply(r) => {
+                out.put_u64_le(r.query_id);
+                out.put_u32_le(r.matched_tokens);
+                out.put_u64_le(r.prefix_hash);
+                out.put_u64_le(r.lease_id);
+                out.put_u32_le(r.lease_ms);
+            }
+            Frame::CacheEvents(c) => {
+                out.put_u64_le(c.source_id);
+                out.put_u64_le(c.first_event_id);
+                out.put_u32_le(len_u32(c.events.len(), "events")?);
+                for e in &c.events {
+                    match e {
+                        CacheEvent::Stored {
+                            parent,
+                            page_hashes,
+                        } => {
+                            out.put_u8(EVENT_STORED);
+                            out.bool_byte(parent.is_some());
+                            if let Some(p) = parent {
+                                out.put_u64_le(*p);
+                            }
+                            put_hashes(out, page_hashes)?;
+                        }
+                        CacheEvent::Removed { page_hashes } => {
+                            out.put_u8(EVENT_REMOVED);
+                            put_hashes(out, page_hashes)?;
+                        }
+                        CacheEvent::Cleared => out.put_u8(EVENT_CLEARED),
+                    }
+                }
+            }
+            Frame::Handoff(h) => {
+                out.put_u64_le(h.request_id);
+                out.put_u32_le(h.seq);
+                out.put_u32_le(h.first_position);
+                put_tokens(out, &h.token_ids)?;
+            }
+            Frame::HandoffAck(a) => {
+                out.put_u64_le(a.request_id);
+                out.put_u32_le(a.acked_seq);
+                out.put_u32_le(a.next_position);
+            }
+            Frame::Progress(p) => {
+                out.put_u64_le(p.request_id);
+                out.put_u32_le(p.position);
+            }
+            Frame::Abort(a) => {
+                out.put_u64_le(a.request_id);
+                out.put_u16_le(a.reason.code());
+                out.put_u16_le(a.message.len() as u16);
+                out.put_slice(a.message.as_bytes());
+            }
+            Frame::Ping(p) | Frame::Pong(p) => {
+                out.put_u64_le(p.nonce);
+                out.put_u64_le(p.sent_at_ns);
+            }
+        }
+        Ok(())
+    }
+
+    /// Parse a payload whose header (kind, flags) was already validated.
+    pub(crate) fn parse(kind: FrameKind, flags: u16, payload: Bytes) -> Result<Frame> {
+        let mut r = PayloadReader::new(kind, payload);
+        let frame = match kind {
+            FrameKind::Hello => {
+                let min_version = r.u16("min_version")?;
+                let max_version = r.u16("max_version")?;
+                if min_version == 0 || min_version > max_version {
+                    return Err(r.invalid(
+                        "min_version",
+                        format!(
+                            "version range {min_version}..={max_version} is empty or starts at 0"
+                        ),
+                    ));
+                }
+                let role_code = r.u8("role")?;
+                let role = Role::from_code(role_code)
+                    .ok_or_else(|| r.invalid("role", format!("unknown role {role_code}")))?;
+                let lane = r.u16("lane")?;
+                let session_id = r.u64("session_id")?;
+                let capabilities = r.u64("capabilities")?;
+                let max_payload = r.u32("max_payload")?;
+                if !(MIN_MAX_PAYLOAD..=HARD_MAX_PAYLOAD).contains(&max_payload) {
+                    return Err(r.invalid(
+                        "max_payload",
+                        format!("{max_payload} outside {MIN_MAX_PAYLOAD}..={HARD_MAX_PAYLOAD}"),
+                    ));
+                }
+                let cred_len = r.u16("credential_len")? as usize;
+                if cred_len > MAX_CREDENTIAL_LEN {
+                    return Err(r.invalid(
+                        "credential_len",
+                        format!("{cred_len} exceeds {MAX_CREDENTIAL_LEN}"),
+                    ));
+                }
+                let credential = r.bytes(cred_len, "credential")?;
+                Frame::Hello(Hello {
+                    min_version,
+                    max_version,
+                    role,
+                    lane,
+                    session_id,
+                    capabilities,
+                    max_payload,
+                    credential,
+                })
+            }
+            FrameKind::KvGrant => {
+                let g = KvGrant {
+                    transfer_id: r.u64("transfer_id")?,
+                    request_id: r.u64("request_id")?,
+                    layer_count: r.u16("layer_count")?,
+                    page_count: r.u32("page_count")?,
+                    page_bytes: r.u32("page_bytes")?,
+                    deadline_ms: r.u32("deadline_ms")?,
+                };
+                for (field, v) in [
+                    ("layer_count", u32::from(g.layer_count)),
+                    ("page_count", g.page_count),
+                    ("page_bytes", g.page_bytes),
+                ] {
+                    if v == 0 {
+                        return Err(r.invalid(field, "must be >= 1"));
+                    }
+                }
+                Frame::KvGrant(g)
+            }
+            FrameKind::KvPages => {
+                let mut p = KvPages {
+                    transfer_id: r.u64("transfer_id")?,
+                    layer_start: r.u16("layer_start")?,
+                    layer_count: r.u16("layer_count")?,
+                    page_start: r.u32("page_start")?,
+                    page_count: r.u32("page_count")?,
+                    page_bytes: r.u32("page_bytes")?,
+                    data: Bytes::new(),
+                };
+                p.data = r.rest();
+                check_page_block(&p).map_err(|detail| Error::InvalidField {
+                    kind,
+                    field: "data",
+                    detail,
+                })?;
+                Frame::KvPages(p)
+            }
+            FrameKind::KvDone => Frame::KvDone(KvDone {
+                transfer_id: r.u64("transfer_id")?,
+                chunk_count: r.u32("chunk_count")?,
+                byte_count: r.u64("byte_count")?,
+            }),
+            FrameKind::PrefixQuery => {
+                let query_id = r.u64("query_id")?;
+                let request_id = r.u64("request_id")?;
+                let namespace = r.u64("namespace")?;
+                let page_size = r.u16("page_size")?;
+                if page_size == 0 || page_size > MAX_PAGE_SIZE {
+                    return Err(r.invalid(
+                        "page_size",
+                        format!("{page_size} outside 1..={MAX_PAGE_SIZE}"),
+                    ));
+                }
+                let lease_ms = r.u32("lease_ms")?;
+                let tokens = read_tokens(&mut r, "tokens")?;
+                Frame::PrefixQuery(PrefixQuery {
+                    query_id,
+                    request_id,
+                    namespace,
+                    page_size,
+                    lease_ms,
+                    tokens,
+                })
+            }
+            FrameKind::PrefixReply => {
+                let reply = PrefixReply {
+                    query_id: r.u64("query_id")?,
+                    matched_tokens: r.u32("matched_tokens")?,
+                    prefix_hash: r.u64("prefix_hash")?,
+                    lease_id: r.u64("lease_id")?,
+                    lease_ms: r.u32("lease_ms")?,
+                };
+                if (reply.lease_id == 0) != (reply.lease_ms == 0) {
+                    return Err(r.invalid(
+                        "lease_ms",
+                        "lease_id and lease_ms must both be 0 or both non-zero",
+                    ));
+                }
+                Frame::PrefixReply(reply)
+            }
+            FrameKind::CacheEvents => {
+                let source_id = r.u64("source_id")?;
+                let first_event_id = r.u64("first_event_id")?;
+                let count = r.u32("event_count")?;
+                // Every event takes at least one byte: bound the allocation by what is left.
+                r.check_room(u64::from(count), 1, "events")?;
+                if count > 0 && first_event_id.checked_add(u64::from(count) - 1).is_none() {
+                    return Err(r.invalid("first_event_id", "event ids overflow u64"));
+                }
+                let mut events = Vec::with_capacity(count as usize);
+                for _ in 0..count {
+                    let tag = r.u8("event_tag")?;
+                    events.push(match tag {
+                        EVENT_STORED => {
+                            let parent = if r.bool("has_parent")? {
+                                Some(r.u64("parent_hash")?)
+                            } else {
+                                None
+                            };
+                            CacheEvent::Stored {
+                                parent,
+                                page_hashes: read_hashes(&mut r)?,
+                            }
+                        }
+                        EVENT_REMOVED => CacheEvent::Removed {
+                            page_hashes: read_hashes(&mut r)?,
+                        },
+                        EVENT_CLEARED => CacheEvent::Cleared,
+                        t => return Err(r.invalid("event_tag", format!("unknown event tag {t}"))),
+                    });
+                }
+                Frame::CacheEvents(CacheEvents {
+                    source_id,
+                    first_event_id,
+                    events,
+                })
+            }
+            FrameKind::Handoff => {
+                let request_id = r.u64("request_id")?;
+                let seq = r.u32("seq")?;
+                let first_position = r.u32("first_position")?;
+                let token_ids = read_tokens(&mut r, "token_ids")?;
+                let final_ = flags & FLAG_FINAL != 0;
+                if token_ids.is_empty() && !final_ {
+                    return Err(r.invalid(
+                        "token_ids",
+                        "a non-final HANDOFF must carry at least one token",
+                    ));
+                }
+                if u64::from(first_position) + token_ids.len() as u64 > u64::from(u32::MAX) {
+                    return Err(r.invalid("first_position", "positions overflow u32"));
+                }
+                Frame::Handoff(Handoff {
+                    request_id,
+                    seq,
+                    first_position,
+                    token_ids,
+                    final_,
+                })
+            }
+            FrameKind::HandoffAck => Frame::HandoffAck(HandoffAck {
+                request_id: r.u64("request_id")?,
+                acked_seq: r.u32("acked_seq")?,
+                next_position: r.u32("next_position")?,
+                final_: flags & FLAG_FINAL != 0,
+            }),
+            FrameKind::Progress => Frame::Progress(Progress {
+                request_id: r.u64("request_id")?,
+                position: r.u32("position")?,
+                kv_complete: flags & FLAG_KV_COMPLETE != 0,
+            }),
+            FrameKind::Abort => {
+                let request_id = r.u64("request_id")?;
+                let reason = AbortReason::from_code(r.u16("reason")?);
+                let len = r.u16("message_len")? as usize;
+                if len > MAX_ABORT_MESSAGE_LEN {
+                    return Err(r.invalid(
+                        "message_len",
+                        format!("{len} exceeds {MAX_ABORT_MESSAGE_LEN}"),
+                    ));
+                }
+                let raw = r.bytes(len, "message")?;
+                let message = std::str::from_utf8(&raw)
+                    .map_err(|e| r.invalid("message", format!("not UTF-8: {e}")))?
+                    .to_owned();
+                Frame::Abort(Abort {
+                    request_id,
+                    reason,
+                    message,
+                })
+            }
+            FrameKind::Ping | FrameKind::Pong => {
+                let p = Ping {
+                    nonce: r.u64("nonce")?,
+                    sent_at_ns: r.u64("sent_at_ns")?,
+                };
+                if kind == FrameKind::Ping {
+                    Frame::Ping(p)
+                } else {
+                    Frame::Pong(p)
+                }
+            }
+        };
+        r.finish()?;
+        Ok(frame)
+    }
+}
+
+const EVENT_STORED: u8 = 1;
+const EVENT_REMOVED: u8 = 2;
+const EVENT_CLEARED: u8 = 3;
+
+/// The 24-byte fixed part of a KV_PAGES payload; the I/O crate writes it, then the
+/// page data straight from the sender's buffers.
+pub(crate) fn kv_pages_fixed(p: &KvPages) -> [u8; KV_PAGES_FIXED_LEN] {
+    let mut b = [0u8; KV_PAGES_FIXED_LEN];
+    b[0..8].copy_from_slice(&p.transfer_id.to_le_bytes());
+    b[8..10].copy_from_slice(&p.layer_start.to_le_bytes());
+    b[10..12].copy_from_slice(&p.layer_count.to_le_bytes());
+    b[12..16].copy_from_slice(&p.page_start.to_le_bytes());
+    b[16..20].copy_from_slice(&p.page_count.to_le_bytes());
+    b[20..24].copy_from_slice(&p.page_bytes.to_le_bytes());
+    b
+}
+
+/// Counts >= 1, ranges inside u16/u32, and data length == product, all checked.
+fn check_page_block(p: &KvPages) -> std::result::Result<(), String> {
+    if p.layer_count == 0 || p.page_count == 0 || p.page_bytes == 0 {
+        return Err("layer_count, page_count and page_bytes must be >= 1".into());
+    }
+    if p.layer_start.checked_add(p.layer_count - 1).is_none() {
+        return Err("layer range overflows u16".into());
+    }
+    if p.page_start.checked_add(p.page_count - 1).is_none() {
+        return Err("page range overflows u32".into());
+    }
+    let want = u64::from(p.layer_count)
+        .checked_mul(u64::from(p.page_count))
+        .and_then(|n| n.checked_mul(u64::from(p.page_bytes)));
+    match want {
+        Some(w) if w == p.data.len() as u64 => Ok(()),
+        Some(w) => Err(format!(
+            "{} data bytes, header fields say {w}",
+            p.data.len()
+        )),
+        None => Err("layer_count * page_count * page_bytes overflows".into()),
+    }
+}
+
+fn len_u32(n: usize, what: &str) -> Result<u32> {
+    u32::try_from(n).map_err(|_| Error::InvalidArgument(format!("too many {what}: {n}")))
+}
+
+fn put_hashes(out: &mut impl BufMut, hashes: &[u64]) -> Result<()> {
+    out.put_u32_le(len_u32(hashes.len(), "page hashes")?);
+    for &h in hashes {
+        out.put_u64_le(h);
+    }
+    Ok(())
+}
+
+fn read_hashes(r: &mut PayloadReader) -> Result<Vec<u64>> {
+    let n = r.u32("hash_count")?;
+    if n == 0 {
+        return Err(r.invalid("hash_count", "an event must name at least one page"));
+    }
+    r.check_room(u64::from(n), 8, "page_hashes")?;
+    let mut out = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        out.push(r.u64("page_hashes")?);
+    }
+    Ok(out)
+}

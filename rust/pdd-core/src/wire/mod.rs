@@ -1,0 +1,366 @@
+//! Wire protocol v1: a fixed 16-byte header followed by a kind-specific payload.
+//!
+//! The byte-level specification is `docs/protocol.md`; this module is its
+//! implementation, and `tests/test_protocol_doc.py` checks the two agree.
+//!
+//! Design rules (all enforced here, for every frame kind):
+//! - little-endian integers, no padding, no memory addresses: KV data is addressed
+//!   by page indices relative to a grant the receiver made;
+//! - the payload length is checked against a maximum before any byte is buffered;
+//! - all arithmetic on lengths and offsets is checked;
+//! - encodings are canonical: a successful decode re-encodes to the same bytes;
+//! - every malformed input is a typed [`Error`](crate::Error), never a panic.
+
+mod codec;
+mod frame;
+pub mod handshake;
+mod reader;
+#[cfg(feature = "testing")]
+pub mod testing;
+pub mod tokens;
+
+pub use codec::{decode_frame, encode_frame, encode_frame_to_vec, FrameDecoder};
+pub use frame::{
+    Abort, CacheEvent, CacheEvents, Frame, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvPages,
+    Ping, PrefixQuery, PrefixReply, Progress, KV_PAGES_FIXED_LEN,
+};
+
+use std::fmt;
+
+use crate::error::{Error, Result};
+
+/// First two bytes of every frame: ASCII `PD`.
+pub const MAGIC: [u8; 2] = *b"PD";
+/// The header format version this build reads and writes.
+pub const WIRE_VERSION: u8 = 1;
+/// Header length in bytes.
+pub const HEADER_LEN: usize = 16;
+/// Default maximum payload a decoder accepts (16 MiB).
+pub const DEFAULT_MAX_PAYLOAD: u32 = 16 << 20;
+/// No configuration may raise the payload limit above this (1 GiB).
+pub const HARD_MAX_PAYLOAD: u32 = 1 << 30;
+/// No peer may advertise a payload limit below this (64 KiB).
+pub const MIN_MAX_PAYLOAD: u32 = 64 << 10;
+/// Maximum HELLO credential length.
+pub const MAX_CREDENTIAL_LEN: usize = 512;
+/// Maximum ABORT message length in bytes (UTF-8).
+pub const MAX_ABORT_MESSAGE_LEN: usize = 1024;
+/// Largest radix page size a PREFIX_QUERY may name.
+pub const MAX_PAGE_SIZE: u16 = 256;
+
+/// Flag bit of HANDOFF: the last handoff of this request; MD owns it afterwards.
+pub const FLAG_FINAL: u16 = 0x0001;
+/// Flag bit of PROGRESS: MD holds the request's complete prompt KV.
+pub const FLAG_KV_COMPLETE: u16 = 0x0001;
+
+macro_rules! frame_kinds {
+    ($( $(#[$doc:meta])* $name:ident = $code:literal, $wire:literal, flags = $flags:expr; )*) => {
+        /// The kind byte of the header.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        #[repr(u8)]
+        pub enum FrameKind {
+            $( $(#[$doc])* $name = $code, )*
+        }
+
+        impl FrameKind {
+            /// Every kind, in code order.
+            pub const ALL: &'static [FrameKind] = &[$(FrameKind::$name,)*];
+
+            /// Parse a kind byte.
+            pub fn from_code(code: u8) -> Option<FrameKind> {
+                match code {
+                    $( $code => Some(FrameKind::$name), )*
+                    _ => None,
+                }
+            }
+
+            /// The upper-case name used in docs/protocol.md (`KV_PAGES`).
+            pub fn wire_name(self) -> &'static str {
+                match self {
+                    $( FrameKind::$name => $wire, )*
+                }
+            }
+
+            /// Parse a wire name (`"HANDOFF"`).
+            pub fn from_wire_name(name: &str) -> Option<FrameKind> {
+                match name {
+                    $( $wire => Some(FrameKind::$name), )*
+                    _ => None,
+                }
+            }
+
+            /// Flag bits this kind defines; any other bit set is an error.
+            pub fn allowed_flags(self) -> u16 {
+                match self {
+                    $( FrameKind::$name => $flags, )*
+                }
+            }
+        }
+    };
+}
+
+frame_kinds! {
+    /// Session opening: role, version range, capabilities, credentials.
+    Hello = 0x01, "HELLO", flags = 0;
+    /// Receiver grants a sender a region of pages for one transfer.
+    KvGrant = 0x02, "KV_GRANT", flags = 0;
+    /// Pages of KV data for a grant.
+    KvPages = 0x03, "KV_PAGES", flags = 0;
+    /// Sender finished a transfer.
+    KvDone = 0x04, "KV_DONE", flags = 0;
+    /// Prefill asks a decoder to match (and pin) a prompt prefix.
+    PrefixQuery = 0x05, "PREFIX_QUERY", flags = 0;
+    /// Decoder's answer: matched length, prefix hash, lease.
+    PrefixReply = 0x06, "PREFIX_REPLY", flags = 0;
+    /// Ordered radix cache events (stored, removed, cleared).
+    CacheEvents = 0x07, "CACHE_EVENTS", flags = 0;
+    /// Token IDs decoded by RelayDecode, handed to MainDecode.
+    Handoff = 0x08, "HANDOFF", flags = FLAG_FINAL;
+    /// MainDecode acknowledges handoffs cumulatively.
+    HandoffAck = 0x09, "HANDOFF_ACK", flags = FLAG_FINAL;
+    /// MainDecode reports it has reached a position.
+    Progress = 0x0A, "PROGRESS", flags = FLAG_KV_COMPLETE;
+    /// Ends a request or the whole connection, with a reason.
+    Abort = 0x0B, "ABORT", flags = 0;
+    /// Liveness probe; carries a nonce and the sender's clock.
+    Ping = 0x0C, "PING", flags = 0;
+    /// Answer to PING, echoing its fields.
+    Pong = 0x0D, "PONG", flags = 0;
+}
+
+impl fmt::Display for FrameKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.wire_name())
+    }
+}
+
+macro_rules! abort_reasons {
+    ($( $(#[$doc:meta])* $name:ident = $code:literal, $text:literal; )*) => {
+        /// Reason code carried by ABORT. Unknown codes from newer peers are kept as
+        /// [`AbortReason::Other`] so they can still be reported.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum AbortReason {
+            $( $(#[$doc])* $name, )*
+            /// A code this build does not know.
+            Other(u16),
+        }
+
+        impl AbortReason {
+            /// Every known reason, in code order.
+            pub const KNOWN: &'static [AbortReason] = &[$(AbortReason::$name,)*];
+
+            /// Wire code.
+            pub fn code(self) -> u16 {
+                match self {
+                    $( AbortReason::$name => $code, )*
+                    AbortReason::Other(c) => c,
+                }
+            }
+
+            /// Reason from a wire code (canonical: known codes never become `Other`).
+            pub fn from_code(code: u16) -> AbortReason {
+                match code {
+                    $( $code => AbortReason::$name, )*
+                    c => AbortReason::Other(c),
+                }
+            }
+
+            /// snake_case name, as in docs/protocol.md.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $( AbortReason::$name => $text, )*
+                    AbortReason::Other(_) => "other",
+                }
+            }
+
+            /// Parse a snake_case name.
+            pub fn from_name(name: &str) -> Option<AbortReason> {
+                match name {
+                    $( $text => Some(AbortReason::$name), )*
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+abort_reasons! {
+    /// No reason given.
+    Unspecified = 0, "unspecified";
+    /// A malformed frame or a frame out of sequence.
+    ProtocolError = 1, "protocol_error";
+    /// No common wire or protocol version.
+    UnsupportedVersion = 2, "unsupported_version";
+    /// A frame kind this peer does not know.
+    UnknownKind = 3, "unknown_kind";
+    /// Credentials or role refused.
+    AuthFailed = 4, "auth_failed";
+    /// A frame over the negotiated payload limit.
+    FrameTooLarge = 5, "frame_too_large";
+    /// CRC32C mismatch.
+    ChecksumMismatch = 6, "checksum_mismatch";
+    /// Pages outside the transfer's grant.
+    GrantViolation = 7, "grant_violation";
+    /// A deadline ran out.
+    DeadlineExceeded = 8, "deadline_exceeded";
+    /// The application cancelled the request or transfer.
+    Cancelled = 9, "cancelled";
+    /// The peer is shutting down.
+    Shutdown = 10, "shutdown";
+    /// A bug or an unexpected local failure.
+    Internal = 11, "internal";
+    /// A prefix lease expired before it was used.
+    LeaseExpired = 12, "lease_expired";
+    /// Out of pages, memory or slots.
+    ResourceExhausted = 13, "resource_exhausted";
+    /// The peer's prefix hash did not match ours.
+    PrefixMismatch = 14, "prefix_mismatch";
+}
+
+impl fmt::Display for AbortReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AbortReason::Other(c) => write!(f, "other({c})"),
+            r => f.write_str(r.name()),
+        }
+    }
+}
+
+/// What a peer is in the PDD picture.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Role {
+    /// P: computes the prompt KV, in datacenter A.
+    Prefill = 1,
+    /// RLD: decodes eagerly next to P, then hands off token IDs.
+    RelayDecode = 2,
+    /// MD: the bulk of decoding, in datacenter B.
+    MainDecode = 3,
+}
+
+impl Role {
+    /// Every role, in code order.
+    pub const ALL: &'static [Role] = &[Role::Prefill, Role::RelayDecode, Role::MainDecode];
+
+    /// Parse a role byte.
+    pub fn from_code(code: u8) -> Option<Role> {
+        match code {
+            1 => Some(Role::Prefill),
+            2 => Some(Role::RelayDecode),
+            3 => Some(Role::MainDecode),
+            _ => None,
+        }
+    }
+
+    /// snake_case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::RelayDecode => "relay_decode",
+            Role::MainDecode => "main_decode",
+        }
+    }
+
+    /// Parse a snake_case name.
+    pub fn from_name(name: &str) -> Option<Role> {
+        Role::ALL.iter().copied().find(|r| r.name() == name)
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Capability bits advertised in HELLO; the session uses their intersection.
+pub mod capability {
+    /// Peer accepts KV_PAGES (a KV receiver or sender).
+    pub const KV_STREAM: u64 = 1 << 0;
+    /// Peer speaks the token-ID handoff (HANDOFF / HANDOFF_ACK / PROGRESS).
+    pub const HANDOFF: u64 = 1 << 1;
+    /// Peer answers PREFIX_QUERY.
+    pub const PREFIX_CACHE: u64 = 1 << 2;
+    /// Peer publishes CACHE_EVENTS.
+    pub const CACHE_EVENTS: u64 = 1 << 3;
+    /// Every bit defined by this build.
+    pub const ALL_KNOWN: u64 = KV_STREAM | HANDOFF | PREFIX_CACHE | CACHE_EVENTS;
+}
+
+/// The fixed header in front of every payload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// Frame kind.
+    pub kind: FrameKind,
+    /// Kind-specific flag bits.
+    pub flags: u16,
+    /// Payload length in bytes (header excluded).
+    pub payload_len: u32,
+    /// CRC32C (Castagnoli) over header bytes 0..12, then the payload.
+    pub crc: u32,
+}
+
+impl FrameHeader {
+    /// Parse and validate a header. `max_payload` is checked before the caller
+    /// buffers a single payload byte.
+    pub fn parse(bytes: &[u8; HEADER_LEN], max_payload: u32) -> Result<FrameHeader> {
+        if bytes[0..2] != MAGIC {
+            return Err(Error::BadMagic {
+                found: [bytes[0], bytes[1]],
+            });
+        }
+        if bytes[2] != WIRE_VERSION {
+            return Err(Error::UnsupportedWireVersion {
+                found: bytes[2],
+                supported: WIRE_VERSION,
+            });
+        }
+        let kind = FrameKind::from_code(bytes[3]).ok_or(Error::UnknownKind { kind: bytes[3] })?;
+        let flags = u16::from_le_bytes([bytes[4], bytes[5]]);
+        let reserved = u16::from_le_bytes([bytes[6], bytes[7]]);
+        let payload_len = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]);
+        let crc = u32::from_le_bytes([bytes[12], bytes[13], bytes[14], bytes[15]]);
+        if payload_len > max_payload {
+            return Err(Error::FrameTooLarge {
+                len: payload_len.into(),
+                max: max_payload,
+            });
+        }
+        if flags & !kind.allowed_flags() != 0 {
+            return Err(Error::InvalidFlags { kind, flags });
+        }
+        if reserved != 0 {
+            return Err(Error::ReservedNonZero);
+        }
+        Ok(FrameHeader {
+            kind,
+            flags,
+            payload_len,
+            crc,
+        })
+    }
+
+    /// The 16 header bytes, with `crc` as given.
+    pub fn to_bytes(&self) -> [u8; HEADER_LEN] {
+        let mut out = [0u8; HEADER_LEN];
+        out[0..2].copy_from_slice(&MAGIC);
+        out[2] = WIRE_VERSION;
+        out[3] = self.kind as u8;
+        out[4..6].copy_from_slice(&self.flags.to_le_bytes());
+        // bytes 6..8 reserved, zero
+        out[8..12].copy_from_slice(&self.payload_len.to_le_bytes());
+        out[12..16].copy_from_slice(&self.crc.to_le_bytes());
+        out
+    }
+
+    /// CRC32C of a frame whose header (CRC field excluded) and payload are given.
+    /// The payload may come in pieces (a vectored write of KV pages).
+    pub fn compute_crc<'a>(&self, payload: impl IntoIterator<Item = &'a [u8]>) -> u32 {
+        let head = self.to_bytes();
+        let mut crc = crc32c::crc32c(&head[..12]);
+        for piece in payload {
+            crc = crc32c::crc32c_append(crc, piece);
+        }
+        crc
+    }
+}

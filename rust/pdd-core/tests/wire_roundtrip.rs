@@ -1,0 +1,142 @@
+//! Property tests of wire protocol v1: every valid frame round-trips byte-exactly,
+//! in one piece and in arbitrary splits; arbitrary and mutated bytes never panic, and
+//! whatever decodes re-encodes to exactly the bytes it came from (canonical encoding).
+
+use bytes::BytesMut;
+use pdd_core::wire::testing::any_frame;
+use pdd_core::wire::*;
+use proptest::prelude::*;
+
+const MAX: u32 = HARD_MAX_PAYLOAD;
+
+fn encode(f: &Frame) -> Vec<u8> {
+    encode_frame_to_vec(f, MAX).expect("valid frames encode")
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    #[test]
+    fn every_frame_round_trips(frame in any_frame()) {
+        let bytes = encode(&frame);
+        prop_assert_eq!(bytes.len(), HEADER_LEN + frame.payload_len().unwrap());
+        let (back, used) = decode_frame(&bytes, MAX).unwrap().unwrap();
+        prop_assert_eq!(used, bytes.len());
+        prop_assert_eq!(&back, &frame);
+        // Every proper prefix is "need more bytes", never an error.
+        for cut in [0, 1, 2, HEADER_LEN - 1, HEADER_LEN, bytes.len() - 1] {
+            if cut < bytes.len() {
+                prop_assert!(decode_frame(&bytes[..cut], MAX).unwrap().is_none());
+            }
+        }
+    }
+
+    #[test]
+    fn streaming_decoder_handles_any_split(frames in proptest::collection::vec(any_frame(), 1..5),
+                                           cuts in proptest::collection::vec(1usize..97, 1..40)) {
+        let stream: Vec<u8> = frames.iter().flat_map(encode).collect();
+        let mut dec = FrameDecoder::new(MAX);
+        let mut buf = BytesMut::new();
+        let mut got = Vec::new();
+        let mut pos = 0;
+        let mut cut = cuts.iter().cycle();
+        while pos < stream.len() {
+            let n = (*cut.next().unwrap()).min(stream.len() - pos);
+            buf.extend_from_slice(&stream[pos..pos + n]);
+            pos += n;
+            while let Some(f) = dec.decode(&mut buf).unwrap() {
+                got.push(f);
+            }
+        }
+        prop_assert!(buf.is_empty());
+        prop_assert_eq!(got, frames);
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+        check_canonical(&bytes);
+    }
+
+    #[test]
+    fn mutated_frames_never_panic_and_stay_canonical(
+        frame in any_frame(),
+        edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
+        truncate in any::<Option<prop::sample::Index>>(),
+        fix_crc in any::<bool>(),
+    ) {
+        let mut bytes = encode(&frame);
+        for (at, v) in edits {
+            let i = at.index(bytes.len());
+            bytes[i] = v;
+        }
+        if let Some(t) = truncate {
+            bytes.truncate(t.index(bytes.len() + 1));
+        }
+        if fix_crc && bytes.len() >= HEADER_LEN {
+            // Re-seal so the mutation reaches the payload parser instead of the CRC check.
+            let crc = crc32c::crc32c_append(crc32c::crc32c(&bytes[..12]), &bytes[HEADER_LEN..]);
+            bytes[12..16].copy_from_slice(&crc.to_le_bytes());
+        }
+        check_canonical(&bytes);
+    }
+}
+
+/// Decoding never panics; if it yields a frame, that frame re-encodes to the same bytes.
+fn check_canonical(bytes: &[u8]) {
+    if let Ok(Some((f, used))) = decode_frame(bytes, MAX) {
+        assert_eq!(encode(&f), bytes[..used], "non-canonical decode of {f:?}");
+    }
+}
+
+#[test]
+fn oversized_length_fails_before_any_payload_arrives() {
+    let mut head = FrameHeader {
+        kind: FrameKind::KvPages,
+        flags: 0,
+        payload_len: 1 << 20,
+        crc: 0,
+    }
+    .to_bytes();
+    let mut dec = FrameDecoder::new(64 << 10);
+    let mut buf = BytesMut::from(&head[..]);
+    let err = dec.decode(&mut buf).unwrap_err();
+    assert_eq!(err.reason(), "frame_too_large");
+    assert!(buf.capacity() < 1 << 20, "no payload-sized reservation");
+    assert_eq!(
+        dec.decode(&mut buf).unwrap_err().reason(),
+        "decoder_poisoned"
+    );
+    head[3] = 0x7f;
+    assert_eq!(
+        decode_frame(&head, MAX).unwrap_err().reason(),
+        "unknown_kind"
+    );
+}
+
+#[test]
+fn hundred_token_handoff_is_small() {
+    // DeepSeek-V3's vocabulary has 129,280 entries: 17-bit IDs.
+    let token_ids: Vec<u32> = (0..100u32).map(|i| 129_279 - i * 7).collect();
+    let f = Frame::Handoff(Handoff {
+        request_id: u64::MAX,
+        seq: 3,
+        first_position: 70_000,
+        token_ids,
+        final_: false,
+    });
+    let n = encode(&f).len();
+    assert_eq!(n, HEADER_LEN + 16 + 5 + (100 * 17usize).div_ceil(8));
+    assert!(n <= 512, "{n} bytes");
+}
+
+#[test]
+fn every_error_has_a_reason_and_an_abort_code() {
+    for kind in FrameKind::ALL {
+        assert_eq!(FrameKind::from_code(*kind as u8), Some(*kind));
+        assert_eq!(FrameKind::from_wire_name(kind.wire_name()), Some(*kind));
+    }
+    for r in AbortReason::KNOWN {
+        assert_eq!(AbortReason::from_code(r.code()), *r);
+        assert_eq!(AbortReason::from_name(r.name()), Some(*r));
+    }
+}
