@@ -23,6 +23,8 @@ proptest! {
         let (back, used) = decode_frame(&bytes, MAX).unwrap().unwrap();
         prop_assert_eq!(used, bytes.len());
         prop_assert_eq!(&back, &frame);
+        let shared = bytes::Bytes::from(bytes.clone());
+        prop_assert_eq!(decode_frame_shared(&shared, MAX).unwrap().unwrap(), (frame.clone(), bytes.len()));
         // Every proper prefix is "need more bytes", never an error.
         for cut in [0, 1, 2, HEADER_LEN - 1, HEADER_LEN, bytes.len() - 1] {
             if cut < bytes.len() {

@@ -63,6 +63,20 @@ pub fn decode_frame(buf: &[u8], max_payload: u32) -> Result<Option<(Frame, usize
     Ok(Some((frame, total)))
 }
 
+/// [`decode_frame`] over a shared buffer: KV page data in the frame is a zero-copy
+/// slice of `buf` instead of a copy.
+pub fn decode_frame_shared(buf: &Bytes, max_payload: u32) -> Result<Option<(Frame, usize)>> {
+    let Some(header) = peek_header(buf, max_payload)? else {
+        return Ok(None);
+    };
+    let total = HEADER_LEN + header.payload_len as usize;
+    if buf.len() < total {
+        return Ok(None);
+    }
+    let frame = finish_frame(&header, buf.slice(HEADER_LEN..total))?;
+    Ok(Some((frame, total)))
+}
+
 fn peek_header(buf: &[u8], max_payload: u32) -> Result<Option<FrameHeader>> {
     match buf.first_chunk::<HEADER_LEN>() {
         None => {

@@ -19,7 +19,9 @@ mod reader;
 pub mod testing;
 pub mod tokens;
 
-pub use codec::{decode_frame, encode_frame, encode_frame_to_vec, FrameDecoder};
+pub use codec::{
+    decode_frame, decode_frame_shared, encode_frame, encode_frame_to_vec, FrameDecoder,
+};
 pub use frame::{
     Abort, CacheEvent, CacheEvents, Frame, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvPages,
     Ping, PrefixQuery, PrefixReply, Progress, KV_PAGES_FIXED_LEN,

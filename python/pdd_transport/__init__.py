@@ -1,0 +1,29 @@
+"""pdd_transport: the data plane of cross-datacenter prefill/decode disaggregation.
+
+The public API is re-exported here; the Rust extension lives in
+``pdd_transport._native`` and is not meant to be imported directly.
+"""
+
+from __future__ import annotations
+
+from pdd_transport import wire
+from pdd_transport._native import __version__
+from pdd_transport.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    PddError,
+    ProtocolError,
+    TransportError,
+)
+from pdd_transport.model_shapes import ModelShape
+
+__all__ = [
+    "__version__",
+    "wire",
+    "ModelShape",
+    "PddError",
+    "ProtocolError",
+    "InvalidArgument",
+    "TransportError",
+    "DeadlineExceeded",
+]

@@ -1,0 +1,72 @@
+"""Type stubs of the Rust extension ``pdd_transport._native`` (checked by mypy stubtest)."""
+
+from collections.abc import Sequence
+from typing import Any, TypeAlias, final
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "__version__",
+    "HEADER_LEN",
+    "WIRE_VERSION",
+    "DEFAULT_MAX_PAYLOAD",
+    "HARD_MAX_PAYLOAD",
+    "PROTOCOL_VERSIONS",
+    "FRAME_KINDS",
+    "ABORT_REASONS",
+    "ROLES",
+    "CAPABILITIES",
+    "encode_frame",
+    "decode_frame",
+    "encode_handoff",
+    "FrameDecoder",
+]
+
+__version__: str
+
+HEADER_LEN: int
+WIRE_VERSION: int
+DEFAULT_MAX_PAYLOAD: int
+HARD_MAX_PAYLOAD: int
+PROTOCOL_VERSIONS: tuple[int, int]
+FRAME_KINDS: dict[str, int]
+ABORT_REASONS: dict[str, int]
+ROLES: dict[str, int]
+CAPABILITIES: dict[str, int]
+
+_TokenIds: TypeAlias = Sequence[int] | npt.NDArray[np.int32] | npt.NDArray[np.int64] | npt.NDArray[np.uint32]
+
+def encode_frame(frame: dict[str, Any], max_payload: int = 16777216) -> bytes:
+    """Encode a frame dict (``{"kind": ..., fields...}``) to bytes."""
+
+def decode_frame(data: bytes, max_payload: int = 16777216) -> tuple[dict[str, Any], int] | None:
+    """Decode one frame from the front of ``data``: ``(frame, consumed)``, or ``None``
+    if ``data`` holds only part of a frame."""
+
+def encode_handoff(
+    request_id: int,
+    seq: int,
+    first_position: int,
+    token_ids: _TokenIds,
+    final_: bool = False,
+) -> bytes:
+    """Encode a HANDOFF frame straight from a token array."""
+
+@final
+class FrameDecoder:
+    """Streaming decoder: feed bytes as they arrive, get whole frames back.
+    Poisoned after the first error."""
+
+    def __new__(cls, max_payload: int = 16777216) -> FrameDecoder: ...
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        """Append ``data``; return every frame now complete, in order."""
+    @property
+    def buffered(self) -> int:
+        """Bytes held that do not yet form a whole frame."""
+    @property
+    def poisoned(self) -> bool:
+        """Whether an earlier ``feed`` failed."""
+    @property
+    def max_payload(self) -> int:
+        """The payload limit in force."""

@@ -1,0 +1,44 @@
+"""The exceptions of pdd_transport.
+
+Every error the library raises is a :class:`PddError`. Each subclass also derives from
+the built-in exception a caller would naturally catch, so ``except ValueError`` or
+``except ConnectionError`` keep working. Every instance carries ``reason``: a stable
+snake_case code (``"checksum_mismatch"``, ``"frame_too_large"``...) that names the
+Rust error variant it came from; match on it rather than on the message.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PddError",
+    "ProtocolError",
+    "InvalidArgument",
+    "TransportError",
+    "DeadlineExceeded",
+]
+
+
+class PddError(Exception):
+    """Base class of every pdd_transport error."""
+
+    reason: str
+
+    def __init__(self, message: str, reason: str = "unspecified") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class ProtocolError(PddError, ValueError):
+    """Bytes from a peer broke the wire protocol: malformed, corrupted or unknown."""
+
+
+class InvalidArgument(PddError, ValueError):
+    """The caller passed something the protocol cannot carry."""
+
+
+class TransportError(PddError, ConnectionError):
+    """The peer or the connection failed: refused, aborted, authentication failed."""
+
+
+class DeadlineExceeded(PddError, TimeoutError):
+    """A bounded wait ran out."""

@@ -1,0 +1,19 @@
+//! `pdd_transport._native`: the PyO3 binding. One file per Python-facing family:
+//! `errors.rs` (error mapping), `wire.rs` (frame encode/decode).
+//!
+//! This crate only converts between Python and Rust values, releases the GIL around
+//! work that takes time, and maps `pdd_core::Error` to the Python exception
+//! hierarchy of `pdd_transport.errors`.
+
+use pyo3::prelude::*;
+
+mod errors;
+mod wire;
+
+/// The native module. `pdd_transport/__init__.py` re-exports the public names.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    wire::register(m)?;
+    Ok(())
+}

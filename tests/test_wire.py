@@ -1,0 +1,197 @@
+"""wire from Python: round trips, argument errors, streaming, and the GIL."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from pdd_transport import InvalidArgument, PddError, ProtocolError, wire
+
+
+def ping(nonce: int = 1) -> bytes:
+    return wire.encode_frame({"kind": "PING", "nonce": nonce, "sent_at_ns": 2})
+
+
+FRAMES = [
+    {"kind": "HELLO", "min_version": 1, "max_version": 2, "role": "prefill", "lane": 3,
+     "session_id": 2**64 - 1, "capabilities": 15, "max_payload": 1 << 30, "credential": b"\x00" * 512},
+    {"kind": "KV_GRANT", "transfer_id": 1, "request_id": 2, "layer_count": 65535, "page_count": 2**32 - 1,
+     "page_bytes": 1, "deadline_ms": 0},
+    {"kind": "KV_PAGES", "transfer_id": 1, "layer_start": 65534, "layer_count": 2, "page_start": 0,
+     "page_count": 1, "page_bytes": 3, "data": b"abcdef"},
+    {"kind": "KV_DONE", "transfer_id": 1, "chunk_count": 0, "byte_count": 0},
+    {"kind": "PREFIX_QUERY", "query_id": 1, "request_id": 2, "namespace": 0, "page_size": 256,
+     "lease_ms": 0, "tokens": []},
+    {"kind": "PREFIX_REPLY", "query_id": 1, "matched_tokens": 0, "prefix_hash": 0, "lease_id": 0, "lease_ms": 0},
+    {"kind": "CACHE_EVENTS", "source_id": 1, "first_event_id": 5, "events": [
+        {"type": "stored", "parent": 17, "page_hashes": [2**64 - 1]},
+        {"type": "removed", "page_hashes": [1, 2, 3]},
+        {"type": "cleared"},
+    ]},
+    {"kind": "HANDOFF", "request_id": 1, "seq": 0, "first_position": 0, "token_ids": [2**32 - 1, 0], "final": False},
+    {"kind": "HANDOFF", "request_id": 1, "seq": 9, "first_position": 5, "token_ids": [], "final": True},
+    {"kind": "HANDOFF_ACK", "request_id": 1, "acked_seq": 9, "next_position": 5, "final": True},
+    {"kind": "PROGRESS", "request_id": 1, "position": 0, "kv_complete": False},
+    {"kind": "ABORT", "request_id": 0, "reason": "grant_violation", "message": "pages 9..12 outside grant ✗"},
+    {"kind": "ABORT", "request_id": 0, "reason": 999, "message": ""},
+    {"kind": "PONG", "nonce": 0, "sent_at_ns": 2**64 - 1},
+]
+
+
+@pytest.mark.parametrize("frame", FRAMES, ids=lambda f: str(f["kind"]))
+def test_round_trip(frame: dict[str, object]) -> None:
+    raw = wire.encode_frame(frame)
+    got = wire.decode_frame(raw)
+    assert got is not None
+    assert got == (frame, len(raw))
+    # Every strict prefix is incomplete, never an error.
+    for cut in range(len(raw)):
+        assert wire.decode_frame(raw[:cut]) is None
+
+
+def test_stream_of_frames_in_odd_pieces() -> None:
+    stream = b"".join(wire.encode_frame(f) for f in FRAMES)
+    decoder = wire.FrameDecoder()
+    got = []
+    for start in range(0, len(stream), 7):
+        got.extend(decoder.feed(stream[start : start + 7]))
+    assert got == FRAMES
+    assert decoder.buffered == 0
+    assert wire.decode_all(stream) == FRAMES
+    with pytest.raises(ProtocolError) as exc:
+        wire.decode_all(stream[:-1])
+    assert exc.value.reason == "truncated"
+
+
+def test_handoff_from_numpy_is_the_same_frame() -> None:
+    ids = np.array([5, 129279, 0, 42], dtype=np.int64)
+    want = wire.encode_frame(
+        {"kind": "HANDOFF", "request_id": 3, "seq": 1, "first_position": 9, "token_ids": ids.tolist(), "final": True}
+    )
+    for dtype in (np.int32, np.int64, np.uint32):
+        assert wire.encode_handoff(3, 1, 9, ids.astype(dtype), final_=True) == want
+    assert wire.encode_handoff(3, 1, 9, ids.tolist(), final_=True) == want
+    # A non-contiguous view works too.
+    strided = np.repeat(ids, 2)[::2]
+    assert wire.encode_handoff(3, 1, 9, strided, final_=True) == want
+
+
+def test_hundred_token_handoff_fits_512_bytes() -> None:
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 152064, size=100, dtype=np.int64)  # the largest preset vocabulary
+    assert len(wire.encode_handoff(1, 0, 1 << 20, ids)) <= 512
+
+
+@pytest.mark.parametrize(
+    ("frame", "needle"),
+    [
+        ({"kind": "PING", "nonce": 1}, "needs field 'sent_at_ns'"),
+        ({"kind": "PING", "nonce": 1, "sent_at_ns": 2, "nonse": 3}, "no field 'nonse'"),
+        ({"kind": "NOPE"}, "unknown frame kind"),
+        ({"nonce": 1}, "'kind'"),
+        ({"kind": "HANDOFF", "request_id": 1, "seq": 0, "first_position": 0, "token_ids": [], "final": False},
+         "at least one token"),
+        ({"kind": "HANDOFF", "request_id": 1, "seq": 0, "first_position": 0, "token_ids": [-1], "final": True},
+         "outside"),
+        ({"kind": "ABORT", "request_id": 0, "reason": "nope", "message": ""}, "unknown abort reason"),
+        ({"kind": "ABORT", "request_id": 0, "reason": "internal", "message": "x" * 1025}, "longer than 1024"),
+        ({"kind": "KV_PAGES", "transfer_id": 1, "layer_start": 0, "layer_count": 1, "page_start": 0,
+          "page_count": 2, "page_bytes": 4, "data": b"1234"}, "data bytes"),
+        ({"kind": "HELLO", "min_version": 2, "max_version": 1, "role": "prefill", "lane": 0, "session_id": 0,
+          "capabilities": 0, "max_payload": 1 << 20, "credential": b""}, "version range"),
+        ({"kind": "HELLO", "min_version": 1, "max_version": 1, "role": "boss", "lane": 0, "session_id": 0,
+          "capabilities": 0, "max_payload": 1 << 20, "credential": b""}, "unknown role"),
+        ({"kind": "PREFIX_QUERY", "query_id": 1, "request_id": 2, "namespace": 0, "page_size": 0,
+          "lease_ms": 0, "tokens": []}, "page_size"),
+    ],
+)
+def test_bad_frames_are_invalid_arguments(frame: dict[str, object], needle: str) -> None:
+    with pytest.raises(InvalidArgument) as exc:
+        wire.encode_frame(frame)
+    assert needle in str(exc.value)
+    assert exc.value.reason == "invalid_argument"
+    assert isinstance(exc.value, ValueError)
+
+
+def test_wrong_types_are_type_errors() -> None:
+    with pytest.raises(TypeError, match="PING.nonce"):
+        wire.encode_frame({"kind": "PING", "nonce": "1", "sent_at_ns": 2})
+    with pytest.raises(TypeError, match="PING.nonce"):
+        wire.encode_frame({"kind": "PING", "nonce": -1, "sent_at_ns": 2})
+    with pytest.raises(TypeError, match="2-D"):
+        wire.encode_handoff(1, 0, 0, np.zeros((2, 2), dtype=np.int32))
+    with pytest.raises(TypeError, match="float"):
+        wire.encode_handoff(1, 0, 0, np.zeros(3, dtype=np.float32))
+
+
+def test_payload_limits_are_enforced_both_ways() -> None:
+    big = {"kind": "KV_PAGES", "transfer_id": 1, "layer_start": 0, "layer_count": 1, "page_start": 0,
+           "page_count": 1, "page_bytes": 100_000, "data": bytes(100_000)}
+    with pytest.raises(PddError) as exc:
+        wire.encode_frame(big, max_payload=65536)
+    assert exc.value.reason == "frame_too_large"
+    raw = wire.encode_frame(big)
+    with pytest.raises(ProtocolError) as exc2:
+        wire.decode_frame(raw[:16], max_payload=65536)
+    assert exc2.value.reason == "frame_too_large"
+    decoder = wire.FrameDecoder(max_payload=65536)
+    assert decoder.max_payload == 65536
+    with pytest.raises(ProtocolError):
+        decoder.feed(raw[:16])
+
+
+def test_corrupted_byte_anywhere_is_caught() -> None:
+    raw = bytearray(wire.encode_frame(FRAMES[7]))
+    for i in range(len(raw)):
+        bad = bytearray(raw)
+        bad[i] ^= 0x10
+        if i in range(8, 12) and len(raw) - 16 < int.from_bytes(bad[8:12], "little") <= wire.DEFAULT_MAX_PAYLOAD:
+            # A longer payload_len makes the frame incomplete: wait for bytes, decode nothing.
+            assert wire.decode_frame(bytes(bad)) is None
+            continue
+        with pytest.raises(ProtocolError):
+            wire.decode_frame(bytes(bad))
+
+
+def test_large_decode_releases_the_gil() -> None:
+    """While one thread decodes a 64 MiB KV_PAGES frame, another runs Python.
+
+    The switch interval is raised to 5 s, so the main thread only gives up the GIL
+    when it blocks or a native call releases it; the counting thread hands the GIL
+    straight back with ``time.sleep(0)``. With the GIL held through the decode the
+    count while ``inside`` is set is exactly 0; released, the counter runs alongside."""
+    data = bytes(64 << 20)
+    raw = wire.encode_frame(
+        {"kind": "KV_PAGES", "transfer_id": 1, "layer_start": 0, "layer_count": 1, "page_start": 0,
+         "page_count": 1024, "page_bytes": 65536, "data": data},
+        max_payload=wire.HARD_MAX_PAYLOAD,
+    )
+    inside = [False]
+    stop = [False]
+    counted = [0]
+
+    def count() -> None:
+        while not stop[0]:
+            if inside[0]:
+                counted[0] += 1
+            time.sleep(0)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)
+    thread = threading.Thread(target=count)
+    thread.start()
+    try:
+        for _ in range(5):
+            inside[0] = True
+            got = wire.decode_frame(raw, max_payload=wire.HARD_MAX_PAYLOAD)
+            inside[0] = False
+            assert got is not None and got[1] == len(raw)
+    finally:
+        stop[0] = True
+        sys.setswitchinterval(old)
+        thread.join(timeout=10)
+    assert counted[0] > 5, counted[0]
