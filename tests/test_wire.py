@@ -195,3 +195,51 @@ def test_large_decode_releases_the_gil() -> None:
         sys.setswitchinterval(old)
         thread.join(timeout=10)
     assert counted[0] > 5, counted[0]
+
+
+def hello(**over: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "kind": "HELLO", "min_version": 1, "max_version": 1, "role": "relay_decode", "lane": 0,
+        "session_id": 99, "capabilities": 0b11, "max_payload": 1 << 20, "credential": b"k",
+    }
+    base.update(over)
+    return base
+
+
+def test_negotiate_hello_agrees_and_replies() -> None:
+    agreed = wire.negotiate_hello(
+        "main_decode", hello(max_version=4, lane=2), capabilities=0b110, expected_credential=b"k"
+    )
+    assert agreed["version"] == 1
+    assert agreed["capabilities"] == 0b10
+    assert (agreed["peer_role"], agreed["session_id"], agreed["lane"]) == ("relay_decode", 99, 2)
+    reply = agreed["reply"]
+    assert (reply["role"], reply["min_version"], reply["max_version"]) == ("main_decode", 1, 1)
+    assert wire.decode_frame(wire.encode_frame(reply)) is not None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "peer", "reason", "abort"),
+    [
+        ({}, hello(min_version=2, max_version=3), "version_mismatch", "unsupported_version"),
+        ({"expected_credential": b"other"}, hello(), "auth_failed", "auth_failed"),
+        ({"accepted_roles": ["prefill"]}, hello(), "role_refused", "auth_failed"),
+    ],
+)
+def test_negotiate_hello_refusals(kwargs: dict[str, object], peer: dict[str, object], reason: str, abort: str) -> None:
+    from pdd_transport import TransportError
+
+    with pytest.raises(TransportError) as exc:
+        wire.negotiate_hello("main_decode", peer, **kwargs)  # type: ignore[arg-type]
+    assert exc.value.reason == reason
+    assert exc.value.abort_reason == abort
+    assert abort in wire.ABORT_REASONS
+    assert isinstance(exc.value, ConnectionError)
+
+
+def test_protocol_errors_name_their_abort_reason() -> None:
+    raw = bytearray(ping())
+    raw[3] = 0x7F
+    with pytest.raises(ProtocolError) as exc:
+        wire.decode_frame(bytes(raw))
+    assert (exc.value.reason, exc.value.abort_reason) == ("unknown_kind", "unknown_kind")

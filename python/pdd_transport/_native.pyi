@@ -20,6 +20,7 @@ __all__ = [
     "encode_frame",
     "decode_frame",
     "encode_handoff",
+    "negotiate_hello",
     "FrameDecoder",
 ]
 
@@ -52,6 +53,19 @@ def encode_handoff(
     final_: bool = False,
 ) -> bytes:
     """Encode a HANDOFF frame straight from a token array."""
+
+def negotiate_hello(
+    role: str,
+    peer_hello: dict[str, Any],
+    *,
+    capabilities: int = 0,
+    credential: bytes | None = None,
+    expected_credential: bytes | None = None,
+    accepted_roles: Sequence[str] | None = None,
+    max_payload: int = 16777216,
+) -> dict[str, Any]:
+    """Check a peer's HELLO against our settings; return the agreed parameters and,
+    under ``"reply"``, the HELLO to answer with. Raises ``TransportError``."""
 
 @final
 class FrameDecoder:

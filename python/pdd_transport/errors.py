@@ -4,7 +4,9 @@ Every error the library raises is a :class:`PddError`. Each subclass also derive
 the built-in exception a caller would naturally catch, so ``except ValueError`` or
 ``except ConnectionError`` keep working. Every instance carries ``reason``: a stable
 snake_case code (``"checksum_mismatch"``, ``"frame_too_large"``...) that names the
-Rust error variant it came from; match on it rather than on the message.
+Rust error variant it came from; match on it rather than on the message. Errors that
+end a connection also carry ``abort_reason``: the ABORT reason (a key of
+``pdd_transport.wire.ABORT_REASONS``) the peer is told.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ class PddError(Exception):
     """Base class of every pdd_transport error."""
 
     reason: str
+    abort_reason: str
 
-    def __init__(self, message: str, reason: str = "unspecified") -> None:
+    def __init__(self, message: str, reason: str = "unspecified", abort_reason: str = "internal") -> None:
         super().__init__(message)
         self.reason = reason
+        self.abort_reason = abort_reason
 
 
 class ProtocolError(PddError, ValueError):

@@ -28,6 +28,7 @@ from pdd_transport._native import (
     decode_frame,
     encode_frame,
     encode_handoff,
+    negotiate_hello,
 )
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "decode_all",
     "encode_frame",
     "encode_handoff",
+    "negotiate_hello",
 ]
 
 Frame = dict[str, Any]

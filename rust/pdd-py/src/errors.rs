@@ -3,7 +3,8 @@
 //! The classes live in `pdd_transport/errors.py` so that each can derive from both
 //! `PddError` and the matching built-in (`ValueError`, `ConnectionError`,
 //! `TimeoutError`); this file only picks the class by [`ErrorClass`] and fills in
-//! `reason` (the stable snake_case code of the Rust variant).
+//! `reason` (the stable snake_case code of the Rust variant) and `abort_reason` (what
+//! a peer is told in ABORT when this error ends a connection).
 
 use pdd_core::{Error, ErrorClass};
 use pyo3::prelude::*;
@@ -47,7 +48,11 @@ impl From<PddErr> for PyErr {
                 ErrorClass::Timeout => 3,
             };
             match classes(py) {
-                Ok(cls) => match cls[idx].bind(py).call1((e.to_string(), e.reason())) {
+                Ok(cls) => match cls[idx].bind(py).call1((
+                    e.to_string(),
+                    e.reason(),
+                    e.abort_reason().name(),
+                )) {
                     Ok(exc) => PyErr::from_value(exc),
                     Err(err) => err,
                 },

@@ -6,6 +6,7 @@
 
 use bytes::{Bytes, BytesMut};
 use numpy::{PyReadonlyArray1, PyUntypedArrayMethods};
+use pdd_core::wire::handshake::{negotiate, LocalHello};
 use pdd_core::wire::{
     self, capability, decode_frame as core_decode, decode_frame_shared,
     encode_frame as core_encode, Abort, AbortReason, CacheEvent, CacheEvents, Frame, FrameKind,
@@ -67,8 +68,58 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_frame, m)?)?;
     m.add_function(wrap_pyfunction!(decode_frame, m)?)?;
     m.add_function(wrap_pyfunction!(encode_handoff, m)?)?;
+    m.add_function(wrap_pyfunction!(negotiate_hello, m)?)?;
     m.add_class::<FrameDecoder>()?;
     Ok(())
+}
+
+/// Check a peer's HELLO against our settings (the accepting side's decision).
+///
+/// Returns the agreed session parameters and, under `"reply"`, the HELLO to answer
+/// with; raises `TransportError` (reason `version_mismatch`, `auth_failed` or
+/// `role_refused`; `exc.abort_reason` is the ABORT reason to send) otherwise.
+#[pyfunction]
+#[pyo3(signature = (role, peer_hello, *, capabilities = 0, credential = None, expected_credential = None, accepted_roles = None, max_payload = 16777216))]
+#[allow(clippy::too_many_arguments)]
+fn negotiate_hello<'py>(
+    py: Python<'py>,
+    role: &str,
+    peer_hello: &Bound<'py, PyDict>,
+    capabilities: u64,
+    credential: Option<PyBackedBytes>,
+    expected_credential: Option<PyBackedBytes>,
+    accepted_roles: Option<Vec<String>>,
+    max_payload: u32,
+) -> PyResult<Bound<'py, PyDict>> {
+    let parse_role =
+        |name: &str| Role::from_name(name).ok_or_else(|| invalid(format!("unknown role '{name}'")));
+    let mut ours = LocalHello::new(parse_role(role)?, capabilities);
+    ours.max_payload = max_payload;
+    ours.credential = credential
+        .map(|c| Bytes::copy_from_slice(&c))
+        .unwrap_or_default();
+    ours.expected_credential = expected_credential.map(|c| Bytes::copy_from_slice(&c));
+    ours.accepted_roles = accepted_roles
+        .unwrap_or_default()
+        .iter()
+        .map(|r| parse_role(r))
+        .collect::<PyResult<_>>()?;
+    let Frame::Hello(peer) = frame_from_dict(peer_hello)? else {
+        return Err(invalid("peer_hello must be a HELLO frame dict"));
+    };
+    let agreed = negotiate(&ours, &peer).map_err(PddErr)?;
+    let out = PyDict::new(py);
+    out.set_item("version", agreed.version)?;
+    out.set_item("peer_role", agreed.peer_role.name())?;
+    out.set_item("capabilities", agreed.capabilities)?;
+    out.set_item("peer_max_payload", agreed.peer_max_payload)?;
+    out.set_item("session_id", agreed.session_id)?;
+    out.set_item("lane", agreed.lane)?;
+    out.set_item(
+        "reply",
+        frame_to_dict(py, &Frame::Hello(ours.reply(&agreed)))?,
+    )?;
+    Ok(out)
 }
 
 /// Encode a frame dict to bytes (header and payload).
