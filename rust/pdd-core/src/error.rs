@@ -141,6 +141,52 @@ pub enum Error {
     /// A local caller passed an argument the protocol cannot carry.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// KV pages named outside the transfer's grant, or written twice.
+    #[error("transfer {transfer_id}: {detail}")]
+    GrantViolation {
+        /// The transfer.
+        transfer_id: u64,
+        /// What was out of bounds.
+        detail: String,
+    },
+    /// A frame names a transfer this side does not know (never granted, or finished).
+    #[error("unknown transfer {transfer_id}")]
+    UnknownTransfer {
+        /// The transfer id found.
+        transfer_id: u64,
+    },
+    /// A grant asks for pool pages another live grant holds.
+    #[error("pages busy: {detail}")]
+    PagesBusy {
+        /// Which pages.
+        detail: String,
+    },
+    /// The sender's KV_DONE disagrees with what arrived.
+    #[error("transfer {transfer_id} incomplete: {detail}")]
+    TransferIncomplete {
+        /// The transfer.
+        transfer_id: u64,
+        /// What is missing.
+        detail: String,
+    },
+    /// A bounded wait ran out.
+    #[error("deadline exceeded: {what}")]
+    DeadlineExceeded {
+        /// What was being waited for.
+        what: String,
+    },
+    /// The connection to the peer failed or the peer stopped answering.
+    #[error("connection lost: {detail}")]
+    ConnectionLost {
+        /// How it was lost.
+        detail: String,
+    },
+    /// The operation was cancelled locally.
+    #[error("cancelled: {detail}")]
+    Cancelled {
+        /// By whom or why.
+        detail: String,
+    },
 }
 
 impl Error {
@@ -163,6 +209,13 @@ impl Error {
             Error::RoleRefused { .. } => "role_refused",
             Error::PeerAborted { .. } => "peer_aborted",
             Error::InvalidArgument(_) => "invalid_argument",
+            Error::GrantViolation { .. } => "grant_violation",
+            Error::UnknownTransfer { .. } => "unknown_transfer",
+            Error::PagesBusy { .. } => "pages_busy",
+            Error::TransferIncomplete { .. } => "transfer_incomplete",
+            Error::DeadlineExceeded { .. } => "deadline_exceeded",
+            Error::ConnectionLost { .. } => "connection_lost",
+            Error::Cancelled { .. } => "cancelled",
         }
     }
 
@@ -172,8 +225,11 @@ impl Error {
             Error::VersionMismatch { .. }
             | Error::AuthFailed { .. }
             | Error::RoleRefused { .. }
-            | Error::PeerAborted { .. } => ErrorClass::Connection,
-            Error::InvalidArgument(_) => ErrorClass::InvalidArgument,
+            | Error::PeerAborted { .. }
+            | Error::ConnectionLost { .. }
+            | Error::Cancelled { .. } => ErrorClass::Connection,
+            Error::InvalidArgument(_) | Error::PagesBusy { .. } => ErrorClass::InvalidArgument,
+            Error::DeadlineExceeded { .. } => ErrorClass::Timeout,
             _ => ErrorClass::Protocol,
         }
     }
@@ -189,7 +245,13 @@ impl Error {
             Error::ChecksumMismatch { .. } => AbortReason::ChecksumMismatch,
             Error::AuthFailed { .. } | Error::RoleRefused { .. } => AbortReason::AuthFailed,
             Error::PeerAborted { reason, .. } => *reason,
-            Error::InvalidArgument(_) => AbortReason::Internal,
+            Error::InvalidArgument(_) | Error::PagesBusy { .. } => AbortReason::Internal,
+            Error::GrantViolation { .. } | Error::UnknownTransfer { .. } => {
+                AbortReason::GrantViolation
+            }
+            Error::DeadlineExceeded { .. } => AbortReason::DeadlineExceeded,
+            Error::Cancelled { .. } => AbortReason::Cancelled,
+            Error::ConnectionLost { .. } => AbortReason::Shutdown,
             _ => AbortReason::ProtocolError,
         }
     }

@@ -1,0 +1,831 @@
+//! KV transfer bookkeeping, sans-IO: which pool pages a grant covers, which blocks
+//! may be written where, when a layer and a transfer are complete.
+//!
+//! The receiver owns a pool of `layers x pages` pages of `page_bytes` each. For each
+//! transfer it grants the sender `page_count` pages (pool pages it chose, in order)
+//! on `layer_count` layers; the sender only ever names pages `0..page_count` of the
+//! grant. [`ReceiverState`] turns a block header from the wire into the pool pages to
+//! write, refusing anything outside the grant, anything already written, and any
+//! overlap with another live grant. It never sees the bytes: the I/O crate lands
+//! them, checks the CRC, then reports back with [`ReceiverState::finish_block`].
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::error::{Error, Result};
+use crate::wire::{KvDone, KvGrant, KvPages, KV_PAGES_FIXED_LEN};
+
+/// The fixed part of a KV_PAGES frame: where its data goes, relative to the grant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KvBlock {
+    /// Transfer (grant) the block belongs to.
+    pub transfer_id: u64,
+    /// First layer, relative to the grant.
+    pub layer_start: u16,
+    /// Layers in the block (>= 1).
+    pub layer_count: u16,
+    /// First page, relative to the grant.
+    pub page_start: u32,
+    /// Pages per layer in the block (>= 1).
+    pub page_count: u32,
+    /// Bytes per page.
+    pub page_bytes: u32,
+}
+
+impl KvBlock {
+    /// Parse the 24 fixed bytes of a KV_PAGES payload whose header announced
+    /// `payload_len`; checks counts, range overflow and that the data length is
+    /// exactly `layer_count * page_count * page_bytes`.
+    pub fn parse(fixed: &[u8; KV_PAGES_FIXED_LEN], payload_len: u32) -> Result<KvBlock> {
+        let u16_at = |o: usize| u16::from_le_bytes([fixed[o], fixed[o + 1]]);
+        let u32_at =
+            |o: usize| u32::from_le_bytes([fixed[o], fixed[o + 1], fixed[o + 2], fixed[o + 3]]);
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&fixed[0..8]);
+        let block = KvBlock {
+            transfer_id: u64::from_le_bytes(id),
+            layer_start: u16_at(8),
+            layer_count: u16_at(10),
+            page_start: u32_at(12),
+            page_count: u32_at(16),
+            page_bytes: u32_at(20),
+        };
+        let data_len = u64::from(payload_len)
+            .checked_sub(KV_PAGES_FIXED_LEN as u64)
+            .ok_or(Error::Truncated {
+                kind: crate::wire::FrameKind::KvPages,
+                field: "page_bytes",
+            })?;
+        block
+            .check(data_len)
+            .map_err(|detail| Error::InvalidField {
+                kind: crate::wire::FrameKind::KvPages,
+                field: "data",
+                detail,
+            })?;
+        Ok(block)
+    }
+
+    /// The 24 fixed bytes, as on the wire.
+    pub fn to_fixed(&self) -> [u8; KV_PAGES_FIXED_LEN] {
+        let mut b = [0u8; KV_PAGES_FIXED_LEN];
+        b[0..8].copy_from_slice(&self.transfer_id.to_le_bytes());
+        b[8..10].copy_from_slice(&self.layer_start.to_le_bytes());
+        b[10..12].copy_from_slice(&self.layer_count.to_le_bytes());
+        b[12..16].copy_from_slice(&self.page_start.to_le_bytes());
+        b[16..20].copy_from_slice(&self.page_count.to_le_bytes());
+        b[20..24].copy_from_slice(&self.page_bytes.to_le_bytes());
+        b
+    }
+
+    /// Bytes of page data the block carries (checked at construction).
+    pub fn data_len(&self) -> u64 {
+        u64::from(self.layer_count) * u64::from(self.page_count) * u64::from(self.page_bytes)
+    }
+
+    /// The block header of a decoded KV_PAGES frame.
+    pub fn of(frame: &KvPages) -> KvBlock {
+        KvBlock {
+            transfer_id: frame.transfer_id,
+            layer_start: frame.layer_start,
+            layer_count: frame.layer_count,
+            page_start: frame.page_start,
+            page_count: frame.page_count,
+            page_bytes: frame.page_bytes,
+        }
+    }
+
+    pub(crate) fn check(&self, data_len: u64) -> std::result::Result<(), String> {
+        if self.layer_count == 0 || self.page_count == 0 || self.page_bytes == 0 {
+            return Err("layer_count, page_count and page_bytes must be >= 1".into());
+        }
+        if self.layer_start.checked_add(self.layer_count - 1).is_none() {
+            return Err("layer range overflows u16".into());
+        }
+        if self.page_start.checked_add(self.page_count - 1).is_none() {
+            return Err("page range overflows u32".into());
+        }
+        let want = u64::from(self.layer_count)
+            .checked_mul(u64::from(self.page_count))
+            .and_then(|n| n.checked_mul(u64::from(self.page_bytes)));
+        match want {
+            Some(w) if w == data_len => Ok(()),
+            Some(w) => Err(format!("{data_len} data bytes, header fields say {w}")),
+            None => Err("layer_count * page_count * page_bytes overflows".into()),
+        }
+    }
+}
+
+/// What happened to a transfer, in the order it happened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TransferEvent {
+    /// Every page of one layer has landed and passed its checksum.
+    LayerComplete {
+        /// The transfer.
+        transfer_id: u64,
+        /// Its request.
+        request_id: u64,
+        /// The layer (pool layer index).
+        layer: u16,
+    },
+    /// Every page of every layer has landed and the sender's KV_DONE agrees.
+    Complete {
+        /// The transfer.
+        transfer_id: u64,
+        /// Its request.
+        request_id: u64,
+        /// Page bytes received.
+        bytes: u64,
+    },
+    /// The transfer failed; its pages are released and hold undefined data.
+    Failed {
+        /// The transfer.
+        transfer_id: u64,
+        /// Its request.
+        request_id: u64,
+        /// Why.
+        error: Error,
+    },
+}
+
+const PAGE_PENDING: u8 = 0;
+const PAGE_IN_FLIGHT: u8 = 1;
+const PAGE_LANDED: u8 = 2;
+
+/// One live inbound transfer.
+#[derive(Debug)]
+struct Inbound {
+    grant: KvGrant,
+    /// Pool page of each grant page.
+    dest_pages: Vec<u32>,
+    /// Per (layer, grant page), layer-major: pending, in flight, landed.
+    page_state: Vec<u8>,
+    landed_per_layer: Vec<u32>,
+    landed_total: u64,
+    blocks: u32,
+    bytes: u64,
+    sender_done: Option<KvDone>,
+}
+
+/// Where one block's pages go: pool layer and pool page for each page of the block,
+/// layer-major, in the order the block's data carries them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockTarget {
+    /// `(pool_layer, pool_page)` per page of the block.
+    pub pages: Vec<(u16, u32)>,
+    /// Bytes per page.
+    pub page_bytes: u32,
+}
+
+/// The receiver's side: the pool's geometry, its live grants, which pool pages they
+/// hold.
+#[derive(Debug)]
+pub struct ReceiverState {
+    pool_layers: u16,
+    pool_pages: u32,
+    page_bytes: u32,
+    /// Transfer holding each pool page (0 = free).
+    page_owner: Vec<u64>,
+    live: HashMap<u64, Inbound>,
+    /// Transfers that ended recently: late blocks for them are drained, not fatal.
+    recently_ended: VecDeque<u64>,
+    next_transfer_id: u64,
+}
+
+/// How many ended transfer ids are remembered so their late blocks can be drained.
+const RECENTLY_ENDED: usize = 4096;
+
+/// What to do with a block that arrived.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BlockDisposition {
+    /// Land the data at these pages, then call [`ReceiverState::finish_block`].
+    Land(BlockTarget),
+    /// The transfer already ended (failed or cancelled): read and discard the data.
+    Drain,
+}
+
+impl ReceiverState {
+    /// A pool of `pool_layers x pool_pages` pages of `page_bytes` bytes.
+    pub fn new(pool_layers: u16, pool_pages: u32, page_bytes: u32) -> Result<ReceiverState> {
+        if pool_layers == 0 || pool_pages == 0 || page_bytes == 0 {
+            return Err(Error::InvalidArgument(
+                "a pool needs >= 1 layer, page and byte per page".into(),
+            ));
+        }
+        Ok(ReceiverState {
+            pool_layers,
+            pool_pages,
+            page_bytes,
+            page_owner: vec![0; pool_pages as usize],
+            live: HashMap::new(),
+            recently_ended: VecDeque::new(),
+            next_transfer_id: 1,
+        })
+    }
+
+    /// Pool geometry: `(layers, pages, page_bytes)`.
+    pub fn geometry(&self) -> (u16, u32, u32) {
+        (self.pool_layers, self.pool_pages, self.page_bytes)
+    }
+
+    /// Transfers in progress.
+    pub fn live_transfers(&self) -> usize {
+        self.live.len()
+    }
+
+    /// Grant pool pages `dest_pages` (in grant order) on layers `0..layer_count` for a
+    /// new transfer of `request_id`. Fails, changing nothing, if a page is out of the
+    /// pool, repeated, or held by another live grant.
+    pub fn grant(
+        &mut self,
+        request_id: u64,
+        dest_pages: &[u32],
+        layer_count: u16,
+        deadline_ms: u32,
+    ) -> Result<KvGrant> {
+        if dest_pages.is_empty() {
+            return Err(Error::InvalidArgument(
+                "a grant needs at least one page".into(),
+            ));
+        }
+        if layer_count == 0 || layer_count > self.pool_layers {
+            return Err(Error::InvalidArgument(format!(
+                "layer_count {layer_count} outside 1..={}",
+                self.pool_layers
+            )));
+        }
+        let page_count = u32::try_from(dest_pages.len())
+            .map_err(|_| Error::InvalidArgument("too many pages in one grant".into()))?;
+        let mut seen = std::collections::HashSet::with_capacity(dest_pages.len());
+        for &p in dest_pages {
+            if p >= self.pool_pages {
+                return Err(Error::InvalidArgument(format!(
+                    "page {p} outside the pool of {} pages",
+                    self.pool_pages
+                )));
+            }
+            if !seen.insert(p) {
+                return Err(Error::InvalidArgument(format!(
+                    "page {p} appears twice in the grant"
+                )));
+            }
+            let owner = self.page_owner[p as usize];
+            if owner != 0 {
+                return Err(Error::PagesBusy {
+                    detail: format!("page {p} is held by live transfer {owner}"),
+                });
+            }
+        }
+        let transfer_id = self.next_transfer_id;
+        self.next_transfer_id += 1;
+        for &p in dest_pages {
+            self.page_owner[p as usize] = transfer_id;
+        }
+        let grant = KvGrant {
+            transfer_id,
+            request_id,
+            layer_count,
+            page_count,
+            page_bytes: self.page_bytes,
+            deadline_ms,
+        };
+        let total = usize::from(layer_count) * dest_pages.len();
+        self.live.insert(
+            transfer_id,
+            Inbound {
+                grant: grant.clone(),
+                dest_pages: dest_pages.to_vec(),
+                page_state: vec![PAGE_PENDING; total],
+                landed_per_layer: vec![0; usize::from(layer_count)],
+                landed_total: 0,
+                blocks: 0,
+                bytes: 0,
+                sender_done: None,
+            },
+        );
+        Ok(grant)
+    }
+
+    /// A block header arrived: where may its data go? Marks its pages in flight, so
+    /// no other lane may write them until [`ReceiverState::finish_block`].
+    ///
+    /// Errors (the connection must be aborted with `grant_violation`): unknown
+    /// transfer, block outside the grant, wrong page size, pages already landed or in
+    /// flight.
+    pub fn begin_block(&mut self, block: &KvBlock) -> Result<BlockDisposition> {
+        let Some(t) = self.live.get_mut(&block.transfer_id) else {
+            if self.recently_ended.contains(&block.transfer_id) {
+                return Ok(BlockDisposition::Drain);
+            }
+            return Err(Error::UnknownTransfer {
+                transfer_id: block.transfer_id,
+            });
+        };
+        let violation = |detail: String| Error::GrantViolation {
+            transfer_id: block.transfer_id,
+            detail,
+        };
+        if block.page_bytes != t.grant.page_bytes {
+            return Err(violation(format!(
+                "page_bytes {} but the grant's are {}",
+                block.page_bytes, t.grant.page_bytes
+            )));
+        }
+        let layer_end = u32::from(block.layer_start) + u32::from(block.layer_count);
+        let page_end = u64::from(block.page_start) + u64::from(block.page_count);
+        if layer_end > u32::from(t.grant.layer_count) || page_end > u64::from(t.grant.page_count) {
+            return Err(violation(format!(
+                "layers {}..{layer_end} pages {}..{page_end} outside the grant of {} layers x {} pages",
+                block.layer_start, block.page_start, t.grant.layer_count, t.grant.page_count
+            )));
+        }
+        let per_layer = t.grant.page_count as usize;
+        for layer in block.layer_start..block.layer_start + block.layer_count {
+            let base = usize::from(layer) * per_layer;
+            for page in block.page_start..block.page_start + block.page_count {
+                if t.page_state[base + page as usize] != PAGE_PENDING {
+                    return Err(violation(format!(
+                        "layer {layer} page {page} written twice"
+                    )));
+                }
+            }
+        }
+        let mut pages =
+            Vec::with_capacity(usize::from(block.layer_count) * block.page_count as usize);
+        for layer in block.layer_start..block.layer_start + block.layer_count {
+            let base = usize::from(layer) * per_layer;
+            for page in block.page_start..block.page_start + block.page_count {
+                t.page_state[base + page as usize] = PAGE_IN_FLIGHT;
+                pages.push((layer, t.dest_pages[page as usize]));
+            }
+        }
+        Ok(BlockDisposition::Land(BlockTarget {
+            pages,
+            page_bytes: block.page_bytes,
+        }))
+    }
+
+    /// The data of a block begun with [`ReceiverState::begin_block`] has landed
+    /// (`Ok`) or failed (`Err`: checksum mismatch, connection lost mid-block). A
+    /// failed block fails its transfer: its pages hold unverified bytes.
+    pub fn finish_block(&mut self, block: &KvBlock, outcome: Result<()>) -> Vec<TransferEvent> {
+        let Some(t) = self.live.get_mut(&block.transfer_id) else {
+            return Vec::new();
+        };
+        if let Err(error) = outcome {
+            return self.end(block.transfer_id, Some(error));
+        }
+        let per_layer = t.grant.page_count as usize;
+        let mut events = Vec::new();
+        for layer in block.layer_start..block.layer_start + block.layer_count {
+            let base = usize::from(layer) * per_layer;
+            for page in block.page_start..block.page_start + block.page_count {
+                t.page_state[base + page as usize] = PAGE_LANDED;
+            }
+            let landed = &mut t.landed_per_layer[usize::from(layer)];
+            *landed += block.page_count;
+            if *landed == t.grant.page_count {
+                events.push(TransferEvent::LayerComplete {
+                    transfer_id: t.grant.transfer_id,
+                    request_id: t.grant.request_id,
+                    layer,
+                });
+            }
+        }
+        t.landed_total += u64::from(block.layer_count) * u64::from(block.page_count);
+        t.blocks += 1;
+        t.bytes += block.data_len();
+        events.extend(self.try_complete(block.transfer_id));
+        events
+    }
+
+    /// The sender's KV_DONE arrived (it may overtake data still on other lanes).
+    pub fn sender_done(&mut self, done: &KvDone) -> Result<Vec<TransferEvent>> {
+        let Some(t) = self.live.get_mut(&done.transfer_id) else {
+            if self.recently_ended.contains(&done.transfer_id) {
+                return Ok(Vec::new());
+            }
+            return Err(Error::UnknownTransfer {
+                transfer_id: done.transfer_id,
+            });
+        };
+        if t.sender_done.is_some() {
+            return Err(Error::GrantViolation {
+                transfer_id: done.transfer_id,
+                detail: "KV_DONE sent twice".into(),
+            });
+        }
+        t.sender_done = Some(done.clone());
+        Ok(self.try_complete(done.transfer_id))
+    }
+
+    /// End a live transfer from outside (deadline, cancel, connection lost).
+    pub fn fail(&mut self, transfer_id: u64, error: Error) -> Vec<TransferEvent> {
+        self.end(transfer_id, Some(error))
+    }
+
+    /// Fail every live transfer (the peer is gone).
+    pub fn fail_all(&mut self, error: &Error) -> Vec<TransferEvent> {
+        let ids: Vec<u64> = self.live.keys().copied().collect();
+        ids.into_iter()
+            .flat_map(|id| self.end(id, Some(error.clone())))
+            .collect()
+    }
+
+    /// Ids of live transfers.
+    pub fn live_ids(&self) -> Vec<u64> {
+        self.live.keys().copied().collect()
+    }
+
+    /// The request of a live transfer.
+    pub fn request_of(&self, transfer_id: u64) -> Option<u64> {
+        self.live.get(&transfer_id).map(|t| t.grant.request_id)
+    }
+
+    fn try_complete(&mut self, transfer_id: u64) -> Vec<TransferEvent> {
+        let Some(t) = self.live.get(&transfer_id) else {
+            return Vec::new();
+        };
+        let total = t.page_state.len() as u64;
+        let Some(done) = &t.sender_done else {
+            return Vec::new();
+        };
+        if t.landed_total < total {
+            if done.byte_count <= t.bytes && done.chunk_count <= t.blocks {
+                // The sender says it is done, but pages are missing and nothing more is
+                // coming.
+                let detail = format!("sender finished after {} of {total} pages", t.landed_total);
+                return self.end(
+                    transfer_id,
+                    Some(Error::TransferIncomplete {
+                        transfer_id,
+                        detail,
+                    }),
+                );
+            }
+            return Vec::new();
+        }
+        if done.byte_count != t.bytes || done.chunk_count != t.blocks {
+            let detail = format!(
+                "sender reports {} blocks / {} bytes, received {} / {}",
+                done.chunk_count, done.byte_count, t.blocks, t.bytes
+            );
+            return self.end(
+                transfer_id,
+                Some(Error::TransferIncomplete {
+                    transfer_id,
+                    detail,
+                }),
+            );
+        }
+        self.end(transfer_id, None)
+    }
+
+    fn end(&mut self, transfer_id: u64, error: Option<Error>) -> Vec<TransferEvent> {
+        let Some(t) = self.live.remove(&transfer_id) else {
+            return Vec::new();
+        };
+        for &p in &t.dest_pages {
+            if self.page_owner[p as usize] == transfer_id {
+                self.page_owner[p as usize] = 0;
+            }
+        }
+        if self.recently_ended.len() == RECENTLY_ENDED {
+            self.recently_ended.pop_front();
+        }
+        self.recently_ended.push_back(transfer_id);
+        let request_id = t.grant.request_id;
+        vec![match error {
+            None => TransferEvent::Complete {
+                transfer_id,
+                request_id,
+                bytes: t.bytes,
+            },
+            Some(error) => TransferEvent::Failed {
+                transfer_id,
+                request_id,
+                error,
+            },
+        }]
+    }
+}
+
+/// The sender's side of one transfer: which layers went out, and the KV_DONE that
+/// closes it.
+#[derive(Debug, Clone)]
+pub struct SenderTransfer {
+    grant: KvGrant,
+    layer_sent: Vec<bool>,
+    blocks: u32,
+    bytes: u64,
+    finished: bool,
+}
+
+impl SenderTransfer {
+    /// Start sending into `grant`.
+    pub fn new(grant: KvGrant) -> SenderTransfer {
+        let layers = usize::from(grant.layer_count);
+        SenderTransfer {
+            grant,
+            layer_sent: vec![false; layers],
+            blocks: 0,
+            bytes: 0,
+            finished: false,
+        }
+    }
+
+    /// The grant.
+    pub fn grant(&self) -> &KvGrant {
+        &self.grant
+    }
+
+    /// Blocks covering every page of `layer`, each at most `max_block_bytes` (but at
+    /// least one page). Marks the layer sent; a layer cannot be sent twice.
+    pub fn send_layer(&mut self, layer: u16, max_block_bytes: u64) -> Result<Vec<KvBlock>> {
+        if self.finished {
+            return Err(Error::InvalidArgument(format!(
+                "transfer {} is already finished",
+                self.grant.transfer_id
+            )));
+        }
+        let Some(sent) = self.layer_sent.get_mut(usize::from(layer)) else {
+            return Err(Error::InvalidArgument(format!(
+                "layer {layer} outside the grant's {} layers",
+                self.grant.layer_count
+            )));
+        };
+        if *sent {
+            return Err(Error::InvalidArgument(format!(
+                "layer {layer} was already sent"
+            )));
+        }
+        *sent = true;
+        let per_block = (max_block_bytes / u64::from(self.grant.page_bytes))
+            .clamp(1, u64::from(u32::MAX)) as u32;
+        let mut out = Vec::new();
+        let mut page = 0u32;
+        while page < self.grant.page_count {
+            let n = per_block.min(self.grant.page_count - page);
+            out.push(KvBlock {
+                transfer_id: self.grant.transfer_id,
+                layer_start: layer,
+                layer_count: 1,
+                page_start: page,
+                page_count: n,
+                page_bytes: self.grant.page_bytes,
+            });
+            page += n;
+        }
+        self.blocks += out.len() as u32;
+        self.bytes += u64::from(self.grant.page_count) * u64::from(self.grant.page_bytes);
+        Ok(out)
+    }
+
+    /// Layers not yet sent.
+    pub fn layers_pending(&self) -> usize {
+        self.layer_sent.iter().filter(|s| !**s).count()
+    }
+
+    /// The KV_DONE that closes the transfer, once every layer was sent.
+    pub fn finish(&mut self) -> Result<KvDone> {
+        if self.finished {
+            return Err(Error::InvalidArgument(format!(
+                "transfer {} is already finished",
+                self.grant.transfer_id
+            )));
+        }
+        let pending = self.layers_pending();
+        if pending > 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{pending} layers not sent yet"
+            )));
+        }
+        self.finished = true;
+        Ok(KvDone {
+            transfer_id: self.grant.transfer_id,
+            chunk_count: self.blocks,
+            byte_count: self.bytes,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn land(rx: &mut ReceiverState, b: &KvBlock) -> Vec<TransferEvent> {
+        match rx.begin_block(b).unwrap() {
+            BlockDisposition::Land(_) => rx.finish_block(b, Ok(())),
+            BlockDisposition::Drain => panic!("unexpected drain"),
+        }
+    }
+
+    #[test]
+    fn a_transfer_completes_layer_by_layer() {
+        let mut rx = ReceiverState::new(3, 16, 8).unwrap();
+        let grant = rx.grant(77, &[9, 3, 12], 3, 0).unwrap();
+        let mut tx = SenderTransfer::new(grant.clone());
+        let mut events = Vec::new();
+        for layer in 0..3 {
+            for b in tx.send_layer(layer, 16).unwrap() {
+                let Ok(BlockDisposition::Land(target)) = rx.begin_block(&b) else {
+                    panic!()
+                };
+                assert!(target
+                    .pages
+                    .iter()
+                    .all(|&(l, p)| l == layer && [9, 3, 12].contains(&p)));
+                events.extend(rx.finish_block(&b, Ok(())));
+            }
+        }
+        assert_eq!(events.len(), 3);
+        let done = tx.finish().unwrap();
+        assert_eq!(done.chunk_count, 6);
+        let ev = rx.sender_done(&done).unwrap();
+        assert_eq!(
+            ev,
+            vec![TransferEvent::Complete {
+                transfer_id: grant.transfer_id,
+                request_id: 77,
+                bytes: 72
+            }]
+        );
+        // The pages are free again, and late frames for the transfer are drained.
+        assert!(rx.grant(78, &[9, 3, 12], 1, 0).is_ok());
+        let late = KvBlock {
+            transfer_id: grant.transfer_id,
+            layer_start: 0,
+            layer_count: 1,
+            page_start: 0,
+            page_count: 1,
+            page_bytes: 8,
+        };
+        assert_eq!(rx.begin_block(&late).unwrap(), BlockDisposition::Drain);
+    }
+
+    #[test]
+    fn done_may_overtake_data() {
+        let mut rx = ReceiverState::new(1, 4, 8).unwrap();
+        let grant = rx.grant(1, &[0, 1], 1, 0).unwrap();
+        let mut tx = SenderTransfer::new(grant);
+        let blocks = tx.send_layer(0, 8).unwrap();
+        let done = tx.finish().unwrap();
+        assert!(land(&mut rx, &blocks[0]).is_empty());
+        assert!(rx.sender_done(&done).unwrap().is_empty());
+        let ev = land(&mut rx, &blocks[1]);
+        assert!(matches!(ev.last(), Some(TransferEvent::Complete { .. })));
+    }
+
+    #[test]
+    fn blocks_outside_the_grant_are_violations() {
+        let mut rx = ReceiverState::new(2, 8, 4).unwrap();
+        let g = rx.grant(1, &[5, 6], 2, 0).unwrap();
+        let b = |layer_start, page_start, page_count, page_bytes| KvBlock {
+            transfer_id: g.transfer_id,
+            layer_start,
+            layer_count: 1,
+            page_start,
+            page_count,
+            page_bytes,
+        };
+        for bad in [b(0, 1, 2, 4), b(2, 0, 1, 4), b(0, 0, 1, 8), b(0, 2, 1, 4)] {
+            assert_eq!(
+                rx.begin_block(&bad).unwrap_err().reason(),
+                "grant_violation",
+                "{bad:?}"
+            );
+        }
+        assert!(matches!(
+            rx.begin_block(&b(0, 0, 1, 4)),
+            Ok(BlockDisposition::Land(_))
+        ));
+        // In flight: a second writer of the same page is refused.
+        assert_eq!(
+            rx.begin_block(&b(0, 0, 1, 4)).unwrap_err().reason(),
+            "grant_violation"
+        );
+        let unknown = KvBlock {
+            transfer_id: 999,
+            ..b(0, 0, 1, 4)
+        };
+        assert_eq!(
+            rx.begin_block(&unknown).unwrap_err().reason(),
+            "unknown_transfer"
+        );
+    }
+
+    #[test]
+    fn grants_never_overlap_and_bad_grants_change_nothing() {
+        let mut rx = ReceiverState::new(1, 4, 4).unwrap();
+        rx.grant(1, &[0, 1], 1, 0).unwrap();
+        assert_eq!(
+            rx.grant(2, &[1, 2], 1, 0).unwrap_err().reason(),
+            "pages_busy"
+        );
+        assert_eq!(
+            rx.grant(2, &[2, 2], 1, 0).unwrap_err().reason(),
+            "invalid_argument"
+        );
+        assert_eq!(
+            rx.grant(2, &[4], 1, 0).unwrap_err().reason(),
+            "invalid_argument"
+        );
+        assert_eq!(
+            rx.grant(2, &[2], 2, 0).unwrap_err().reason(),
+            "invalid_argument"
+        );
+        assert!(rx.grant(2, &[2, 3], 1, 0).is_ok());
+        assert_eq!(rx.live_transfers(), 2);
+    }
+
+    #[test]
+    fn a_bad_checksum_fails_the_transfer_and_frees_its_pages() {
+        let mut rx = ReceiverState::new(1, 4, 4).unwrap();
+        let g = rx.grant(5, &[0, 1], 1, 0).unwrap();
+        let mut tx = SenderTransfer::new(g.clone());
+        let blocks = tx.send_layer(0, 4).unwrap();
+        let Ok(BlockDisposition::Land(_)) = rx.begin_block(&blocks[0]) else {
+            panic!()
+        };
+        let err = Error::ChecksumMismatch {
+            expected: 1,
+            computed: 2,
+        };
+        let ev = rx.finish_block(&blocks[0], Err(err.clone()));
+        assert_eq!(
+            ev,
+            vec![TransferEvent::Failed {
+                transfer_id: g.transfer_id,
+                request_id: 5,
+                error: err
+            }]
+        );
+        assert_eq!(rx.live_transfers(), 0);
+        assert!(rx.grant(6, &[0, 1], 1, 0).is_ok());
+        assert_eq!(rx.begin_block(&blocks[1]).unwrap(), BlockDisposition::Drain);
+    }
+
+    #[test]
+    fn a_short_transfer_is_incomplete_not_complete() {
+        let mut rx = ReceiverState::new(1, 4, 4).unwrap();
+        let g = rx.grant(5, &[0, 1], 1, 0).unwrap();
+        let mut tx = SenderTransfer::new(g);
+        let blocks = tx.send_layer(0, 4).unwrap();
+        let done = tx.finish().unwrap();
+        land(&mut rx, &blocks[0]);
+        let lying = KvDone {
+            chunk_count: 1,
+            byte_count: 4,
+            ..done
+        };
+        let ev = rx.sender_done(&lying).unwrap();
+        assert!(
+            matches!(&ev[0], TransferEvent::Failed { error, .. } if error.reason() == "transfer_incomplete")
+        );
+    }
+
+    #[test]
+    fn sender_refuses_misuse() {
+        let g = KvGrant {
+            transfer_id: 1,
+            request_id: 1,
+            layer_count: 2,
+            page_count: 5,
+            page_bytes: 3,
+            deadline_ms: 0,
+        };
+        let mut tx = SenderTransfer::new(g);
+        assert!(tx.finish().is_err());
+        assert!(tx.send_layer(2, 100).is_err());
+        let blocks = tx.send_layer(0, 7).unwrap();
+        assert_eq!(
+            blocks.iter().map(|b| b.page_count).collect::<Vec<_>>(),
+            vec![2, 2, 1]
+        );
+        assert!(tx.send_layer(0, 7).is_err());
+        tx.send_layer(1, 1).unwrap();
+        assert!(tx.finish().is_ok());
+        assert!(tx.finish().is_err());
+    }
+
+    #[test]
+    fn block_header_parse_matches_the_frame_decoder() {
+        let b = KvBlock {
+            transfer_id: 9,
+            layer_start: 1,
+            layer_count: 2,
+            page_start: 3,
+            page_count: 4,
+            page_bytes: 5,
+        };
+        let fixed = b.to_fixed();
+        assert_eq!(KvBlock::parse(&fixed, 24 + 40).unwrap(), b);
+        assert_eq!(
+            KvBlock::parse(&fixed, 24 + 39).unwrap_err().reason(),
+            "invalid_field"
+        );
+        assert_eq!(
+            KvBlock::parse(&fixed, 10).unwrap_err().reason(),
+            "truncated"
+        );
+    }
+}
