@@ -463,6 +463,17 @@ async fn blackhole_swallows_data_and_hangs_new_connections() {
     wan.blackhole(false);
     bounded(5, "ping after", ping(&mut old, b"after")).await;
     assert_eq!(wan.stats().connections_accepted, 2);
+
+    // A FIN that meets the blackhole is held (TCP would resend it), not lost: the
+    // echo server only closes its side, and so our read only ends, after the lift.
+    wan.blackhole(true);
+    old.shutdown().await.unwrap();
+    assert!(timeout(Duration::from_millis(300), old.read(&mut b))
+        .await
+        .is_err());
+    wan.blackhole(false);
+    let eof = bounded(5, "EOF after the lift", old.read(&mut b)).await;
+    assert_eq!(eof.unwrap(), 0);
     wan.shutdown().await.unwrap();
 }
 

@@ -91,7 +91,7 @@ pub(crate) async fn serve(
     mut reset_rx: watch::Receiver<u64>,
 ) {
     let _ = client.set_nodelay(true);
-    if shared.blackhole.load(Ordering::Acquire) {
+    if shared.blackholed() {
         sink(&shared, client, &mut reset_rx).await;
         return;
     }
@@ -212,6 +212,7 @@ where
     let reader = async {
         let mut rng = StdRng::seed_from_u64(stream_seed(seed, conn_id, dir, 1));
         let mut last_release = Instant::now();
+        let mut buf = BytesMut::new();
         loop {
             let profile = link.profile();
             let want = chunk_size(profile.rate_bps, in_flight);
@@ -220,11 +221,21 @@ where
                 .acquire_many(want as u32)
                 .await
                 .map_err(io::Error::other)?;
-            let mut bytes = BytesMut::with_capacity(want);
-            let n = src.read_buf(&mut bytes).await?;
+            buf.reserve(want);
+            let n = (&mut src).take(want as u64).read_buf(&mut buf).await?;
             let arrival = Instant::now();
             permit.forget();
             budget.add_permits(want - n);
+            // Queue the chunk without pinning more memory than about twice its size:
+            // a big read keeps its buffer, a small one is copied out and the read
+            // buffer reused. So the memory held stays within ~2x the in-flight limit.
+            let bytes = if n * 2 >= buf.capacity() {
+                buf.split()
+            } else {
+                let small = BytesMut::from(&buf[..]);
+                buf.clear();
+                small
+            };
             let profile = link.profile();
             if n == 0 {
                 let release = (arrival + profile.sample_delay(&mut rng)).max(last_release);
@@ -232,7 +243,7 @@ where
                 return Ok::<(), io::Error>(());
             }
             link.count_received(n);
-            if shared.blackhole.load(Ordering::Acquire) {
+            if shared.blackholed() {
                 link.count_blackholed(n);
                 budget.add_permits(n);
                 continue;
@@ -265,12 +276,17 @@ where
             wait_out_stall(&mut stall).await;
             match item {
                 Item::Eof { .. } => {
+                    // Held while the blackhole is on, like a FIN TCP keeps resending.
+                    let mut blackhole = shared.blackhole.subscribe();
+                    if blackhole.wait_for(|on| !on).await.is_err() {
+                        return Ok(());
+                    }
                     dst.shutdown().await?;
                     return Ok(());
                 }
                 Item::Data { mut bytes, .. } => {
                     let n = bytes.len();
-                    if shared.blackhole.load(Ordering::Acquire) {
+                    if shared.blackholed() {
                         link.count_blackholed(n);
                     } else {
                         if link.take_corruption() {

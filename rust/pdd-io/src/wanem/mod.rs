@@ -45,7 +45,7 @@ mod link;
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -74,7 +74,9 @@ const LISTEN_BACKLOG: u32 = 1024;
 pub(crate) struct Shared {
     config: WanemConfig,
     links: [Link; 2],
-    blackhole: AtomicBool,
+    /// On: forward nothing (see `WanemHandle::blackhole`); a watch so held EOFs
+    /// can wait for it to lift.
+    blackhole: watch::Sender<bool>,
     /// Bumped by `reset_all`; each connection watches it from its accept on.
     reset_tx: watch::Sender<u64>,
     shutdown: CancellationToken,
@@ -88,6 +90,10 @@ pub(crate) struct Shared {
 impl Shared {
     fn link(&self, dir: Direction) -> &Link {
         &self.links[dir.index()]
+    }
+
+    fn blackholed(&self) -> bool {
+        *self.blackhole.borrow()
     }
 }
 
@@ -143,7 +149,7 @@ impl Wanem {
                 Link::new(config.upstream_to_client),
             ],
             config,
-            blackhole: AtomicBool::new(false),
+            blackhole: watch::Sender::new(false),
             reset_tx: watch::Sender::new(0),
             shutdown: CancellationToken::new(),
             tracker: TaskTracker::new(),
@@ -287,17 +293,22 @@ impl WanemHandle {
 
     /// Turns the blackhole on or off. While on, the emulator keeps accepting and
     /// reading but forwards nothing, in either direction: existing connections go
-    /// silent (what was read or queued is dropped), and new connections are accepted
-    /// but never connected upstream, so they hang until the client gives up, a
-    /// `reset_all` or the shutdown (they stay that way after the blackhole is
-    /// lifted). Existing connections resume forwarding new bytes when it is lifted.
+    /// silent (data read or queued is dropped and counted in
+    /// [`LinkStats::bytes_blackholed`]), and new connections are accepted but never
+    /// connected upstream, so they hang until the client gives up, a `reset_all` or
+    /// the shutdown (they stay that way after the blackhole is lifted).
+    ///
+    /// When it is lifted, existing connections forward new bytes again. A FIN (EOF)
+    /// that reaches the blackhole is held, not dropped, and passed on when it lifts,
+    /// as TCP would retransmit it; so a peer only learns of a close through the
+    /// blackhole by its own timeout, or after the lift.
     pub fn blackhole(&self, on: bool) {
-        self.shared.blackhole.store(on, Ordering::Release);
+        self.shared.blackhole.send_replace(on);
     }
 
     /// Whether the blackhole is on.
     pub fn is_blackholed(&self) -> bool {
-        self.shared.blackhole.load(Ordering::Acquire)
+        self.shared.blackholed()
     }
 
     /// A snapshot of the counters.
