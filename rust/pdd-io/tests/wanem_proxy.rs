@@ -578,14 +578,12 @@ fn the_handle_works_from_plain_threads() {
         .build()
         .unwrap();
     let (echo, _) = runtime.block_on(echo_server());
-    let wan = runtime
-        .block_on(Wanem::start(WanemConfig::new(any_port(), echo)))
-        .unwrap();
-    let addr = wan.local_addr();
+    let rt = runtime.handle().clone();
 
-    // The "Python" thread: no runtime, only the handle.
+    // The "Python" thread: no runtime context, only a handle to the runtime.
     let steer = std::thread::spawn(move || {
         assert!(tokio::runtime::Handle::try_current().is_err());
+        let wan = Wanem::start_on(&rt, WanemConfig::new(any_port(), echo)).unwrap();
         wan.set_profile(C2U, LinkProfile::with_delay(Duration::from_millis(30)))
             .unwrap();
         wan.corrupt_next(U2C);
@@ -594,6 +592,7 @@ fn the_handle_works_from_plain_threads() {
         wan
     });
     let wan = steer.join().unwrap();
+    let addr = wan.local_addr();
 
     // The settings took effect on the runtime side.
     let _client = runtime.block_on(async {

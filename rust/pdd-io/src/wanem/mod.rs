@@ -135,8 +135,28 @@ impl Wanem {
     /// current tokio runtime. Listening on port 0 works: the bound address is
     /// [`WanemHandle::local_addr`].
     pub async fn start(config: WanemConfig) -> Result<WanemHandle, WanemError> {
-        config.validate()?;
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| WanemError::NoRuntime)?;
+        Self::start_inner(config, runtime)
+    }
+
+    /// [`start`](Self::start) for plain (non-async) threads, e.g. a Python binding
+    /// that owns a process-wide runtime: binds and spawns on `runtime` without
+    /// blocking on it. The runtime must keep running (a multi-threaded one, or a
+    /// current-thread one driven elsewhere).
+    pub fn start_on(
+        runtime: &tokio::runtime::Handle,
+        config: WanemConfig,
+    ) -> Result<WanemHandle, WanemError> {
+        // The listener registers with the runtime's reactor, which needs its context.
+        let _context = runtime.enter();
+        Self::start_inner(config, runtime.clone())
+    }
+
+    fn start_inner(
+        config: WanemConfig,
+        runtime: tokio::runtime::Handle,
+    ) -> Result<WanemHandle, WanemError> {
+        config.validate()?;
         let bind_err = |source| WanemError::Bind {
             addr: config.listen,
             source,
@@ -158,9 +178,8 @@ impl Wanem {
             resets: AtomicU64::new(0),
             connect_failures: AtomicU64::new(0),
         });
-        shared
-            .tracker
-            .spawn(accept_loop(Arc::clone(&shared), listener));
+        let accept = accept_loop(Arc::clone(&shared), listener);
+        runtime.spawn(shared.tracker.track_future(accept));
         Ok(WanemHandle {
             shared,
             local_addr,
@@ -415,4 +434,35 @@ pub fn run_blocking(config: WanemConfig) -> Result<WanemStats, WanemError> {
         signal.map_err(WanemError::Signal)?;
         Ok(handle.stats())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handle_and_stats_cross_threads() {
+        fn shareable<T: Send + Sync + 'static>() {}
+        shareable::<WanemHandle>();
+        shareable::<WanemStats>();
+        shareable::<WanemError>();
+    }
+
+    #[tokio::test]
+    async fn start_refuses_a_bad_config_and_reports_bind_errors() {
+        let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let mut bad = WanemConfig::new(addr, addr);
+        bad.client_to_upstream.rate_bps = Some(0);
+        assert!(matches!(
+            Wanem::start(bad).await,
+            Err(WanemError::InvalidConfig(_))
+        ));
+
+        let first = Wanem::start(WanemConfig::new(addr, addr)).await.unwrap();
+        let taken = WanemConfig::new(first.local_addr(), addr);
+        let err = Wanem::start(taken).await.unwrap_err();
+        assert!(matches!(err, WanemError::Bind { .. }), "{err}");
+        assert!(err.to_string().contains(&first.local_addr().to_string()));
+        first.shutdown().await.unwrap();
+    }
 }
