@@ -1,5 +1,6 @@
 //! `pdd_transport._native`: the PyO3 binding. One file per Python-facing family:
-//! `errors.rs` (error mapping), `wire.rs` (frame encode/decode).
+//! `errors.rs` (error mapping), `runtime.rs` (the process's tokio runtime, fork guard),
+//! `wire.rs` (frame encode/decode).
 //!
 //! This crate only converts between Python and Rust values, releases the GIL around
 //! work that takes time, and maps `pdd_core::Error` to the Python exception
@@ -8,6 +9,7 @@
 use pyo3::prelude::*;
 
 mod errors;
+mod runtime;
 mod wire;
 
 /// The native module. `pdd_transport/__init__.py` re-exports the public names.
