@@ -290,6 +290,10 @@ impl Pair {
 
     /// Move every queued frame onto the link and every event into the engines.
     fn pump(&mut self) {
+        assert!(
+            self.relay.unacked_handoffs() <= 2,
+            "more than a chunk and the final unacknowledged"
+        );
         loop {
             let mut moved = false;
             while let Some(f) = self.relay.poll_transmit(self.now) {

@@ -854,3 +854,99 @@ fn reconnect_resends_unacked_handoffs_and_latest_progress() {
     assert_eq!(drain_relay(&mut r, ms(2)), chunk);
     assert_eq!(drain_main(&mut m, ms(2)), vec![kv_complete(PROMPT)]);
 }
+
+#[test]
+fn progress_covering_a_chunk_acknowledges_it() {
+    let mut r = relay(policy());
+    offer(&mut r, 0, 100, ms(0));
+    r.handle_frame(kv_complete(PROMPT), ms(1)).unwrap();
+    assert_eq!(handoffs(&drain_relay(&mut r, ms(1))).len(), 1);
+    assert_eq!(r.unacked_handoffs(), 1);
+    // The HANDOFF_ACK is lost, but MD's progress past the chunk proves delivery.
+    r.handle_frame(kv_complete(PROMPT + 32), ms(2)).unwrap();
+    let next = handoffs(&drain_relay(&mut r, ms(2)));
+    assert_eq!(next.len(), 1, "only the new chunk, no retransmission");
+    assert_eq!(next[0].seq, 1);
+    assert_eq!(r.unacked_handoffs(), 1);
+    // Until its RTO, nothing is retransmitted.
+    let rto = r.poll_timeout().unwrap();
+    assert_eq!(
+        rto,
+        ms(2).saturating_add(HandoffTimers::default().rto_initial)
+    );
+    r.handle_timeout(rto);
+    let again = handoffs(&drain_relay(&mut r, rto));
+    assert_eq!(again.iter().map(|h| h.seq).collect::<Vec<_>>(), [1]);
+}
+
+#[test]
+fn handoff_errors_have_distinct_reasons_and_fitting_classes() {
+    use pdd_core::wire::FrameKind;
+    let errors = [
+        (
+            Error::WrongRequest {
+                expected: 1,
+                found: 2,
+            },
+            "wrong_request",
+            ErrorClass::Protocol,
+            AbortReason::ProtocolError,
+        ),
+        (
+            Error::UnexpectedFrame {
+                request_id: 1,
+                kind: FrameKind::KvPages,
+                detail: "x",
+            },
+            "unexpected_frame",
+            ErrorClass::Protocol,
+            AbortReason::ProtocolError,
+        ),
+        (
+            Error::HandoffConflict {
+                request_id: 1,
+                detail: "x".into(),
+            },
+            "handoff_conflict",
+            ErrorClass::Protocol,
+            AbortReason::ProtocolError,
+        ),
+        (
+            Error::ProgressRegressed {
+                request_id: 1,
+                previous: 5,
+                found: 4,
+            },
+            "progress_regressed",
+            ErrorClass::Protocol,
+            AbortReason::ProtocolError,
+        ),
+        (
+            Error::HandoffTimedOut {
+                request_id: 1,
+                waiting_for: "handoff_ack",
+                waited_ms: 10,
+                attempts: 3,
+            },
+            "handoff_timed_out",
+            ErrorClass::Timeout,
+            AbortReason::DeadlineExceeded,
+        ),
+        (
+            Error::HandoffClosed {
+                request_id: 1,
+                state: "aborted",
+                operation: "report_progress",
+            },
+            "handoff_closed",
+            ErrorClass::InvalidArgument,
+            AbortReason::Internal,
+        ),
+    ];
+    for (err, reason, class, abort) in errors {
+        assert_eq!(err.reason(), reason);
+        assert_eq!(err.class(), class, "{reason}");
+        assert_eq!(err.abort_reason(), abort, "{reason}");
+        assert!(!err.to_string().is_empty());
+    }
+}

@@ -228,6 +228,12 @@ impl RelaySide {
         self.handed_end
     }
 
+    /// Handoffs sent and not yet acknowledged (explicitly, or by MD's progress
+    /// covering them). At most two: one chunk and the final.
+    pub fn unacked_handoffs(&self) -> usize {
+        self.unacked.len()
+    }
+
     /// Latest position MD reported (its KV covers positions below it).
     pub fn md_position(&self) -> Option<u32> {
         self.md_position
@@ -472,6 +478,20 @@ impl RelaySide {
         self.md_position = Some(p.position);
         self.md_kv_complete = p.kv_complete;
         self.last_heard = now;
+        // MD's KV covering a handoff's tokens proves MD delivered it: an implicit ack
+        // that saves retransmitting a chunk whose HANDOFF_ACK was lost. Not for the
+        // final one, which may be empty (ending where the previous one ended); only
+        // the final ack transfers ownership.
+        let covered = self
+            .sent
+            .iter()
+            .enumerate()
+            .take_while(|(_, r)| !r.final_ && r.end_position <= p.position)
+            .last()
+            .map(|(seq, _)| seq as u32);
+        if let Some(seq) = covered {
+            self.acknowledge_through(seq, now);
+        }
         self.advance(now);
         Ok(())
     }
@@ -494,20 +514,29 @@ impl RelaySide {
             )));
         }
         self.last_heard = now;
-        if self.acked_seq.is_some_and(|s| a.acked_seq <= s) {
-            return Ok(()); // stale or duplicate: cumulative acks make it redundant
+        if record.final_ {
+            self.end(RelayState::Finished);
+            self.events.push_back(RelayEvent::Finished);
+        } else {
+            self.acknowledge_through(a.acked_seq, now);
         }
-        self.acked_seq = Some(a.acked_seq);
-        while self.unacked.front().is_some_and(|h| h.seq <= a.acked_seq) {
+        Ok(())
+    }
+
+    /// Every handoff up to `seq` (non-final) is known delivered: stop retransmitting it.
+    /// Stale or duplicate acknowledgements change nothing (acks are cumulative).
+    fn acknowledge_through(&mut self, seq: u32, now: Timestamp) {
+        if self.acked_seq.is_some_and(|s| seq <= s) {
+            return;
+        }
+        self.acked_seq = Some(seq);
+        while self.unacked.front().is_some_and(|h| h.seq <= seq) {
             self.unacked.pop_front();
         }
         // Queued retransmissions of what is now acked would only be re-acked.
         self.transmit
-            .retain(|f| !matches!(f, Frame::Handoff(h) if h.seq <= a.acked_seq));
-        if record.final_ {
-            self.end(RelayState::Finished);
-            self.events.push_back(RelayEvent::Finished);
-        } else if self.unacked.is_empty() {
+            .retain(|f| !matches!(f, Frame::Handoff(h) if h.seq <= seq));
+        if self.unacked.is_empty() {
             self.clear_retransmit();
         } else {
             // The ack advanced: fresh backoff and give-up clock for what remains.
@@ -515,7 +544,6 @@ impl RelaySide {
             self.unacked_since = Some(now);
             self.rto_deadline = Some(now.saturating_add(self.timers.rto(1)));
         }
-        Ok(())
     }
 
     /// Hand tokens over if MD is ready for them: the heart of One-Shot and Catch-Up.
