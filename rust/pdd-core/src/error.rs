@@ -187,6 +187,73 @@ pub enum Error {
         /// By whom or why.
         detail: String,
     },
+    /// A handoff machine got a frame addressed to another request; the router that
+    /// passed it on is wrong, or the peer is.
+    #[error("frame for request {found} given to the handoff of request {expected}")]
+    WrongRequest {
+        /// The request this machine serves.
+        expected: u64,
+        /// The request id in the frame.
+        found: u64,
+    },
+    /// A frame kind that this side of the handoff never receives (HANDOFF at
+    /// RelayDecode, PROGRESS at MainDecode, a KV frame, ...), or one out of sequence.
+    #[error("unexpected {kind} in the handoff of request {request_id}: {detail}")]
+    UnexpectedFrame {
+        /// The request.
+        request_id: u64,
+        /// The frame's kind.
+        kind: FrameKind,
+        /// Why it is unexpected.
+        detail: &'static str,
+    },
+    /// A HANDOFF or HANDOFF_ACK contradicts what this side already sent or delivered
+    /// (positions not contiguous, different tokens under a seen sequence number, an
+    /// ack for a handoff never sent).
+    #[error("handoff of request {request_id} contradicts earlier frames: {detail}")]
+    HandoffConflict {
+        /// The request.
+        request_id: u64,
+        /// What contradicts what.
+        detail: String,
+    },
+    /// MainDecode's progress went backwards (position lower than reported before, or
+    /// KV complete withdrawn).
+    #[error("progress of request {request_id} went backwards: {previous} then {found}")]
+    ProgressRegressed {
+        /// The request.
+        request_id: u64,
+        /// The position reported before.
+        previous: u32,
+        /// The position now reported.
+        found: u32,
+    },
+    /// The handoff peer stayed silent, or never acknowledged, beyond the configured
+    /// bound; the handoff is abandoned.
+    #[error(
+        "handoff of request {request_id} timed out waiting for {waiting_for} \
+         after {waited_ms} ms and {attempts} transmissions"
+    )]
+    HandoffTimedOut {
+        /// The request.
+        request_id: u64,
+        /// What was awaited (`"handoff_ack"`, `"progress"`, `"kv_complete"`, `"handoff"`).
+        waiting_for: &'static str,
+        /// How long it waited, in milliseconds.
+        waited_ms: u64,
+        /// How many times the unanswered frame was sent (0 if nothing was sent).
+        attempts: u32,
+    },
+    /// A local call on a handoff that has already ended (finished, aborted, failed).
+    #[error("handoff of request {request_id} is {state}; {operation} is not possible")]
+    HandoffClosed {
+        /// The request.
+        request_id: u64,
+        /// The state it is in.
+        state: &'static str,
+        /// What the caller tried.
+        operation: &'static str,
+    },
 }
 
 impl Error {
@@ -216,6 +283,12 @@ impl Error {
             Error::DeadlineExceeded { .. } => "deadline_exceeded",
             Error::ConnectionLost { .. } => "connection_lost",
             Error::Cancelled { .. } => "cancelled",
+            Error::WrongRequest { .. } => "wrong_request",
+            Error::UnexpectedFrame { .. } => "unexpected_frame",
+            Error::HandoffConflict { .. } => "handoff_conflict",
+            Error::ProgressRegressed { .. } => "progress_regressed",
+            Error::HandoffTimedOut { .. } => "handoff_timed_out",
+            Error::HandoffClosed { .. } => "handoff_closed",
         }
     }
 
@@ -228,8 +301,10 @@ impl Error {
             | Error::PeerAborted { .. }
             | Error::ConnectionLost { .. }
             | Error::Cancelled { .. } => ErrorClass::Connection,
-            Error::InvalidArgument(_) | Error::PagesBusy { .. } => ErrorClass::InvalidArgument,
-            Error::DeadlineExceeded { .. } => ErrorClass::Timeout,
+            Error::InvalidArgument(_) | Error::PagesBusy { .. } | Error::HandoffClosed { .. } => {
+                ErrorClass::InvalidArgument
+            }
+            Error::DeadlineExceeded { .. } | Error::HandoffTimedOut { .. } => ErrorClass::Timeout,
             _ => ErrorClass::Protocol,
         }
     }
@@ -245,11 +320,15 @@ impl Error {
             Error::ChecksumMismatch { .. } => AbortReason::ChecksumMismatch,
             Error::AuthFailed { .. } | Error::RoleRefused { .. } => AbortReason::AuthFailed,
             Error::PeerAborted { reason, .. } => *reason,
-            Error::InvalidArgument(_) | Error::PagesBusy { .. } => AbortReason::Internal,
+            Error::InvalidArgument(_) | Error::PagesBusy { .. } | Error::HandoffClosed { .. } => {
+                AbortReason::Internal
+            }
             Error::GrantViolation { .. } | Error::UnknownTransfer { .. } => {
                 AbortReason::GrantViolation
             }
-            Error::DeadlineExceeded { .. } => AbortReason::DeadlineExceeded,
+            Error::DeadlineExceeded { .. } | Error::HandoffTimedOut { .. } => {
+                AbortReason::DeadlineExceeded
+            }
             Error::Cancelled { .. } => AbortReason::Cancelled,
             Error::ConnectionLost { .. } => AbortReason::Shutdown,
             _ => AbortReason::ProtocolError,
