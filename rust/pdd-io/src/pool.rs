@@ -1,0 +1,224 @@
+//! Registered memory, seen as pages.
+//!
+//! A [`MemoryRegion`] is memory the engine owns (a numpy array, a torch CPU tensor, a
+//! Rust `Vec`) that the transport may read and write while a keep-alive owner lives.
+//! A [`PagePool`] views one region per layer as `pages` pages of `page_bytes`. The
+//! wire never names these addresses: senders address pages relative to a grant and the
+//! receiver's bookkeeping (`pdd_core::kv::ReceiverState`) maps them to pool pages,
+//! marking each page in flight while exactly one lane writes it.
+
+use std::any::Any;
+use std::ptr::NonNull;
+
+use pdd_core::Error;
+
+/// A span of memory kept alive by an owner.
+pub struct MemoryRegion {
+    ptr: NonNull<u8>,
+    len: usize,
+    _owner: Box<dyn Any + Send + Sync>,
+}
+
+// SAFETY: the region is a pointer and a length whose target the owner keeps alive and
+// in place; it carries no thread affinity. Who may touch which bytes when is decided
+// by the transfer bookkeeping (one writer per page, readers only of pages not being
+// written), not by the type.
+unsafe impl Send for MemoryRegion {}
+// SAFETY: as for Send; `&MemoryRegion` hands out raw access only through the unsafe
+// page accessors, whose callers uphold the one-writer rule.
+unsafe impl Sync for MemoryRegion {}
+
+impl std::fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemoryRegion {
+    /// A region over `len` bytes at `ptr`, kept alive by `owner`.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be valid for reads and writes, and must stay valid and at
+    /// the same address for as long as `owner` is alive. Nobody else may write the
+    /// memory while a transfer lands in it (readers see the bytes as they land).
+    pub unsafe fn from_raw(
+        ptr: *mut u8,
+        len: usize,
+        owner: Box<dyn Any + Send + Sync>,
+    ) -> Result<MemoryRegion, Error> {
+        let ptr = NonNull::new(ptr)
+            .ok_or_else(|| Error::InvalidArgument("null buffer pointer".into()))?;
+        Ok(MemoryRegion {
+            ptr,
+            len,
+            _owner: owner,
+        })
+    }
+
+    /// A region owning a vector (tests, benchmarks, Rust callers).
+    pub fn from_vec(bytes: Vec<u8>) -> MemoryRegion {
+        let mut boxed = bytes.into_boxed_slice();
+        let len = boxed.len();
+        // A boxed slice's heap buffer does not move when the box itself is moved into
+        // the owner below. Zero-length boxes have a dangling, non-null pointer.
+        let ptr = NonNull::new(boxed.as_mut_ptr()).unwrap_or(NonNull::dangling());
+        MemoryRegion {
+            ptr,
+            len,
+            _owner: Box::new(boxed),
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// `layers` regions of `pages x page_bytes` bytes each.
+#[derive(Debug)]
+pub struct PagePool {
+    layers: Vec<MemoryRegion>,
+    pages: u32,
+    page_bytes: u32,
+}
+
+impl PagePool {
+    /// A pool over one region per layer; every region must hold the same whole number
+    /// of pages.
+    pub fn new(layers: Vec<MemoryRegion>, page_bytes: u32) -> Result<PagePool, Error> {
+        let arg = |m: String| Err(Error::InvalidArgument(m));
+        if layers.is_empty() || layers.len() > usize::from(u16::MAX) {
+            return arg(format!(
+                "a pool needs 1..=65535 layers, got {}",
+                layers.len()
+            ));
+        }
+        if page_bytes == 0 {
+            return arg("page_bytes must be >= 1".into());
+        }
+        let len = layers[0].len();
+        if let Some((i, r)) = layers.iter().enumerate().find(|(_, r)| r.len() != len) {
+            return arg(format!(
+                "layer {i} has {} bytes, layer 0 has {len}",
+                r.len()
+            ));
+        }
+        if len == 0 || len % page_bytes as usize != 0 {
+            return arg(format!("layer buffers of {len} bytes are not a whole number (>= 1) of {page_bytes}-byte pages"));
+        }
+        let pages = u32::try_from(len / page_bytes as usize)
+            .map_err(|_| Error::InvalidArgument("more than 2^32 pages per layer".into()))?;
+        Ok(PagePool {
+            layers,
+            pages,
+            page_bytes,
+        })
+    }
+
+    /// Layers in the pool.
+    pub fn layers(&self) -> u16 {
+        self.layers.len() as u16
+    }
+
+    /// Pages per layer.
+    pub fn pages(&self) -> u32 {
+        self.pages
+    }
+
+    /// Bytes per page.
+    pub fn page_bytes(&self) -> u32 {
+        self.page_bytes
+    }
+
+    fn page_ptr(&self, layer: u16, page: u32) -> Result<*mut u8, Error> {
+        let region = self.layers.get(usize::from(layer)).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "layer {layer} outside the pool's {}",
+                self.layers.len()
+            ))
+        })?;
+        if page >= self.pages {
+            return Err(Error::InvalidArgument(format!(
+                "page {page} outside the pool's {}",
+                self.pages
+            )));
+        }
+        let offset = page as usize * self.page_bytes as usize;
+        // SAFETY: page < pages, so offset + page_bytes <= region.len: in bounds.
+        Ok(unsafe { region.ptr.as_ptr().add(offset) })
+    }
+
+    /// The bytes of one page, to read.
+    ///
+    /// # Safety
+    /// No one may write the page while the returned slice is alive.
+    pub unsafe fn page(&self, layer: u16, page: u32) -> Result<&[u8], Error> {
+        let ptr = self.page_ptr(layer, page)?;
+        // SAFETY: in bounds (page_ptr), alive while &self is (the owner lives in the
+        // pool); no concurrent writer by the caller's contract.
+        Ok(unsafe { std::slice::from_raw_parts(ptr, self.page_bytes as usize) })
+    }
+
+    /// The bytes of one page, to write.
+    ///
+    /// # Safety
+    /// The caller must be the page's only reader or writer while the slice is alive:
+    /// the receiver guarantees it by marking the page in flight in
+    /// `pdd_core::kv::ReceiverState` before calling this.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn page_mut(&self, layer: u16, page: u32) -> Result<&mut [u8], Error> {
+        let ptr = self.page_ptr(layer, page)?;
+        // SAFETY: in bounds and alive as above; exclusive by the caller's contract.
+        Ok(unsafe { std::slice::from_raw_parts_mut(ptr, self.page_bytes as usize) })
+    }
+
+    /// A copy of one page (tests and verification; not the data path).
+    pub fn copy_page(&self, layer: u16, page: u32) -> Result<Vec<u8>, Error> {
+        // SAFETY: copied at once; a concurrent writer could only make the copy stale,
+        // which callers that verify after completion do not see.
+        unsafe { self.page(layer, page) }.map(<[u8]>::to_vec)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn geometry_is_checked() {
+        let pool = |lens: &[usize], pb| {
+            PagePool::new(
+                lens.iter()
+                    .map(|&n| MemoryRegion::from_vec(vec![0; n]))
+                    .collect(),
+                pb,
+            )
+        };
+        assert!(pool(&[], 4).is_err());
+        assert!(pool(&[8, 12], 4).is_err());
+        assert!(pool(&[10], 4).is_err());
+        assert!(pool(&[0], 4).is_err());
+        let p = pool(&[12, 12], 4).unwrap();
+        assert_eq!((p.layers(), p.pages(), p.page_bytes()), (2, 3, 4));
+        assert!(p.copy_page(2, 0).is_err());
+        assert!(p.copy_page(0, 3).is_err());
+    }
+
+    #[test]
+    fn pages_are_the_right_bytes() {
+        let v: Vec<u8> = (0..24).collect();
+        let p = PagePool::new(vec![MemoryRegion::from_vec(v)], 8).unwrap();
+        assert_eq!(p.copy_page(0, 1).unwrap(), (8..16).collect::<Vec<u8>>());
+        // SAFETY: the test is the pool's only user.
+        unsafe { p.page_mut(0, 2).unwrap() }.fill(7);
+        assert_eq!(p.copy_page(0, 2).unwrap(), vec![7; 8]);
+    }
+}
