@@ -135,8 +135,11 @@ pub enum TransferEvent {
         request_id: u64,
         /// Page bytes received.
         bytes: u64,
+        /// KV_PAGES blocks received.
+        blocks: u32,
     },
-    /// The transfer failed; its pages are released and hold undefined data.
+    /// The transfer failed; its pages hold undefined data and are released once no
+    /// block is still landing in them.
     Failed {
         /// The transfer.
         transfer_id: u64,
@@ -164,6 +167,8 @@ struct Inbound {
     blocks: u32,
     bytes: u64,
     sender_done: Option<KvDone>,
+    /// Blocks begun but not finished: their pages are being written right now.
+    in_flight: u32,
 }
 
 /// Where one block's pages go: pool layer and pool page for each page of the block,
@@ -186,6 +191,10 @@ pub struct ReceiverState {
     /// Transfer holding each pool page (0 = free).
     page_owner: Vec<u64>,
     live: HashMap<u64, Inbound>,
+    /// Ended transfers that still have blocks landing: their pages stay held (so no
+    /// new grant can hand them out while a lane still writes them) until the last
+    /// in-flight block finishes. Value: (pool pages, blocks in flight).
+    draining: HashMap<u64, (Vec<u32>, u32)>,
     /// Transfers that ended recently: late blocks for them are drained, not fatal.
     recently_ended: VecDeque<u64>,
     next_transfer_id: u64,
@@ -217,6 +226,7 @@ impl ReceiverState {
             page_bytes,
             page_owner: vec![0; pool_pages as usize],
             live: HashMap::new(),
+            draining: HashMap::new(),
             recently_ended: VecDeque::new(),
             next_transfer_id: 1,
         })
@@ -300,6 +310,7 @@ impl ReceiverState {
                 blocks: 0,
                 bytes: 0,
                 sender_done: None,
+                in_flight: 0,
             },
         );
         Ok(grant)
@@ -313,7 +324,9 @@ impl ReceiverState {
     /// flight.
     pub fn begin_block(&mut self, block: &KvBlock) -> Result<BlockDisposition> {
         let Some(t) = self.live.get_mut(&block.transfer_id) else {
-            if self.recently_ended.contains(&block.transfer_id) {
+            if self.draining.contains_key(&block.transfer_id)
+                || self.recently_ended.contains(&block.transfer_id)
+            {
                 return Ok(BlockDisposition::Drain);
             }
             return Err(Error::UnknownTransfer {
@@ -358,6 +371,7 @@ impl ReceiverState {
                 pages.push((layer, t.dest_pages[page as usize]));
             }
         }
+        t.in_flight += 1;
         Ok(BlockDisposition::Land(BlockTarget {
             pages,
             page_bytes: block.page_bytes,
@@ -367,10 +381,23 @@ impl ReceiverState {
     /// The data of a block begun with [`ReceiverState::begin_block`] has landed
     /// (`Ok`) or failed (`Err`: checksum mismatch, connection lost mid-block). A
     /// failed block fails its transfer: its pages hold unverified bytes.
+    ///
+    /// Every `begin_block` that returned `Land` must be followed by exactly one
+    /// `finish_block` for that block, also when the transfer failed meanwhile: until
+    /// then the transfer's pages stay held.
     pub fn finish_block(&mut self, block: &KvBlock, outcome: Result<()>) -> Vec<TransferEvent> {
         let Some(t) = self.live.get_mut(&block.transfer_id) else {
+            if let Some((_, in_flight)) = self.draining.get_mut(&block.transfer_id) {
+                *in_flight -= 1;
+                if *in_flight == 0 {
+                    if let Some((pages, _)) = self.draining.remove(&block.transfer_id) {
+                        self.release_pages(block.transfer_id, &pages);
+                    }
+                }
+            }
             return Vec::new();
         };
+        t.in_flight -= 1;
         if let Err(error) = outcome {
             return self.end(block.transfer_id, Some(error));
         }
@@ -441,6 +468,19 @@ impl ReceiverState {
         self.live.get(&transfer_id).map(|t| t.grant.request_id)
     }
 
+    fn release_pages(&mut self, transfer_id: u64, pages: &[u32]) {
+        for &p in pages {
+            if self.page_owner[p as usize] == transfer_id {
+                self.page_owner[p as usize] = 0;
+            }
+        }
+    }
+
+    /// Pool pages held by live or draining transfers.
+    pub fn pages_held(&self) -> usize {
+        self.page_owner.iter().filter(|&&o| o != 0).count()
+    }
+
     fn try_complete(&mut self, transfer_id: u64) -> Vec<TransferEvent> {
         let Some(t) = self.live.get(&transfer_id) else {
             return Vec::new();
@@ -484,10 +524,11 @@ impl ReceiverState {
         let Some(t) = self.live.remove(&transfer_id) else {
             return Vec::new();
         };
-        for &p in &t.dest_pages {
-            if self.page_owner[p as usize] == transfer_id {
-                self.page_owner[p as usize] = 0;
-            }
+        if t.in_flight > 0 {
+            self.draining
+                .insert(transfer_id, (t.dest_pages.clone(), t.in_flight));
+        } else {
+            self.release_pages(transfer_id, &t.dest_pages);
         }
         if self.recently_ended.len() == RECENTLY_ENDED {
             self.recently_ended.pop_front();
@@ -499,6 +540,7 @@ impl ReceiverState {
                 transfer_id,
                 request_id,
                 bytes: t.bytes,
+                blocks: t.blocks,
             },
             Some(error) => TransferEvent::Failed {
                 transfer_id,
@@ -646,7 +688,8 @@ mod tests {
             vec![TransferEvent::Complete {
                 transfer_id: grant.transfer_id,
                 request_id: 77,
-                bytes: 72
+                bytes: 72,
+                blocks: 6
             }]
         );
         // The pages are free again, and late frames for the transfer are drained.
@@ -762,6 +805,32 @@ mod tests {
         assert_eq!(rx.live_transfers(), 0);
         assert!(rx.grant(6, &[0, 1], 1, 0).is_ok());
         assert_eq!(rx.begin_block(&blocks[1]).unwrap(), BlockDisposition::Drain);
+    }
+
+    #[test]
+    fn pages_of_a_failed_transfer_stay_held_while_a_block_lands() {
+        let mut rx = ReceiverState::new(1, 4, 4).unwrap();
+        let g = rx.grant(5, &[0, 1], 1, 0).unwrap();
+        let mut tx = SenderTransfer::new(g.clone());
+        let blocks = tx.send_layer(0, 4).unwrap();
+        let Ok(BlockDisposition::Land(_)) = rx.begin_block(&blocks[0]) else {
+            panic!()
+        };
+        // The deadline fires while block 0 is still being written by a lane.
+        let ev = rx.fail(
+            g.transfer_id,
+            Error::DeadlineExceeded {
+                what: "test".into(),
+            },
+        );
+        assert!(matches!(&ev[0], TransferEvent::Failed { .. }));
+        assert_eq!(rx.pages_held(), 2);
+        assert_eq!(rx.grant(6, &[0], 1, 0).unwrap_err().reason(), "pages_busy");
+        // Further blocks are drained; the lane's finish releases the pages.
+        assert_eq!(rx.begin_block(&blocks[1]).unwrap(), BlockDisposition::Drain);
+        assert!(rx.finish_block(&blocks[0], Ok(())).is_empty());
+        assert_eq!(rx.pages_held(), 0);
+        assert!(rx.grant(6, &[0, 1], 1, 0).is_ok());
     }
 
     #[test]

@@ -10,6 +10,8 @@ pub mod codec;
 pub mod lane;
 pub mod metrics;
 pub mod pool;
+pub mod receiver;
+pub mod sender;
 pub mod wanem;
 
 pub use codec::WireCodec;

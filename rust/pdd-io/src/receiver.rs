@@ -1,0 +1,893 @@
+//! The KV receiver: a listener whose peers stream KV pages into granted pages of a
+//! registered pool.
+//!
+//! Per connection the first frame is HELLO; lane 0 of a session is its control lane
+//! (grants out; KV_DONE, PING/PONG, ABORT both ways), lanes 1.. carry KV_PAGES. A data
+//! lane reads each block's 40 header bytes, asks `pdd_core::kv::ReceiverState` where
+//! the block may go, then reads the page bytes straight into the pool pages with
+//! vectored reads and checks the CRC32C over what landed before the block counts.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::IoSliceMut;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures_util::{SinkExt, StreamExt};
+use pdd_core::kv::{BlockDisposition, KvBlock, ReceiverState, TransferEvent};
+use pdd_core::wire::handshake::LocalHello;
+use pdd_core::wire::{
+    Abort, Frame, FrameHeader, FrameKind, KvDone, KvGrant, Ping, HEADER_LEN, KV_PAGES_FIXED_LEN,
+};
+use pdd_core::Error;
+use tokio::io::AsyncReadExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch};
+use tokio_util::codec::{FramedRead, FramedWrite};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::codec::{CodecError, WireCodec};
+use crate::lane::{self, SocketTuning};
+use crate::metrics::Metrics;
+use crate::pool::PagePool;
+
+/// Receiver settings.
+#[derive(Debug, Clone)]
+pub struct ReceiverConfig {
+    /// Address to listen on (port 0 picks one).
+    pub listen: SocketAddr,
+    /// Our HELLO: role, credentials required of peers, payload limit.
+    pub hello: LocalHello,
+    /// Socket tuning of every lane.
+    pub tuning: SocketTuning,
+    /// A connecting peer must finish HELLO within this.
+    pub hello_timeout: Duration,
+    /// PING interval on control lanes.
+    pub heartbeat: Duration,
+    /// A control lane silent this long is dead; its session's transfers fail.
+    pub dead_after: Duration,
+}
+
+impl ReceiverConfig {
+    /// Defaults: 1 s heartbeats, dead after 5 s of silence, HELLO within 5 s.
+    pub fn new(listen: SocketAddr, hello: LocalHello) -> ReceiverConfig {
+        ReceiverConfig {
+            listen,
+            hello,
+            tuning: SocketTuning::default(),
+            hello_timeout: Duration::from_secs(5),
+            heartbeat: Duration::from_secs(1),
+            dead_after: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Where a transfer stands.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TransferStatus {
+    /// Pages are arriving; `layers_done` layers are complete.
+    InProgress {
+        /// Layers complete so far.
+        layers_done: u16,
+    },
+    /// Every page landed and verified.
+    Complete {
+        /// Page bytes received.
+        bytes: u64,
+        /// Seconds from grant to completion.
+        seconds: f64,
+    },
+    /// The transfer failed.
+    Failed(Error),
+}
+
+/// The receiver's handle on one granted transfer.
+#[derive(Debug, Clone)]
+pub struct InboundTransfer {
+    /// The grant sent to the peer.
+    pub grant: KvGrant,
+    /// The peer (session id) it was granted to.
+    pub peer: u64,
+    status: watch::Receiver<TransferStatus>,
+}
+
+impl InboundTransfer {
+    /// Current status.
+    pub fn status(&self) -> TransferStatus {
+        self.status.borrow().clone()
+    }
+
+    /// Wait until the transfer completes (page bytes received) or fails.
+    pub async fn wait(&self) -> Result<u64, Error> {
+        let mut rx = self.status.clone();
+        loop {
+            match &*rx.borrow_and_update() {
+                TransferStatus::Complete { bytes, .. } => return Ok(*bytes),
+                TransferStatus::Failed(e) => return Err(e.clone()),
+                TransferStatus::InProgress { .. } => {}
+            }
+            if rx.changed().await.is_err() {
+                return Err(Error::Cancelled {
+                    detail: "receiver closed".into(),
+                });
+            }
+        }
+    }
+}
+
+struct Session {
+    generation: u64,
+    control: mpsc::UnboundedSender<Frame>,
+    cancel: CancellationToken,
+    peer_addr: SocketAddr,
+    /// Why a data lane ended the session, for the transfers it fails.
+    death: Arc<Mutex<Option<Error>>>,
+}
+
+struct TransferEntry {
+    session_id: u64,
+    generation: u64,
+    status: watch::Sender<TransferStatus>,
+    started: Instant,
+    layers_done: u16,
+}
+
+struct Shared {
+    pool: Arc<PagePool>,
+    state: Mutex<ReceiverState>,
+    sessions: Mutex<HashMap<u64, Session>>,
+    sessions_changed: watch::Sender<u64>,
+    transfers: Mutex<HashMap<u64, TransferEntry>>,
+    events: Mutex<VecDeque<TransferEvent>>,
+    events_changed: watch::Sender<u64>,
+    metrics: Metrics,
+    cfg: ReceiverConfig,
+    next_generation: AtomicU64,
+    cancel: CancellationToken,
+}
+
+/// Most events kept for `poll_events`; older ones are dropped first.
+const EVENT_QUEUE_CAP: usize = 65_536;
+
+/// A listening KV receiver.
+pub struct KvReceiver {
+    shared: Arc<Shared>,
+    local_addr: SocketAddr,
+    tracker: TaskTracker,
+}
+
+impl KvReceiver {
+    /// Bind and start accepting on the current tokio runtime.
+    pub async fn start(pool: Arc<PagePool>, cfg: ReceiverConfig) -> Result<KvReceiver, Error> {
+        let listener = TcpListener::bind(cfg.listen)
+            .await
+            .map_err(|e| Error::ConnectionLost {
+                detail: format!("bind {}: {e}", cfg.listen),
+            })?;
+        let local_addr = listener.local_addr().map_err(|e| Error::ConnectionLost {
+            detail: format!("local_addr: {e}"),
+        })?;
+        let state = ReceiverState::new(pool.layers(), pool.pages(), pool.page_bytes())?;
+        let shared = Arc::new(Shared {
+            pool,
+            state: Mutex::new(state),
+            sessions: Mutex::new(HashMap::new()),
+            sessions_changed: watch::channel(0).0,
+            transfers: Mutex::new(HashMap::new()),
+            events: Mutex::new(VecDeque::new()),
+            events_changed: watch::channel(0).0,
+            metrics: Metrics::default(),
+            cfg,
+            next_generation: AtomicU64::new(1),
+            cancel: CancellationToken::new(),
+        });
+        let tracker = TaskTracker::new();
+        let accept_shared = shared.clone();
+        let conn_tracker = tracker.clone();
+        tracker.spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = accept_shared.cancel.cancelled() => break,
+                    accepted = listener.accept() => {
+                        // Accept errors (EMFILE, aborted handshakes) are per connection.
+                        if let Ok((stream, peer)) = accepted {
+                            conn_tracker.spawn(handle_connection(accept_shared.clone(), stream, peer));
+                        }
+                    }
+                }
+            }
+        });
+        Ok(KvReceiver {
+            shared,
+            local_addr,
+            tracker,
+        })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// The pool pages land in.
+    pub fn pool(&self) -> &Arc<PagePool> {
+        &self.shared.pool
+    }
+
+    /// Connected peers: session id and remote address, by id.
+    pub fn peers(&self) -> Vec<(u64, SocketAddr)> {
+        let mut ids: Vec<(u64, SocketAddr)> = lock(&self.shared.sessions)
+            .iter()
+            .map(|(&id, s)| (id, s.peer_addr))
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// Wait until `peer` (or, with `None`, any peer) is connected; returns its id.
+    pub async fn wait_peer(&self, peer: Option<u64>) -> u64 {
+        let mut changed = self.shared.sessions_changed.subscribe();
+        loop {
+            {
+                let sessions = lock(&self.shared.sessions);
+                match peer {
+                    Some(p) if sessions.contains_key(&p) => return p,
+                    None => {
+                        if let Some(&p) = sessions.keys().min() {
+                            return p;
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            if changed.changed().await.is_err() {
+                // The sender lives in `shared`, which outlives `self`; cannot happen.
+                return peer.unwrap_or(0);
+            }
+        }
+    }
+
+    /// Grant `pages` (pool pages, in grant order) on layers `0..layer_count` (all the
+    /// pool's layers with `None`) to `peer` (the only connected peer with `None`) for
+    /// `request_id`. With a deadline, the transfer fails with `deadline_exceeded` if it
+    /// is not complete in time.
+    pub fn grant(
+        &self,
+        request_id: u64,
+        pages: &[u32],
+        layer_count: Option<u16>,
+        peer: Option<u64>,
+        deadline: Option<Duration>,
+    ) -> Result<InboundTransfer, Error> {
+        let shared = &self.shared;
+        let sessions = lock(&shared.sessions);
+        let peer = match peer {
+            Some(p) => p,
+            None if sessions.len() == 1 => *sessions.keys().next().unwrap_or(&0),
+            None if sessions.is_empty() => {
+                return Err(Error::ConnectionLost {
+                    detail: "no peer is connected".into(),
+                })
+            }
+            None => {
+                return Err(Error::InvalidArgument(format!(
+                    "{} peers are connected; name one",
+                    sessions.len()
+                )))
+            }
+        };
+        let session = sessions.get(&peer).ok_or_else(|| Error::ConnectionLost {
+            detail: format!("peer {peer} is not connected"),
+        })?;
+        let deadline_ms =
+            deadline.map_or(0, |d| d.as_millis().clamp(1, u128::from(u32::MAX)) as u32);
+        let layers = layer_count.unwrap_or_else(|| shared.pool.layers());
+        let grant = lock(&shared.state).grant(request_id, pages, layers, deadline_ms)?;
+        let (status_tx, status_rx) = watch::channel(TransferStatus::InProgress { layers_done: 0 });
+        lock(&shared.transfers).insert(
+            grant.transfer_id,
+            TransferEntry {
+                session_id: peer,
+                generation: session.generation,
+                status: status_tx,
+                started: Instant::now(),
+                layers_done: 0,
+            },
+        );
+        Metrics::add(&shared.metrics.transfers_in_flight, 1);
+        // The control writer owns the socket; an unbounded queue of small frames is
+        // bounded in practice by the number of live grants.
+        if session.control.send(Frame::KvGrant(grant.clone())).is_err() {
+            drop(sessions);
+            let ev = lock(&shared.state).fail(
+                grant.transfer_id,
+                Error::ConnectionLost {
+                    detail: format!("peer {peer} went away"),
+                },
+            );
+            apply(shared, ev);
+        } else {
+            drop(sessions);
+        }
+        if let Some(d) = deadline {
+            let shared = shared.clone();
+            let transfer_id = grant.transfer_id;
+            self.tracker.spawn(async move {
+                tokio::select! {
+                    _ = shared.cancel.cancelled() => {}
+                    _ = tokio::time::sleep(d) => {
+                        let what = format!("transfer {transfer_id} not complete after {d:?}");
+                        let ev = lock(&shared.state).fail(transfer_id, Error::DeadlineExceeded { what });
+                        apply(&shared, ev);
+                    }
+                }
+            });
+        }
+        Ok(InboundTransfer {
+            grant,
+            peer,
+            status: status_rx,
+        })
+    }
+
+    /// Cancel a live transfer; the peer is told with ABORT `cancelled`.
+    pub fn cancel(&self, transfer_id: u64) -> bool {
+        let ev = lock(&self.shared.state).fail(
+            transfer_id,
+            Error::Cancelled {
+                detail: "cancelled by the receiver".into(),
+            },
+        );
+        let found = !ev.is_empty();
+        apply(&self.shared, ev);
+        found
+    }
+
+    /// Take up to `max` queued transfer events, oldest first.
+    pub fn poll_events(&self, max: usize) -> Vec<TransferEvent> {
+        let mut q = lock(&self.shared.events);
+        let n = max.min(q.len());
+        q.drain(..n).collect()
+    }
+
+    /// Wait until at least one event is queued.
+    pub async fn wait_event(&self) {
+        let mut changed = self.shared.events_changed.subscribe();
+        while lock(&self.shared.events).is_empty() {
+            if changed.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// Counters and gauges.
+    pub fn metrics(&self) -> &Metrics {
+        &self.shared.metrics
+    }
+
+    /// Stop accepting, close every session (peers see ABORT `shutdown`), fail live
+    /// transfers, and wait (bounded) for every task to end.
+    pub async fn close(&self, bound: Duration) -> Result<(), Error> {
+        self.shared.cancel.cancel();
+        for s in lock(&self.shared.sessions).values() {
+            let _ = s.control.send(Frame::Abort(Abort {
+                request_id: 0,
+                reason: pdd_core::wire::AbortReason::Shutdown,
+                message: "receiver closing".into(),
+            }));
+            s.cancel.cancel();
+        }
+        let ev = lock(&self.shared.state).fail_all(&Error::Cancelled {
+            detail: "receiver closed".into(),
+        });
+        apply(&self.shared, ev);
+        self.tracker.close();
+        tokio::time::timeout(bound, self.tracker.wait())
+            .await
+            .map_err(|_| Error::DeadlineExceeded {
+                what: "receiver shutdown".into(),
+            })
+    }
+}
+
+impl Drop for KvReceiver {
+    fn drop(&mut self) {
+        self.shared.cancel.cancel();
+        for s in lock(&self.shared.sessions).values() {
+            s.cancel.cancel();
+        }
+    }
+}
+
+/// Poison-tolerant lock: a panicked task must not wedge the receiver.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Publish transfer events: statuses, the event queue, metrics, and the peer's
+/// KV_DONE (complete) or ABORT (failed).
+fn apply(shared: &Shared, events: Vec<TransferEvent>) {
+    if events.is_empty() {
+        return;
+    }
+    let mut transfers = lock(&shared.transfers);
+    let sessions = lock(&shared.sessions);
+    for ev in &events {
+        match ev {
+            TransferEvent::LayerComplete { transfer_id, .. } => {
+                if let Some(t) = transfers.get_mut(transfer_id) {
+                    t.layers_done += 1;
+                    t.status.send_replace(TransferStatus::InProgress {
+                        layers_done: t.layers_done,
+                    });
+                }
+            }
+            TransferEvent::Complete {
+                transfer_id,
+                bytes,
+                blocks,
+                ..
+            } => {
+                Metrics::add(&shared.metrics.transfers_completed_total, 1);
+                if let Some(t) = transfers.remove(transfer_id) {
+                    let seconds = t.started.elapsed().as_secs_f64();
+                    if seconds > 0.0 {
+                        Metrics::set(
+                            &shared.metrics.last_goodput_bytes_per_s,
+                            (*bytes as f64 / seconds) as u64,
+                        );
+                    }
+                    if let Some(s) = sessions
+                        .get(&t.session_id)
+                        .filter(|s| s.generation == t.generation)
+                    {
+                        let _ = s.control.send(Frame::KvDone(KvDone {
+                            transfer_id: *transfer_id,
+                            chunk_count: *blocks,
+                            byte_count: *bytes,
+                        }));
+                    }
+                    t.status.send_replace(TransferStatus::Complete {
+                        bytes: *bytes,
+                        seconds,
+                    });
+                }
+            }
+            TransferEvent::Failed {
+                transfer_id,
+                request_id,
+                error,
+            } => {
+                Metrics::add(&shared.metrics.transfers_failed_total, 1);
+                if let Some(t) = transfers.remove(transfer_id) {
+                    let told_by_peer = matches!(error, Error::PeerAborted { .. });
+                    if let Some(s) = sessions
+                        .get(&t.session_id)
+                        .filter(|s| s.generation == t.generation && !told_by_peer)
+                    {
+                        let mut message = error.to_string();
+                        message.truncate(512);
+                        while !message.is_char_boundary(message.len()) {
+                            message.pop();
+                        }
+                        let _ = s.control.send(Frame::Abort(Abort {
+                            request_id: *request_id,
+                            reason: error.abort_reason(),
+                            message,
+                        }));
+                    }
+                    t.status.send_replace(TransferStatus::Failed(error.clone()));
+                }
+            }
+        }
+    }
+    Metrics::set(&shared.metrics.transfers_in_flight, transfers.len() as u64);
+    drop(sessions);
+    drop(transfers);
+    let mut q = lock(&shared.events);
+    for ev in events {
+        if q.len() == EVENT_QUEUE_CAP {
+            q.pop_front();
+        }
+        q.push_back(ev);
+    }
+    drop(q);
+    shared.events_changed.send_modify(|n| *n += 1);
+}
+
+/// Fail the transfers of one session generation (and only those).
+fn fail_session_transfers(
+    shared: &Shared,
+    session_id: u64,
+    generation: u64,
+    error: &Error,
+    request: Option<u64>,
+) {
+    let ids: Vec<u64> = lock(&shared.transfers)
+        .iter()
+        .filter(|(_, t)| t.session_id == session_id && t.generation == generation)
+        .map(|(&id, _)| id)
+        .collect();
+    let mut events = Vec::new();
+    {
+        let mut state = lock(&shared.state);
+        for id in ids {
+            if request.is_none() || state.request_of(id) == request {
+                events.extend(state.fail(id, error.clone()));
+            }
+        }
+    }
+    apply(shared, events);
+}
+
+async fn handle_connection(shared: Arc<Shared>, mut stream: TcpStream, peer_addr: SocketAddr) {
+    lane::tune(&stream, &shared.cfg.tuning, true);
+    let agreed = tokio::select! {
+        _ = shared.cancel.cancelled() => return,
+        r = lane::accept(&mut stream, &shared.cfg.hello, shared.cfg.hello_timeout) => match r {
+            Ok(a) => a,
+            Err(_) => return,
+        },
+    };
+    if agreed.lane == 0 {
+        control_session(shared, stream, agreed, peer_addr).await;
+    } else {
+        data_lane(shared, stream, agreed).await;
+    }
+}
+
+fn now_ns() -> u64 {
+    // The PING timestamp only has to mean something to ourselves: a process-local
+    // monotonic clock.
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_nanos() as u64
+}
+
+async fn control_session(
+    shared: Arc<Shared>,
+    stream: TcpStream,
+    agreed: pdd_core::wire::handshake::Negotiated,
+    peer_addr: SocketAddr,
+) {
+    let session_id = agreed.session_id;
+    let generation = shared.next_generation.fetch_add(1, Ordering::Relaxed);
+    let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
+    let cancel = shared.cancel.child_token();
+    let death = Arc::new(Mutex::new(None));
+    let replaced = lock(&shared.sessions).insert(
+        session_id,
+        Session {
+            generation,
+            control: tx.clone(),
+            cancel: cancel.clone(),
+            peer_addr,
+            death: death.clone(),
+        },
+    );
+    if let Some(old) = replaced {
+        // The same peer reconnected: whatever it had in flight on the old session is
+        // gone with it.
+        old.cancel.cancel();
+        let err = Error::ConnectionLost {
+            detail: format!("peer {session_id} reconnected"),
+        };
+        fail_session_transfers(&shared, session_id, old.generation, &err, None);
+    }
+    Metrics::set(
+        &shared.metrics.sessions,
+        lock(&shared.sessions).len() as u64,
+    );
+    shared.sessions_changed.send_modify(|n| *n += 1);
+
+    let (rd, wr) = stream.into_split();
+    let mut reader = FramedRead::new(
+        rd,
+        WireCodec::new(shared.cfg.hello.max_payload, agreed.peer_max_payload),
+    );
+    let mut writer = FramedWrite::new(
+        wr,
+        WireCodec::new(shared.cfg.hello.max_payload, agreed.peer_max_payload),
+    );
+
+    let writer_cancel = cancel.clone();
+    let writer_shared = shared.clone();
+    let heartbeat = shared.cfg.heartbeat;
+    let writer_task = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(heartbeat);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut nonce = 0u64;
+        loop {
+            let frame = tokio::select! {
+                _ = writer_cancel.cancelled() => {
+                    // Flush what is queued (an ABORT saying why) before leaving.
+                    while let Ok(f) = rx.try_recv() {
+                        if writer.feed(&f).await.is_err() { break; }
+                    }
+                    let _ = tokio::time::timeout(Duration::from_millis(200), writer.flush()).await;
+                    break;
+                }
+                f = rx.recv() => match f { Some(f) => f, None => break },
+                _ = tick.tick() => {
+                    nonce += 1;
+                    Metrics::add(&writer_shared.metrics.pings_sent_total, 1);
+                    if let Some(s) = lane::tcp_stats(writer.get_ref().as_ref()) {
+                        Metrics::set(&writer_shared.metrics.tcp_rtt_us, u64::from(s.rtt_us));
+                    }
+                    Frame::Ping(Ping { nonce, sent_at_ns: now_ns() })
+                }
+            };
+            if writer.send(&frame).await.is_err() {
+                writer_cancel.cancel();
+                break;
+            }
+        }
+    });
+
+    let dead_after = shared.cfg.dead_after;
+    let end_reason: Error = loop {
+        let next = tokio::select! {
+            _ = cancel.cancelled() => {
+                break lock(&death).take().unwrap_or(Error::Cancelled { detail: "session closed".into() })
+            }
+            n = tokio::time::timeout(dead_after, reader.next()) => n,
+        };
+        let frame = match next {
+            Err(_) => {
+                break Error::ConnectionLost {
+                    detail: format!("peer {session_id} silent for {dead_after:?}"),
+                }
+            }
+            Ok(None) => {
+                break Error::ConnectionLost {
+                    detail: format!("peer {session_id} closed the control lane"),
+                }
+            }
+            Ok(Some(Err(CodecError::Io(e)))) => {
+                break Error::ConnectionLost {
+                    detail: format!("control lane: {e}"),
+                }
+            }
+            Ok(Some(Err(CodecError::Protocol(e)))) => {
+                let _ = tx.send(lane::abort_for(&e));
+                break e;
+            }
+            Ok(Some(Ok(f))) => f,
+        };
+        match frame {
+            Frame::KvDone(done) => {
+                let r = lock(&shared.state).sender_done(&done);
+                match r {
+                    Ok(ev) => apply(&shared, ev),
+                    Err(e) => {
+                        let _ = tx.send(lane::abort_for(&e));
+                        break e;
+                    }
+                }
+            }
+            Frame::Ping(p) => {
+                let _ = tx.send(Frame::Pong(p));
+            }
+            Frame::Pong(p) => {
+                Metrics::set(
+                    &shared.metrics.rtt_us,
+                    now_ns().saturating_sub(p.sent_at_ns) / 1000,
+                );
+            }
+            Frame::Abort(a) => {
+                let err = Error::PeerAborted {
+                    reason: a.reason,
+                    message: a.message.clone(),
+                };
+                if a.request_id == 0 {
+                    break err;
+                }
+                fail_session_transfers(&shared, session_id, generation, &err, Some(a.request_id));
+            }
+            other => {
+                let e = Error::InvalidField {
+                    kind: other.kind(),
+                    field: "kind",
+                    detail: "not expected on a KV receiver's control lane".into(),
+                };
+                let _ = tx.send(lane::abort_for(&e));
+                break e;
+            }
+        }
+    };
+    cancel.cancel();
+    let _ = writer_task.await;
+    {
+        let mut sessions = lock(&shared.sessions);
+        if sessions
+            .get(&session_id)
+            .is_some_and(|s| s.generation == generation)
+        {
+            sessions.remove(&session_id);
+        }
+        Metrics::set(&shared.metrics.sessions, sessions.len() as u64);
+    }
+    if !shared.cancel.is_cancelled() {
+        Metrics::add(&shared.metrics.sessions_lost_total, 1);
+    }
+    shared.sessions_changed.send_modify(|n| *n += 1);
+    fail_session_transfers(&shared, session_id, generation, &end_reason, None);
+}
+
+/// Calls `finish_block` exactly once for a block begun on a data lane, also when the
+/// lane's future is dropped mid-block (session cancelled): until then the
+/// transfer's pages stay held, so nobody re-grants memory a lane may still write.
+struct BlockGuard<'a> {
+    shared: &'a Shared,
+    block: KvBlock,
+    finished: bool,
+}
+
+impl BlockGuard<'_> {
+    fn finish(mut self, outcome: Result<(), Error>) {
+        self.finished = true;
+        let ev = lock(&self.shared.state).finish_block(&self.block, outcome);
+        apply(self.shared, ev);
+    }
+}
+
+impl Drop for BlockGuard<'_> {
+    fn drop(&mut self) {
+        if !self.finished {
+            let err = Error::ConnectionLost {
+                detail: "data lane closed mid-block".into(),
+            };
+            let ev = lock(&self.shared.state).finish_block(&self.block, Err(err));
+            apply(self.shared, ev);
+        }
+    }
+}
+
+async fn data_lane(
+    shared: Arc<Shared>,
+    mut stream: TcpStream,
+    agreed: pdd_core::wire::handshake::Negotiated,
+) {
+    let session = lock(&shared.sessions)
+        .get(&agreed.session_id)
+        .map(|s| (s.cancel.clone(), s.control.clone(), s.death.clone()));
+    let Some((cancel, control, death)) = session else {
+        let e = Error::ConnectionLost {
+            detail: "data lane for a session with no control lane".into(),
+        };
+        let _ = lane::write_frame(&mut stream, &lane::abort_for(&e), agreed.peer_max_payload).await;
+        return;
+    };
+    let max_payload = shared.cfg.hello.max_payload;
+    let mut scratch = vec![0u8; 64 << 10];
+    loop {
+        let r = tokio::select! {
+            _ = cancel.cancelled() => return,
+            r = read_block(&shared, &mut stream, max_payload, &mut scratch) => r,
+        };
+        match r {
+            Ok(true) => {}
+            Ok(false) => return,
+            Err(e) => {
+                if !matches!(e, Error::ConnectionLost { .. }) {
+                    // A peer that breaks the protocol loses the whole session.
+                    let _ = control.send(lane::abort_for(&e));
+                    lock(&death).get_or_insert(e);
+                    cancel.cancel();
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// Read one KV_PAGES block into its pages. `Ok(false)` on a clean EOF between blocks.
+async fn read_block(
+    shared: &Shared,
+    stream: &mut TcpStream,
+    max_payload: u32,
+    scratch: &mut [u8],
+) -> Result<bool, Error> {
+    let lost = |e: std::io::Error| Error::ConnectionLost {
+        detail: format!("data lane: {e}"),
+    };
+    let mut head = [0u8; HEADER_LEN + KV_PAGES_FIXED_LEN];
+    if stream.read(&mut head[..1]).await.map_err(lost)? == 0 {
+        return Ok(false);
+    }
+    stream
+        .read_exact(&mut head[1..HEADER_LEN])
+        .await
+        .map_err(lost)?;
+    let mut header_bytes = [0u8; HEADER_LEN];
+    header_bytes.copy_from_slice(&head[..HEADER_LEN]);
+    let header = FrameHeader::parse(&header_bytes, max_payload)?;
+    if header.kind != FrameKind::KvPages {
+        return Err(Error::InvalidField {
+            kind: header.kind,
+            field: "kind",
+            detail: "only KV_PAGES travels on a data lane".into(),
+        });
+    }
+    stream
+        .read_exact(&mut head[HEADER_LEN..])
+        .await
+        .map_err(lost)?;
+    let mut fixed = [0u8; KV_PAGES_FIXED_LEN];
+    fixed.copy_from_slice(&head[HEADER_LEN..]);
+    let block = KvBlock::parse(&fixed, header.payload_len)?;
+    let mut crc = crc32c::crc32c(&head[..12]);
+    crc = crc32c::crc32c_append(crc, &fixed);
+    let disposition = lock(&shared.state).begin_block(&block)?;
+    match disposition {
+        BlockDisposition::Drain => {
+            let mut left = block.data_len();
+            while left > 0 {
+                let n = left.min(scratch.len() as u64) as usize;
+                stream.read_exact(&mut scratch[..n]).await.map_err(lost)?;
+                left -= n as u64;
+            }
+            Metrics::add(&shared.metrics.blocks_drained_total, 1);
+            Ok(true)
+        }
+        BlockDisposition::Land(target) => {
+            let guard = BlockGuard {
+                shared,
+                block,
+                finished: false,
+            };
+            let mut pages: Vec<&mut [u8]> = Vec::with_capacity(target.pages.len());
+            for &(layer, page) in &target.pages {
+                // SAFETY: begin_block marked every page of the block in flight for this
+                // lane alone, and the guard keeps them held until it finishes; no other
+                // reference to these pages exists until then.
+                pages.push(unsafe { shared.pool.page_mut(layer, page) }?);
+            }
+            if let Err(e) = read_into_pages(stream, &mut pages).await {
+                guard.finish(Err(lost(e)));
+                return Err(Error::ConnectionLost {
+                    detail: "data lane failed mid-block".into(),
+                });
+            }
+            for p in &pages {
+                crc = crc32c::crc32c_append(crc, p);
+            }
+            drop(pages);
+            if crc != header.crc {
+                Metrics::add(&shared.metrics.checksum_failures_total, 1);
+                guard.finish(Err(Error::ChecksumMismatch {
+                    expected: header.crc,
+                    computed: crc,
+                }));
+                // Framing is intact (the length was read as announced): keep the lane.
+                return Ok(true);
+            }
+            Metrics::add(&shared.metrics.bytes_received_total, block.data_len());
+            Metrics::add(&shared.metrics.blocks_received_total, 1);
+            guard.finish(Ok(()));
+            Ok(true)
+        }
+    }
+}
+
+/// Fill every page completely, with vectored reads straight into them.
+async fn read_into_pages(stream: &mut TcpStream, pages: &mut [&mut [u8]]) -> std::io::Result<()> {
+    // At most this many iovecs per readv (IOV_MAX is 1024 on Linux).
+    const BATCH: usize = 256;
+    for batch in pages.chunks_mut(BATCH) {
+        let mut slices: Vec<IoSliceMut<'_>> =
+            batch.iter_mut().map(|p| IoSliceMut::new(p)).collect();
+        let mut bufs: &mut [IoSliceMut<'_>] = &mut slices;
+        while !bufs.is_empty() {
+            stream.readable().await?;
+            match stream.try_read_vectored(bufs) {
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => IoSliceMut::advance_slices(&mut bufs, n),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,643 @@
+//! The KV sender: connects a session (a control lane and N data lanes) to a receiver,
+//! takes its grants, and streams pages from a registered pool into them.
+//!
+//! Sending copies nothing: each KV_PAGES frame is written with one vectored write of
+//! its 40 header bytes and the page slices of the source pool, after the CRC32C was
+//! computed over those same slices. Blocks are striped over the data lanes
+//! round-robin; small frames (grants, KV_DONE, PING) never queue behind bulk data
+//! because they use the control lane.
+
+use std::collections::HashMap;
+use std::io::IoSlice;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures_util::{SinkExt, StreamExt};
+use pdd_core::kv::{KvBlock, SenderTransfer};
+use pdd_core::wire::handshake::LocalHello;
+use pdd_core::wire::{
+    Frame, FrameHeader, FrameKind, KvGrant, Ping, HEADER_LEN, KV_PAGES_FIXED_LEN,
+};
+use pdd_core::Error;
+use tokio::io::AsyncWriteExt;
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::sync::{mpsc, watch};
+use tokio_util::codec::{FramedRead, FramedWrite};
+use tokio_util::sync::CancellationToken;
+
+use crate::codec::{CodecError, WireCodec};
+use crate::lane::{self, SocketTuning};
+use crate::metrics::Metrics;
+use crate::pool::PagePool;
+
+/// Sender settings.
+#[derive(Debug, Clone)]
+pub struct SenderConfig {
+    /// The receiver.
+    pub addr: SocketAddr,
+    /// Data lanes (TCP connections carrying KV_PAGES), >= 1.
+    pub lanes: u16,
+    /// Session id: the receiver grants by it. Stable across reconnects.
+    pub session_id: u64,
+    /// Our HELLO.
+    pub hello: LocalHello,
+    /// Socket tuning of every lane.
+    pub tuning: SocketTuning,
+    /// Connect + HELLO bound per lane.
+    pub connect_timeout: Duration,
+    /// PING interval on the control lane.
+    pub heartbeat: Duration,
+    /// Control lane silent this long: the session is dead.
+    pub dead_after: Duration,
+    /// Largest KV_PAGES data per frame (at least one page is always sent).
+    pub max_block_bytes: u32,
+    /// Blocks queued per lane before `send_layer` waits.
+    pub lane_queue: usize,
+}
+
+impl SenderConfig {
+    /// Defaults: 4 lanes, 1 MiB blocks, 1 s heartbeats, dead after 5 s, connect in 5 s.
+    pub fn new(addr: SocketAddr, session_id: u64, hello: LocalHello) -> SenderConfig {
+        SenderConfig {
+            addr,
+            lanes: 4,
+            session_id,
+            hello,
+            tuning: SocketTuning::default(),
+            connect_timeout: Duration::from_secs(5),
+            heartbeat: Duration::from_secs(1),
+            dead_after: Duration::from_secs(5),
+            max_block_bytes: 1 << 20,
+            lane_queue: 64,
+        }
+    }
+}
+
+/// Where an outbound transfer stands.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OutboundStatus {
+    /// Sending, or waiting for the receiver's confirmation.
+    InProgress,
+    /// The receiver confirmed every page landed and verified.
+    Complete {
+        /// Page bytes confirmed.
+        bytes: u64,
+    },
+    /// The transfer failed.
+    Failed(Error),
+}
+
+struct Job {
+    block: KvBlock,
+    src: Vec<(u16, u32)>,
+}
+
+struct Conn {
+    control: mpsc::UnboundedSender<Frame>,
+    lanes: Vec<mpsc::Sender<Job>>,
+    next_lane: AtomicUsize,
+    cancel: CancellationToken,
+    peer_max_payload: u32,
+    /// Why the session died, once it did.
+    death: Mutex<Option<Error>>,
+}
+
+impl Conn {
+    fn dead_error(&self) -> Error {
+        lock(&self.death).clone().unwrap_or(Error::ConnectionLost {
+            detail: "session closed".into(),
+        })
+    }
+}
+
+struct OutboundEntry {
+    request_id: u64,
+    status: watch::Sender<OutboundStatus>,
+}
+
+struct Shared {
+    pool: Arc<PagePool>,
+    cfg: SenderConfig,
+    conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
+    grants: Mutex<HashMap<u64, KvGrant>>,
+    grants_changed: watch::Sender<u64>,
+    outbound: Mutex<HashMap<u64, OutboundEntry>>,
+    metrics: Metrics,
+    cancel: CancellationToken,
+    connected_before: std::sync::atomic::AtomicBool,
+}
+
+/// A KV sender session.
+pub struct KvSender {
+    shared: Arc<Shared>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn now_ns() -> u64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_nanos() as u64
+}
+
+impl KvSender {
+    /// Connect to the receiver (control lane, then every data lane).
+    pub async fn connect(pool: Arc<PagePool>, cfg: SenderConfig) -> Result<KvSender, Error> {
+        if cfg.lanes == 0 {
+            return Err(Error::InvalidArgument(
+                "a sender needs at least one data lane".into(),
+            ));
+        }
+        if cfg.max_block_bytes == 0 {
+            return Err(Error::InvalidArgument(
+                "max_block_bytes must be >= 1".into(),
+            ));
+        }
+        let shared = Arc::new(Shared {
+            pool,
+            cfg,
+            conn: tokio::sync::Mutex::new(None),
+            grants: Mutex::new(HashMap::new()),
+            grants_changed: watch::channel(0).0,
+            outbound: Mutex::new(HashMap::new()),
+            metrics: Metrics::default(),
+            cancel: CancellationToken::new(),
+            connected_before: false.into(),
+        });
+        let sender = KvSender { shared };
+        sender.ensure_connected().await?;
+        Ok(sender)
+    }
+
+    /// The session id the receiver knows us by.
+    pub fn session_id(&self) -> u64 {
+        self.shared.cfg.session_id
+    }
+
+    /// Counters and gauges.
+    pub fn metrics(&self) -> &Metrics {
+        &self.shared.metrics
+    }
+
+    /// The connected session, reconnecting first if it was lost (a peer reset, a dead
+    /// control lane, an idle connection a middlebox dropped).
+    pub async fn ensure_connected(&self) -> Result<(), Error> {
+        self.conn().await.map(|_| ())
+    }
+
+    async fn conn(&self) -> Result<Arc<Conn>, Error> {
+        let shared = &self.shared;
+        if shared.cancel.is_cancelled() {
+            return Err(Error::Cancelled {
+                detail: "sender closed".into(),
+            });
+        }
+        let mut slot = shared.conn.lock().await;
+        if let Some(c) = slot.as_ref() {
+            if !c.cancel.is_cancelled() {
+                return Ok(c.clone());
+            }
+        }
+        let conn = connect_session(shared).await?;
+        if shared.connected_before.swap(true, Ordering::Relaxed) {
+            Metrics::add(&shared.metrics.reconnects_total, 1);
+        }
+        *slot = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// Wait for the receiver's grant for `request_id`.
+    pub async fn wait_grant(&self, request_id: u64) -> Result<OutboundTransfer, Error> {
+        let conn = self.conn().await?;
+        let mut changed = self.shared.grants_changed.subscribe();
+        loop {
+            if let Some(grant) = lock(&self.shared.grants).remove(&request_id) {
+                let (status, rx) = watch::channel(OutboundStatus::InProgress);
+                lock(&self.shared.outbound)
+                    .insert(grant.transfer_id, OutboundEntry { request_id, status });
+                return Ok(OutboundTransfer {
+                    shared: self.shared.clone(),
+                    conn,
+                    state: tokio::sync::Mutex::new(SenderTransfer::new(grant.clone())),
+                    grant,
+                    status: rx,
+                });
+            }
+            tokio::select! {
+                _ = conn.cancel.cancelled() => return Err(conn.dead_error()),
+                r = changed.changed() => if r.is_err() {
+                    return Err(Error::Cancelled { detail: "sender closed".into() });
+                },
+            }
+        }
+    }
+
+    /// Close the session (bounded) and fail what is in flight.
+    pub async fn close(&self) {
+        self.shared.cancel.cancel();
+        if let Some(c) = self.shared.conn.lock().await.take() {
+            c.cancel.cancel();
+        }
+        fail_outbound(
+            &self.shared,
+            &Error::Cancelled {
+                detail: "sender closed".into(),
+            },
+            None,
+        );
+    }
+}
+
+impl Drop for KvSender {
+    fn drop(&mut self) {
+        self.shared.cancel.cancel();
+    }
+}
+
+fn fail_outbound(shared: &Shared, error: &Error, request: Option<u64>) {
+    let mut outbound = lock(&shared.outbound);
+    let ids: Vec<u64> = outbound
+        .iter()
+        .filter(|(_, e)| request.is_none_or(|r| r == e.request_id))
+        .map(|(&id, _)| id)
+        .collect();
+    for id in ids {
+        if let Some(e) = outbound.remove(&id) {
+            Metrics::add(&shared.metrics.transfers_failed_total, 1);
+            e.status.send_replace(OutboundStatus::Failed(error.clone()));
+        }
+    }
+    Metrics::set(&shared.metrics.transfers_in_flight, outbound.len() as u64);
+}
+
+async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
+    let cfg = &shared.cfg;
+    let (control_stream, agreed) = lane::connect(
+        cfg.addr,
+        &cfg.hello,
+        cfg.session_id,
+        0,
+        &cfg.tuning,
+        cfg.connect_timeout,
+    )
+    .await?;
+    let mut data_streams = Vec::with_capacity(usize::from(cfg.lanes));
+    for lane_no in 1..=cfg.lanes {
+        let (s, _) = lane::connect(
+            cfg.addr,
+            &cfg.hello,
+            cfg.session_id,
+            lane_no,
+            &cfg.tuning,
+            cfg.connect_timeout,
+        )
+        .await?;
+        data_streams.push(s);
+    }
+    let cancel = shared.cancel.child_token();
+    let (control_tx, control_rx) = mpsc::unbounded_channel();
+    let mut lanes = Vec::with_capacity(data_streams.len());
+    let mut lane_rxs = Vec::with_capacity(data_streams.len());
+    for _ in 0..data_streams.len() {
+        let (tx, rx) = mpsc::channel(cfg.lane_queue.max(1));
+        lanes.push(tx);
+        lane_rxs.push(rx);
+    }
+    let conn = Arc::new(Conn {
+        control: control_tx,
+        lanes,
+        next_lane: AtomicUsize::new(0),
+        cancel: cancel.clone(),
+        peer_max_payload: agreed.peer_max_payload,
+        death: Mutex::new(None),
+    });
+    for (stream, rx) in data_streams.into_iter().zip(lane_rxs) {
+        let (_rd, wr) = stream.into_split();
+        tokio::spawn(lane_writer(shared.clone(), conn.clone(), wr, rx));
+    }
+    tokio::spawn(control_loop(
+        shared.clone(),
+        conn.clone(),
+        control_stream,
+        control_rx,
+    ));
+    Ok(conn)
+}
+
+fn kill(conn: &Conn, error: Error) {
+    let mut death = lock(&conn.death);
+    if death.is_none() {
+        *death = Some(error);
+    }
+    conn.cancel.cancel();
+}
+
+async fn control_loop(
+    shared: Arc<Shared>,
+    conn: Arc<Conn>,
+    stream: tokio::net::TcpStream,
+    mut outgoing: mpsc::UnboundedReceiver<Frame>,
+) {
+    let max = shared.cfg.hello.max_payload;
+    let (rd, wr) = stream.into_split();
+    let mut reader = FramedRead::new(rd, WireCodec::new(max, conn.peer_max_payload));
+    let mut writer = FramedWrite::new(wr, WireCodec::new(max, conn.peer_max_payload));
+    let writer_conn = conn.clone();
+    let writer_shared = shared.clone();
+    let heartbeat = shared.cfg.heartbeat;
+    let writer = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(heartbeat);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut nonce = 0u64;
+        loop {
+            let frame = tokio::select! {
+                _ = writer_conn.cancel.cancelled() => {
+                    while let Ok(f) = outgoing.try_recv() {
+                        if writer.feed(&f).await.is_err() { break; }
+                    }
+                    let _ = tokio::time::timeout(Duration::from_millis(200), writer.flush()).await;
+                    break;
+                }
+                f = outgoing.recv() => match f { Some(f) => f, None => break },
+                _ = tick.tick() => {
+                    nonce += 1;
+                    Metrics::add(&writer_shared.metrics.pings_sent_total, 1);
+                    if let Some(s) = lane::tcp_stats(writer.get_ref().as_ref()) {
+                        Metrics::set(&writer_shared.metrics.tcp_rtt_us, u64::from(s.rtt_us));
+                    }
+                    Frame::Ping(Ping { nonce, sent_at_ns: now_ns() })
+                }
+            };
+            if let Err(e) = writer.send(&frame).await {
+                kill(
+                    &writer_conn,
+                    Error::ConnectionLost {
+                        detail: format!("control lane write: {e}"),
+                    },
+                );
+                break;
+            }
+        }
+    });
+    let dead_after = shared.cfg.dead_after;
+    let reason = loop {
+        let next = tokio::select! {
+            _ = conn.cancel.cancelled() => break conn.dead_error(),
+            n = tokio::time::timeout(dead_after, reader.next()) => n,
+        };
+        let frame = match next {
+            Err(_) => {
+                break Error::ConnectionLost {
+                    detail: format!("receiver silent for {dead_after:?}"),
+                }
+            }
+            Ok(None) => {
+                break Error::ConnectionLost {
+                    detail: "receiver closed the control lane".into(),
+                }
+            }
+            Ok(Some(Err(CodecError::Io(e)))) => {
+                break Error::ConnectionLost {
+                    detail: format!("control lane: {e}"),
+                }
+            }
+            Ok(Some(Err(CodecError::Protocol(e)))) => {
+                let _ = conn.control.send(lane::abort_for(&e));
+                break e;
+            }
+            Ok(Some(Ok(f))) => f,
+        };
+        match frame {
+            Frame::KvGrant(g) => {
+                lock(&shared.grants).insert(g.request_id, g);
+                shared.grants_changed.send_modify(|n| *n += 1);
+            }
+            Frame::KvDone(done) => {
+                // The receiver confirms a transfer landed and verified.
+                let mut outbound = lock(&shared.outbound);
+                if let Some(e) = outbound.remove(&done.transfer_id) {
+                    Metrics::add(&shared.metrics.transfers_completed_total, 1);
+                    e.status.send_replace(OutboundStatus::Complete {
+                        bytes: done.byte_count,
+                    });
+                }
+                Metrics::set(&shared.metrics.transfers_in_flight, outbound.len() as u64);
+            }
+            Frame::Abort(a) => {
+                let err = Error::PeerAborted {
+                    reason: a.reason,
+                    message: a.message,
+                };
+                if a.request_id == 0 {
+                    break err;
+                }
+                lock(&shared.grants).retain(|_, g| g.request_id != a.request_id);
+                fail_outbound(&shared, &err, Some(a.request_id));
+            }
+            Frame::Ping(p) => {
+                let _ = conn.control.send(Frame::Pong(p));
+            }
+            Frame::Pong(p) => {
+                Metrics::set(
+                    &shared.metrics.rtt_us,
+                    now_ns().saturating_sub(p.sent_at_ns) / 1000,
+                );
+            }
+            other => {
+                let e = Error::InvalidField {
+                    kind: other.kind(),
+                    field: "kind",
+                    detail: "not expected on a KV sender's control lane".into(),
+                };
+                let _ = conn.control.send(lane::abort_for(&e));
+                break e;
+            }
+        }
+    };
+    if !shared.cancel.is_cancelled() {
+        Metrics::add(&shared.metrics.sessions_lost_total, 1);
+    }
+    kill(&conn, reason.clone());
+    let _ = writer.await;
+    // Grants of the dead session are void; the receiver failed them too.
+    lock(&shared.grants).clear();
+    fail_outbound(&shared, &reason, None);
+}
+
+async fn lane_writer(
+    shared: Arc<Shared>,
+    conn: Arc<Conn>,
+    mut wr: OwnedWriteHalf,
+    mut jobs: mpsc::Receiver<Job>,
+) {
+    loop {
+        let job = tokio::select! {
+            _ = conn.cancel.cancelled() => return,
+            j = jobs.recv() => match j { Some(j) => j, None => return },
+        };
+        if let Err(e) = write_block(&shared.pool, &mut wr, &job).await {
+            kill(&conn, e);
+            return;
+        }
+        Metrics::add(&shared.metrics.bytes_sent_total, job.block.data_len());
+        Metrics::add(&shared.metrics.blocks_sent_total, 1);
+    }
+}
+
+async fn write_block(pool: &PagePool, wr: &mut OwnedWriteHalf, job: &Job) -> Result<(), Error> {
+    let mut pages: Vec<&[u8]> = Vec::with_capacity(job.src.len());
+    for &(layer, page) in &job.src {
+        // SAFETY: source pages are only read by the transport; the engine must not
+        // rewrite KV it asked to send until the transfer completes (documented).
+        pages.push(unsafe { pool.page(layer, page) }?);
+    }
+    let fixed = job.block.to_fixed();
+    let payload_len = u32::try_from(KV_PAGES_FIXED_LEN as u64 + job.block.data_len())
+        .map_err(|_| Error::InvalidArgument("block too large".into()))?;
+    let mut header = FrameHeader {
+        kind: FrameKind::KvPages,
+        flags: 0,
+        payload_len,
+        crc: 0,
+    };
+    header.crc = header.compute_crc(std::iter::once(&fixed[..]).chain(pages.iter().copied()));
+    let mut head = [0u8; HEADER_LEN + KV_PAGES_FIXED_LEN];
+    head[..HEADER_LEN].copy_from_slice(&header.to_bytes());
+    head[HEADER_LEN..].copy_from_slice(&fixed);
+    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(pages.len() + 1);
+    slices.push(IoSlice::new(&head));
+    slices.extend(pages.iter().map(|p| IoSlice::new(p)));
+    let mut bufs: &mut [IoSlice<'_>] = &mut slices;
+    while !bufs.is_empty() {
+        // At most IOV_MAX (1024) slices per writev.
+        let upto = bufs.len().min(1024);
+        let n = wr
+            .write_vectored(&bufs[..upto])
+            .await
+            .map_err(|e| Error::ConnectionLost {
+                detail: format!("data lane write: {e}"),
+            })?;
+        if n == 0 {
+            return Err(Error::ConnectionLost {
+                detail: "data lane closed".into(),
+            });
+        }
+        IoSlice::advance_slices(&mut bufs, n);
+    }
+    Ok(())
+}
+
+/// The sender's handle on one grant.
+pub struct OutboundTransfer {
+    shared: Arc<Shared>,
+    conn: Arc<Conn>,
+    state: tokio::sync::Mutex<SenderTransfer>,
+    grant: KvGrant,
+    status: watch::Receiver<OutboundStatus>,
+}
+
+impl OutboundTransfer {
+    /// The grant being filled.
+    pub fn grant(&self) -> &KvGrant {
+        &self.grant
+    }
+
+    /// Current status.
+    pub fn status(&self) -> OutboundStatus {
+        self.status.borrow().clone()
+    }
+
+    /// Stream grant layer `layer` from source pool pages `src_pages` (one per grant
+    /// page, in grant order) on pool layer `src_layer` (usually the same index).
+    /// Returns once every block is queued on a lane; waits while lanes are full.
+    pub async fn send_layer(
+        &self,
+        layer: u16,
+        src_layer: u16,
+        src_pages: &[u32],
+    ) -> Result<(), Error> {
+        let pool = &self.shared.pool;
+        if src_pages.len() != self.grant.page_count as usize {
+            return Err(Error::InvalidArgument(format!(
+                "{} source pages for a grant of {}",
+                src_pages.len(),
+                self.grant.page_count
+            )));
+        }
+        if pool.page_bytes() != self.grant.page_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "source pages are {} bytes, the grant's are {}",
+                pool.page_bytes(),
+                self.grant.page_bytes
+            )));
+        }
+        if src_layer >= pool.layers() {
+            return Err(Error::InvalidArgument(format!(
+                "source layer {src_layer} outside the pool's {}",
+                pool.layers()
+            )));
+        }
+        if let Some(p) = src_pages.iter().find(|&&p| p >= pool.pages()) {
+            return Err(Error::InvalidArgument(format!(
+                "source page {p} outside the pool's {}",
+                pool.pages()
+            )));
+        }
+        if let OutboundStatus::Failed(e) = self.status() {
+            return Err(e);
+        }
+        let cap = u64::from(
+            self.conn
+                .peer_max_payload
+                .saturating_sub(KV_PAGES_FIXED_LEN as u32),
+        );
+        let max_block = u64::from(self.shared.cfg.max_block_bytes)
+            .min(cap)
+            .min(1000 * u64::from(self.grant.page_bytes));
+        let blocks = self.state.lock().await.send_layer(layer, max_block)?;
+        for block in blocks {
+            let src = (block.page_start..block.page_start + block.page_count)
+                .map(|p| (src_layer, src_pages[p as usize]))
+                .collect();
+            let lane = self.conn.next_lane.fetch_add(1, Ordering::Relaxed) % self.conn.lanes.len();
+            tokio::select! {
+                _ = self.conn.cancel.cancelled() => return Err(self.conn.dead_error()),
+                r = self.conn.lanes[lane].send(Job { block, src }) => {
+                    if r.is_err() {
+                        return Err(self.conn.dead_error());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every layer is queued: tell the receiver how many blocks and bytes to expect.
+    pub async fn finish(&self) -> Result<(), Error> {
+        let done = self.state.lock().await.finish()?;
+        self.conn
+            .control
+            .send(Frame::KvDone(done))
+            .map_err(|_| self.conn.dead_error())
+    }
+
+    /// Wait for the receiver to confirm the transfer (bytes), or for its failure.
+    pub async fn wait(&self) -> Result<u64, Error> {
+        let mut rx = self.status.clone();
+        loop {
+            match &*rx.borrow_and_update() {
+                OutboundStatus::Complete { bytes } => return Ok(*bytes),
+                OutboundStatus::Failed(e) => return Err(e.clone()),
+                OutboundStatus::InProgress => {}
+            }
+            if rx.changed().await.is_err() {
+                return Err(Error::Cancelled {
+                    detail: "sender closed".into(),
+                });
+            }
+        }
+    }
+}
