@@ -6,7 +6,7 @@ The public API is re-exported here; the Rust extension lives in
 
 from __future__ import annotations
 
-from pdd_transport import wire
+from pdd_transport import kv, wire
 from pdd_transport._native import __version__
 from pdd_transport.errors import (
     DeadlineExceeded,
@@ -19,6 +19,7 @@ from pdd_transport.model_shapes import ModelShape
 
 __all__ = [
     "__version__",
+    "kv",
     "wire",
     "ModelShape",
     "PddError",

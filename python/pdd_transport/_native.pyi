@@ -1,6 +1,6 @@
 """Type stubs of the Rust extension ``pdd_transport._native`` (checked by mypy stubtest)."""
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any, TypeAlias, final
 
 import numpy as np
@@ -22,6 +22,11 @@ __all__ = [
     "encode_handoff",
     "negotiate_hello",
     "FrameDecoder",
+    "KvPool",
+    "KvReceiver",
+    "KvSender",
+    "InboundTransfer",
+    "OutboundTransfer",
 ]
 
 __version__: str
@@ -84,3 +89,123 @@ class FrameDecoder:
     @property
     def max_payload(self) -> int:
         """The payload limit in force."""
+
+_Pages: TypeAlias = Sequence[int] | npt.NDArray[np.int32] | npt.NDArray[np.int64] | npt.NDArray[np.uint32]
+
+@final
+class KvPool:
+    """Pages over registered per-layer buffers (1-D, C-contiguous, writable uint8)."""
+
+    def __new__(cls, layers: Sequence[npt.NDArray[np.uint8]], page_bytes: int) -> KvPool: ...
+    @property
+    def layers(self) -> int: ...
+    @property
+    def pages(self) -> int: ...
+    @property
+    def page_bytes(self) -> int: ...
+
+@final
+class InboundTransfer:
+    """The receiver's handle on one granted transfer."""
+
+    @property
+    def transfer_id(self) -> int: ...
+    @property
+    def request_id(self) -> int: ...
+    @property
+    def peer(self) -> int: ...
+    @property
+    def layer_count(self) -> int: ...
+    @property
+    def page_count(self) -> int: ...
+    def status(self) -> dict[str, Any]: ...
+    def wait(self, timeout: float = 60.0) -> int: ...
+    def wait_async(self, timeout: float = 60.0) -> Awaitable[int]: ...
+
+@final
+class KvReceiver:
+    """A KV receiver listening for senders."""
+
+    def __new__(
+        cls,
+        pool: KvPool,
+        listen: str = "127.0.0.1:0",
+        *,
+        role: str = "main_decode",
+        credential: bytes | None = None,
+        expected_credential: bytes | None = None,
+        heartbeat_s: float = 1.0,
+        dead_after_s: float = 5.0,
+        hello_timeout_s: float = 5.0,
+        socket_buffer: int = 8388608,
+        congestion: str | None = None,
+        max_payload: int = 16777216,
+    ) -> KvReceiver: ...
+    @property
+    def address(self) -> tuple[str, int]: ...
+    def peers(self) -> list[tuple[int, str]]: ...
+    def wait_peer(self, peer: int | None = None, timeout: float = 10.0) -> int: ...
+    def grant(
+        self,
+        request_id: int,
+        pages: _Pages,
+        *,
+        layers: int | None = None,
+        peer: int | None = None,
+        deadline_s: float | None = None,
+    ) -> InboundTransfer: ...
+    def cancel(self, transfer_id: int) -> bool: ...
+    def poll_events(self, max: int = 1024) -> list[dict[str, Any]]: ...
+    def wait_event(self, timeout: float = 10.0) -> bool: ...
+    def metrics(self) -> dict[str, int]: ...
+    def prometheus(self, endpoint: str = "kv_receiver") -> str: ...
+    def close(self, timeout: float = 5.0) -> None: ...
+
+@final
+class OutboundTransfer:
+    """The sender's handle on one grant."""
+
+    @property
+    def transfer_id(self) -> int: ...
+    @property
+    def request_id(self) -> int: ...
+    @property
+    def layer_count(self) -> int: ...
+    @property
+    def page_count(self) -> int: ...
+    @property
+    def page_bytes(self) -> int: ...
+    def send_layer(self, layer: int, src_pages: _Pages, src_layer: int | None = None, timeout: float = 60.0) -> None: ...
+    def finish(self) -> None: ...
+    def status(self) -> dict[str, Any]: ...
+    def wait(self, timeout: float = 60.0) -> int: ...
+    def wait_async(self, timeout: float = 60.0) -> Awaitable[int]: ...
+
+@final
+class KvSender:
+    """A KV sender session connected to a receiver."""
+
+    def __new__(
+        cls,
+        pool: KvPool,
+        connect: str,
+        *,
+        lanes: int = 4,
+        node_id: int | None = None,
+        role: str = "prefill",
+        credential: bytes | None = None,
+        heartbeat_s: float = 1.0,
+        dead_after_s: float = 5.0,
+        connect_timeout_s: float = 5.0,
+        block_bytes: int = 1048576,
+        socket_buffer: int = 8388608,
+        congestion: str | None = None,
+        max_payload: int = 16777216,
+    ) -> KvSender: ...
+    @property
+    def node_id(self) -> int: ...
+    def ensure_connected(self, timeout: float = 10.0) -> None: ...
+    def wait_grant(self, request_id: int, timeout: float = 10.0) -> OutboundTransfer: ...
+    def metrics(self) -> dict[str, int]: ...
+    def prometheus(self, endpoint: str = "kv_sender") -> str: ...
+    def close(self) -> None: ...

@@ -8,7 +8,9 @@
 
 use pyo3::prelude::*;
 
+mod convert;
 mod errors;
+mod kv;
 mod runtime;
 mod wire;
 
@@ -17,5 +19,6 @@ mod wire;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     wire::register(m)?;
+    kv::register(m)?;
     Ok(())
 }

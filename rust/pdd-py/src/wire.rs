@@ -5,7 +5,6 @@
 //! is an error rather than a silently defaulted field.
 
 use bytes::{Bytes, BytesMut};
-use numpy::{PyReadonlyArray1, PyUntypedArrayMethods};
 use pdd_core::wire::handshake::{negotiate, LocalHello};
 use pdd_core::wire::{
     self, capability, decode_frame as core_decode, decode_frame_shared,
@@ -18,6 +17,7 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
+use crate::convert::u32s_from_py as token_ids_from_py;
 use crate::errors::{invalid, PddErr};
 
 // Signatures spell the default payload limit as a literal so Python's introspection
@@ -243,41 +243,6 @@ impl FrameDecoder {
     fn max_payload(&self) -> u32 {
         self.decoder.max_payload()
     }
-}
-
-/// Token IDs from a numpy integer array or a sequence of ints; each must fit u32.
-fn token_ids_from_py(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Vec<u32>> {
-    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u32>>() {
-        return Ok(a.as_array().to_vec());
-    }
-    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
-        return a
-            .as_array()
-            .iter()
-            .map(|&t| to_token(i64::from(t), field))
-            .collect();
-    }
-    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
-        return a.as_array().iter().map(|&t| to_token(t, field)).collect();
-    }
-    if let Ok(a) = obj.cast::<numpy::PyUntypedArray>() {
-        return Err(PyTypeError::new_err(format!(
-            "{field}: expected a 1-D int32, int64 or uint32 array, got {}-D {}",
-            a.ndim(),
-            a.dtype()
-        )));
-    }
-    let values: Vec<i64> = obj.extract().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "{field}: expected a sequence of ints or an int array"
-        ))
-    })?;
-    values.into_iter().map(|t| to_token(t, field)).collect()
-}
-
-fn to_token(t: i64, field: &str) -> PyResult<u32> {
-    u32::try_from(t)
-        .map_err(|_| invalid(format!("{field}: token id {t} is outside 0..=4294967295")))
 }
 
 /// Required-key access to a frame dict, with errors naming the frame and the field.

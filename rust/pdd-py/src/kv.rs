@@ -1,0 +1,642 @@
+//! KV pools and endpoints for Python: `KvPool`, `KvReceiver`, `KvSender` and their
+//! transfer handles. Conversion and GIL release only; the logic is `pdd_io::receiver`,
+//! `pdd_io::sender` and `pdd_core::kv`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use numpy::{PyArray1, PyArrayMethods, PyUntypedArrayMethods};
+use pdd_core::kv::TransferEvent;
+use pdd_core::wire::handshake::LocalHello;
+use pdd_core::wire::{capability, Role};
+use pdd_core::Error;
+use pdd_io::lane::SocketTuning;
+use pdd_io::metrics::Metrics;
+use pdd_io::pool::{MemoryRegion, PagePool};
+use pdd_io::receiver::{self, ReceiverConfig, TransferStatus};
+use pdd_io::sender::{self, OutboundStatus, SenderConfig};
+use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
+use pyo3::types::PyDict;
+
+use crate::convert::u32s_from_py;
+use crate::errors::{invalid, PddErr};
+use crate::runtime::{block_on, runtime};
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<KvPool>()?;
+    m.add_class::<KvReceiver>()?;
+    m.add_class::<KvSender>()?;
+    m.add_class::<InboundTransfer>()?;
+    m.add_class::<OutboundTransfer>()?;
+    Ok(())
+}
+
+fn seconds(v: f64, what: &str) -> PyResult<Duration> {
+    if !v.is_finite() || v <= 0.0 || v > 1e6 {
+        return Err(invalid(format!(
+            "{what} must be a positive number of seconds, got {v}"
+        )));
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+fn role(name: &str) -> PyResult<Role> {
+    Role::from_name(name).ok_or_else(|| invalid(format!("unknown role '{name}'")))
+}
+
+fn address(s: &str) -> PyResult<SocketAddr> {
+    s.parse()
+        .map_err(|_| invalid(format!("'{s}' is not an IP:port address")))
+}
+
+/// Run `fut` on the shared runtime with the GIL released, bounded by `timeout`.
+fn wait_bounded<T: Send>(
+    py: Python<'_>,
+    timeout: Duration,
+    what: &str,
+    fut: impl std::future::Future<Output = Result<T, Error>> + Send,
+) -> PyResult<T> {
+    let what = what.to_owned();
+    block_on(py, async move {
+        match tokio::time::timeout(timeout, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::DeadlineExceeded {
+                what: format!("{what} within {timeout:?}"),
+            }),
+        }
+    })?
+    .map_err(|e| PddErr(e).into())
+}
+
+fn metrics_dict<'py>(py: Python<'py>, m: &Metrics) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (name, value, _, _) in m.snapshot() {
+        d.set_item(name, value)?;
+    }
+    Ok(d)
+}
+
+/// `socket_buffer` 0 leaves the kernel's default (and its autotuning) alone.
+fn tuning(socket_buffer: usize, congestion: Option<String>) -> SocketTuning {
+    SocketTuning {
+        buffer_bytes: (socket_buffer > 0).then_some(socket_buffer),
+        congestion,
+    }
+}
+
+/// Pages of KV over registered buffers: one 1-D, C-contiguous, writable uint8 numpy
+/// array per layer, all of the same length, a whole number of `page_bytes` pages.
+/// The arrays are kept alive (and so cannot be resized) while the pool lives.
+#[pyclass(frozen, module = "pdd_transport._native")]
+pub struct KvPool {
+    pub pool: Arc<PagePool>,
+}
+
+#[pymethods]
+impl KvPool {
+    #[new]
+    fn new(layers: Vec<Bound<'_, PyAny>>, page_bytes: u32) -> PyResult<Self> {
+        let mut regions = Vec::with_capacity(layers.len());
+        for (i, obj) in layers.iter().enumerate() {
+            let arr = obj.cast::<PyArray1<u8>>().map_err(|_| {
+                invalid(format!("layer {i}: expected a 1-D uint8 numpy array (view other dtypes with .view(np.uint8))"))
+            })?;
+            if !arr.is_c_contiguous() {
+                return Err(invalid(format!(
+                    "layer {i}: the array must be C-contiguous"
+                )));
+            }
+            let mut rw = arr.try_readwrite().map_err(|_| {
+                invalid(format!(
+                    "layer {i}: the array must be writable and not borrowed elsewhere"
+                ))
+            })?;
+            let slice = rw
+                .as_slice_mut()
+                .map_err(|_| invalid(format!("layer {i}: the array must be contiguous")))?;
+            let (ptr, len) = (slice.as_mut_ptr(), slice.len());
+            drop(rw);
+            let owner: Py<PyArray1<u8>> = arr.clone().unbind();
+            // SAFETY: ptr..ptr+len is the array's data, valid for reads and writes; the
+            // owner reference keeps the array (and its buffer) alive, and numpy refuses
+            // to resize an array that has other references, so the data stays put.
+            let region =
+                unsafe { MemoryRegion::from_raw(ptr, len, Box::new(owner)) }.map_err(PddErr)?;
+            regions.push(region);
+        }
+        Ok(KvPool {
+            pool: Arc::new(PagePool::new(regions, page_bytes).map_err(PddErr)?),
+        })
+    }
+
+    /// Layers in the pool.
+    #[getter]
+    fn layers(&self) -> u16 {
+        self.pool.layers()
+    }
+
+    /// Pages per layer.
+    #[getter]
+    fn pages(&self) -> u32 {
+        self.pool.pages()
+    }
+
+    /// Bytes per page.
+    #[getter]
+    fn page_bytes(&self) -> u32 {
+        self.pool.page_bytes()
+    }
+}
+
+/// A KV receiver listening for senders.
+#[pyclass(frozen, module = "pdd_transport._native")]
+pub struct KvReceiver {
+    inner: Arc<receiver::KvReceiver>,
+}
+
+#[pymethods]
+impl KvReceiver {
+    #[new]
+    #[pyo3(signature = (pool, listen = "127.0.0.1:0", *, role = "main_decode", credential = None, expected_credential = None, heartbeat_s = 1.0, dead_after_s = 5.0, hello_timeout_s = 5.0, socket_buffer = 8388608, congestion = None, max_payload = 16777216))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        pool: &KvPool,
+        listen: &str,
+        role: &str,
+        credential: Option<PyBackedBytes>,
+        expected_credential: Option<PyBackedBytes>,
+        heartbeat_s: f64,
+        dead_after_s: f64,
+        hello_timeout_s: f64,
+        socket_buffer: usize,
+        congestion: Option<String>,
+        max_payload: u32,
+    ) -> PyResult<Self> {
+        let mut hello = LocalHello::new(self::role(role)?, capability::KV_STREAM);
+        hello.credential = credential
+            .map(|c| bytes::Bytes::copy_from_slice(&c))
+            .unwrap_or_default();
+        hello.expected_credential = expected_credential.map(|c| bytes::Bytes::copy_from_slice(&c));
+        hello.max_payload = max_payload;
+        let mut cfg = ReceiverConfig::new(address(listen)?, hello);
+        cfg.heartbeat = seconds(heartbeat_s, "heartbeat_s")?;
+        cfg.dead_after = seconds(dead_after_s, "dead_after_s")?;
+        cfg.hello_timeout = seconds(hello_timeout_s, "hello_timeout_s")?;
+        cfg.tuning = tuning(socket_buffer, congestion);
+        let pool = pool.pool.clone();
+        let rx = block_on(py, receiver::KvReceiver::start(pool, cfg))?.map_err(PddErr)?;
+        Ok(KvReceiver {
+            inner: Arc::new(rx),
+        })
+    }
+
+    /// `(host, port)` the receiver listens on.
+    #[getter]
+    fn address(&self) -> (String, u16) {
+        let a = self.inner.local_addr();
+        (a.ip().to_string(), a.port())
+    }
+
+    /// Connected peers: `[(node_id, "ip:port"), ...]`.
+    fn peers(&self) -> Vec<(u64, String)> {
+        self.inner
+            .peers()
+            .into_iter()
+            .map(|(id, a)| (id, a.to_string()))
+            .collect()
+    }
+
+    /// Wait until `peer` (any peer with None) is connected; returns its node id.
+    #[pyo3(signature = (peer = None, timeout = 10.0))]
+    fn wait_peer(&self, py: Python<'_>, peer: Option<u64>, timeout: f64) -> PyResult<u64> {
+        let rx = self.inner.clone();
+        wait_bounded(py, seconds(timeout, "timeout")?, "a peer", async move {
+            Ok(rx.wait_peer(peer).await)
+        })
+    }
+
+    /// Grant `pages` (pool page indices, in the order the sender will fill them) on
+    /// layers `0..layers` (all with None) to `peer` (the only peer with None).
+    #[pyo3(signature = (request_id, pages, *, layers = None, peer = None, deadline_s = None))]
+    fn grant(
+        &self,
+        request_id: u64,
+        pages: &Bound<'_, PyAny>,
+        layers: Option<u16>,
+        peer: Option<u64>,
+        deadline_s: Option<f64>,
+    ) -> PyResult<InboundTransfer> {
+        let pages = u32s_from_py(pages, "pages")?;
+        let deadline = deadline_s.map(|d| seconds(d, "deadline_s")).transpose()?;
+        // grant() spawns its deadline timer: it must run inside the runtime.
+        let rt = runtime()?;
+        let _guard = rt.enter();
+        let t = self
+            .inner
+            .grant(request_id, &pages, layers, peer, deadline)
+            .map_err(PddErr)?;
+        Ok(InboundTransfer { inner: t })
+    }
+
+    /// Cancel a live transfer (the sender is told). False if it was not live.
+    fn cancel(&self, transfer_id: u64) -> bool {
+        self.inner.cancel(transfer_id)
+    }
+
+    /// Take up to `max` transfer events, oldest first.
+    #[pyo3(signature = (max = 1024))]
+    fn poll_events<'py>(&self, py: Python<'py>, max: usize) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        self.inner
+            .poll_events(max)
+            .iter()
+            .map(|e| event_dict(py, e))
+            .collect()
+    }
+
+    /// Wait up to `timeout` seconds for an event; True if one is queued.
+    #[pyo3(signature = (timeout = 10.0))]
+    fn wait_event(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
+        let rx = self.inner.clone();
+        let t = seconds(timeout, "timeout")?;
+        block_on(py, async move {
+            tokio::time::timeout(t, rx.wait_event()).await.is_ok()
+        })
+    }
+
+    /// Counters and gauges.
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        metrics_dict(py, self.inner.metrics())
+    }
+
+    /// Metrics as Prometheus text, labelled `endpoint`.
+    #[pyo3(signature = (endpoint = "kv_receiver"))]
+    fn prometheus(&self, endpoint: &str) -> String {
+        self.inner.metrics().prometheus(endpoint)
+    }
+
+    /// Close every session and stop listening, waiting at most `timeout` seconds.
+    #[pyo3(signature = (timeout = 5.0))]
+    fn close(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let rx = self.inner.clone();
+        let t = seconds(timeout, "timeout")?;
+        block_on(py, async move { rx.close(t).await })?.map_err(|e| PddErr(e).into())
+    }
+}
+
+fn event_dict<'py>(py: Python<'py>, e: &TransferEvent) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    match e {
+        TransferEvent::LayerComplete {
+            transfer_id,
+            request_id,
+            layer,
+        } => {
+            d.set_item("type", "layer_complete")?;
+            d.set_item("transfer_id", transfer_id)?;
+            d.set_item("request_id", request_id)?;
+            d.set_item("layer", layer)?;
+        }
+        TransferEvent::Complete {
+            transfer_id,
+            request_id,
+            bytes,
+            blocks,
+        } => {
+            d.set_item("type", "complete")?;
+            d.set_item("transfer_id", transfer_id)?;
+            d.set_item("request_id", request_id)?;
+            d.set_item("bytes", bytes)?;
+            d.set_item("blocks", blocks)?;
+        }
+        TransferEvent::Failed {
+            transfer_id,
+            request_id,
+            error,
+        } => {
+            d.set_item("type", "failed")?;
+            d.set_item("transfer_id", transfer_id)?;
+            d.set_item("request_id", request_id)?;
+            d.set_item("reason", error.reason())?;
+            d.set_item("message", error.to_string())?;
+        }
+    }
+    Ok(d)
+}
+
+/// The receiver's handle on one granted transfer.
+#[pyclass(frozen, module = "pdd_transport._native")]
+pub struct InboundTransfer {
+    inner: receiver::InboundTransfer,
+}
+
+#[pymethods]
+impl InboundTransfer {
+    #[getter]
+    fn transfer_id(&self) -> u64 {
+        self.inner.grant.transfer_id
+    }
+
+    #[getter]
+    fn request_id(&self) -> u64 {
+        self.inner.grant.request_id
+    }
+
+    #[getter]
+    fn peer(&self) -> u64 {
+        self.inner.peer
+    }
+
+    #[getter]
+    fn layer_count(&self) -> u16 {
+        self.inner.grant.layer_count
+    }
+
+    #[getter]
+    fn page_count(&self) -> u32 {
+        self.inner.grant.page_count
+    }
+
+    /// `{"state": "in_progress"|"complete"|"failed", ...}`.
+    fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        match self.inner.status() {
+            TransferStatus::InProgress { layers_done } => {
+                d.set_item("state", "in_progress")?;
+                d.set_item("layers_done", layers_done)?;
+            }
+            TransferStatus::Complete { bytes, seconds } => {
+                d.set_item("state", "complete")?;
+                d.set_item("layers_done", self.inner.grant.layer_count)?;
+                d.set_item("bytes", bytes)?;
+                d.set_item("seconds", seconds)?;
+            }
+            TransferStatus::Failed(e) => {
+                d.set_item("state", "failed")?;
+                d.set_item("reason", e.reason())?;
+                d.set_item("message", e.to_string())?;
+            }
+        }
+        Ok(d)
+    }
+
+    /// Block (GIL released) until complete (returns page bytes) or failed (raises).
+    #[pyo3(signature = (timeout = 60.0))]
+    fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<u64> {
+        let t = self.inner.clone();
+        wait_bounded(
+            py,
+            seconds(timeout, "timeout")?,
+            "the transfer",
+            async move { t.wait().await },
+        )
+    }
+
+    /// Awaitable `wait`.
+    #[pyo3(signature = (timeout = 60.0))]
+    fn wait_async<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyAny>> {
+        let t = self.inner.clone();
+        let d = seconds(timeout, "timeout")?;
+        runtime()?;
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            match tokio::time::timeout(d, t.wait()).await {
+                Ok(r) => r.map_err(|e| PddErr(e).into()),
+                Err(_) => Err(PddErr(Error::DeadlineExceeded {
+                    what: format!("the transfer within {d:?}"),
+                })
+                .into()),
+            }
+        })
+    }
+}
+
+/// A KV sender session connected to a receiver.
+#[pyclass(frozen, module = "pdd_transport._native")]
+pub struct KvSender {
+    inner: Arc<sender::KvSender>,
+}
+
+#[pymethods]
+impl KvSender {
+    #[new]
+    #[pyo3(signature = (pool, connect, *, lanes = 4, node_id = None, role = "prefill", credential = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, block_bytes = 1048576, socket_buffer = 8388608, congestion = None, max_payload = 16777216))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        pool: &KvPool,
+        connect: &str,
+        lanes: u16,
+        node_id: Option<u64>,
+        role: &str,
+        credential: Option<PyBackedBytes>,
+        heartbeat_s: f64,
+        dead_after_s: f64,
+        connect_timeout_s: f64,
+        block_bytes: u32,
+        socket_buffer: usize,
+        congestion: Option<String>,
+        max_payload: u32,
+    ) -> PyResult<Self> {
+        let mut hello = LocalHello::new(self::role(role)?, capability::KV_STREAM);
+        hello.credential = credential
+            .map(|c| bytes::Bytes::copy_from_slice(&c))
+            .unwrap_or_default();
+        hello.max_payload = max_payload;
+        let node_id = match node_id {
+            Some(0) => return Err(invalid("node_id 0 is reserved")),
+            Some(n) => n,
+            None => random_node_id(),
+        };
+        let mut cfg = SenderConfig::new(address(connect)?, node_id, hello);
+        if lanes == 0 {
+            return Err(invalid("lanes must be >= 1"));
+        }
+        cfg.lanes = lanes;
+        cfg.heartbeat = seconds(heartbeat_s, "heartbeat_s")?;
+        cfg.dead_after = seconds(dead_after_s, "dead_after_s")?;
+        cfg.connect_timeout = seconds(connect_timeout_s, "connect_timeout_s")?;
+        if block_bytes == 0 {
+            return Err(invalid("block_bytes must be >= 1"));
+        }
+        cfg.max_block_bytes = block_bytes;
+        cfg.tuning = tuning(socket_buffer, congestion);
+        let pool = pool.pool.clone();
+        let tx = block_on(py, sender::KvSender::connect(pool, cfg))?.map_err(PddErr)?;
+        Ok(KvSender {
+            inner: Arc::new(tx),
+        })
+    }
+
+    /// The id the receiver knows this sender by (`peer` in `KvReceiver.grant`).
+    #[getter]
+    fn node_id(&self) -> u64 {
+        self.inner.session_id()
+    }
+
+    /// Reconnect now if the session was lost (it also happens on next use).
+    #[pyo3(signature = (timeout = 10.0))]
+    fn ensure_connected(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let tx = self.inner.clone();
+        wait_bounded(py, seconds(timeout, "timeout")?, "connecting", async move {
+            tx.ensure_connected().await
+        })
+    }
+
+    /// Wait for the receiver's grant for `request_id`.
+    #[pyo3(signature = (request_id, timeout = 10.0))]
+    fn wait_grant(
+        &self,
+        py: Python<'_>,
+        request_id: u64,
+        timeout: f64,
+    ) -> PyResult<OutboundTransfer> {
+        let tx = self.inner.clone();
+        let t = wait_bounded(py, seconds(timeout, "timeout")?, "the grant", async move {
+            tx.wait_grant(request_id).await
+        })?;
+        Ok(OutboundTransfer { inner: Arc::new(t) })
+    }
+
+    /// Counters and gauges.
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        metrics_dict(py, self.inner.metrics())
+    }
+
+    /// Metrics as Prometheus text, labelled `endpoint`.
+    #[pyo3(signature = (endpoint = "kv_sender"))]
+    fn prometheus(&self, endpoint: &str) -> String {
+        self.inner.metrics().prometheus(endpoint)
+    }
+
+    /// Close the session; transfers in flight fail with `cancelled`.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let tx = self.inner.clone();
+        block_on(py, async move { tx.close().await })
+    }
+}
+
+fn random_node_id() -> u64 {
+    // Unique enough to tell senders apart at one receiver; not a secret.
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.write_u32(std::process::id());
+    h.finish().max(1)
+}
+
+/// The sender's handle on one grant.
+#[pyclass(frozen, module = "pdd_transport._native")]
+pub struct OutboundTransfer {
+    inner: Arc<sender::OutboundTransfer>,
+}
+
+#[pymethods]
+impl OutboundTransfer {
+    #[getter]
+    fn transfer_id(&self) -> u64 {
+        self.inner.grant().transfer_id
+    }
+
+    #[getter]
+    fn request_id(&self) -> u64 {
+        self.inner.grant().request_id
+    }
+
+    #[getter]
+    fn layer_count(&self) -> u16 {
+        self.inner.grant().layer_count
+    }
+
+    #[getter]
+    fn page_count(&self) -> u32 {
+        self.inner.grant().page_count
+    }
+
+    #[getter]
+    fn page_bytes(&self) -> u32 {
+        self.inner.grant().page_bytes
+    }
+
+    /// Queue grant layer `layer` from source pages `src_pages` (one per grant page)
+    /// of source pool layer `src_layer` (`layer` with None). Returns once queued.
+    #[pyo3(signature = (layer, src_pages, src_layer = None, timeout = 60.0))]
+    fn send_layer(
+        &self,
+        py: Python<'_>,
+        layer: u16,
+        src_pages: &Bound<'_, PyAny>,
+        src_layer: Option<u16>,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let pages = u32s_from_py(src_pages, "src_pages")?;
+        let t = self.inner.clone();
+        wait_bounded(
+            py,
+            seconds(timeout, "timeout")?,
+            "queueing the layer",
+            async move {
+                t.send_layer(layer, src_layer.unwrap_or(layer), &pages)
+                    .await
+            },
+        )
+    }
+
+    /// Every layer is queued: send KV_DONE.
+    fn finish(&self, py: Python<'_>) -> PyResult<()> {
+        let t = self.inner.clone();
+        block_on(py, async move { t.finish().await })?.map_err(|e| PddErr(e).into())
+    }
+
+    /// `{"state": "in_progress"|"complete"|"failed", ...}`.
+    fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        match self.inner.status() {
+            OutboundStatus::InProgress => d.set_item("state", "in_progress")?,
+            OutboundStatus::Complete { bytes } => {
+                d.set_item("state", "complete")?;
+                d.set_item("bytes", bytes)?;
+            }
+            OutboundStatus::Failed(e) => {
+                d.set_item("state", "failed")?;
+                d.set_item("reason", e.reason())?;
+                d.set_item("message", e.to_string())?;
+            }
+        }
+        Ok(d)
+    }
+
+    /// Block (GIL released) until the receiver confirms (returns bytes) or it fails.
+    #[pyo3(signature = (timeout = 60.0))]
+    fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<u64> {
+        let t = self.inner.clone();
+        wait_bounded(
+            py,
+            seconds(timeout, "timeout")?,
+            "the receiver's confirmation",
+            async move { t.wait().await },
+        )
+    }
+
+    /// Awaitable `wait`.
+    #[pyo3(signature = (timeout = 60.0))]
+    fn wait_async<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyAny>> {
+        let t = self.inner.clone();
+        let d = seconds(timeout, "timeout")?;
+        runtime()?;
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            match tokio::time::timeout(d, t.wait()).await {
+                Ok(r) => r.map_err(|e| PddErr(e).into()),
+                Err(_) => Err(PddErr(Error::DeadlineExceeded {
+                    what: format!("confirmation within {d:?}"),
+                })
+                .into()),
+            }
+        })
+    }
+}
