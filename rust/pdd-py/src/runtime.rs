@@ -5,9 +5,6 @@
 //! not survive `fork()`), so each access compares the current pid with the creator's
 //! and raises instead of hanging.
 
-// Its first users (the WAN emulator and KV endpoint bindings) land in the next commits.
-#![allow(dead_code)]
-
 use std::future::Future;
 use std::sync::OnceLock;
 
