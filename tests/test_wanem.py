@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -489,3 +490,17 @@ def test_cli_bad_arguments_fail_cleanly(echo: EchoServer) -> None:
     _, err = proc.communicate(timeout=BOUND * 3)
     assert proc.returncode == 2
     assert "not allowed with" in err
+
+
+def test_docs_example_runs() -> None:
+    """The example of docs/wanem.md's "From Python" section runs as written."""
+    doc = (Path(__file__).parent.parent / "docs" / "wanem.md").read_text()
+    section = doc[doc.index("## From Python") :]
+    code = section[section.index("```python\n") + len("```python\n") :]
+    code = code[: code.index("```\n")]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("connect to 127.0.0.1:")
+    assert float(lines[1].split()[1]) >= 28.0
+    assert lines[-1] == "8"

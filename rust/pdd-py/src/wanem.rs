@@ -59,7 +59,8 @@ fn map_err(e: WanemError) -> PyErr {
 fn parse_addr(what: &str, s: &str) -> PyResult<SocketAddr> {
     s.parse().map_err(|_| {
         invalid(format!(
-            "{what} address {s:?} is not IP:PORT (such as 127.0.0.1:8000 or [::1]:8000; no host names)"
+            "{what} address {s:?} is not IP:PORT \
+             (such as 127.0.0.1:8000 or [::1]:8000; no host names)"
         ))
     })
 }
@@ -71,13 +72,14 @@ fn parse_direction(name: &str, allow_both: bool) -> PyResult<&'static [Direction
         "upstream_to_client" => Ok(&Direction::ALL[1..2]),
         "both" if allow_both => Ok(&Direction::ALL),
         _ => {
-            Err(invalid(if allow_both {
-                format!(
-                "unknown direction {name:?}: expected 'both', 'client_to_upstream' or 'upstream_to_client'"
-            )
+            let expected = if allow_both {
+                "'both', 'client_to_upstream' or 'upstream_to_client'"
             } else {
-                format!("unknown direction {name:?}: expected 'client_to_upstream' or 'upstream_to_client'")
-            }))
+                "'client_to_upstream' or 'upstream_to_client'"
+            };
+            Err(invalid(format!(
+                "unknown direction {name:?}: expected {expected}"
+            )))
         }
     }
 }
@@ -95,7 +97,7 @@ fn duration_from(name: &str, value: f64, unit_per_sec: f64) -> PyResult<Duration
     let max = MAX_DELAY.as_secs_f64() * unit_per_sec;
     if !value.is_finite() || value < 0.0 || value > max {
         return Err(invalid(format!(
-            "{name} must be a number in 0..={max}, got {value}"
+            "{name} must be a finite number from 0 to {max}, got {value}"
         )));
     }
     // Whole nanoseconds, so that 15.0 ms reads back as 15.0.
@@ -142,9 +144,11 @@ fn profile_from_dict(d: &Bound<'_, PyDict>) -> PyResult<LinkProfile> {
                     })?);
                 }
             }
-            other => return Err(invalid(format!(
+            other => {
+                return Err(invalid(format!(
                 "unknown profile field {other:?} (expected delay_ms, jitter_ms, jitter, rate_bps)"
-            ))),
+            )))
+            }
         }
     }
     let delay = duration_from("delay_ms", delay_ms, 1e3)?;
