@@ -6,7 +6,7 @@ The public API is re-exported here; the Rust extension lives in
 
 from __future__ import annotations
 
-from pdd_transport import kv, wire
+from pdd_transport import kv, wanem, wire
 from pdd_transport._native import __version__
 from pdd_transport.errors import (
     DeadlineExceeded,
@@ -16,12 +16,15 @@ from pdd_transport.errors import (
     TransportError,
 )
 from pdd_transport.model_shapes import ModelShape
+from pdd_transport.wanem import Wanem
 
 __all__ = [
     "__version__",
     "kv",
     "wire",
+    "wanem",
     "ModelShape",
+    "Wanem",
     "PddError",
     "ProtocolError",
     "InvalidArgument",

@@ -27,6 +27,7 @@ __all__ = [
     "KvSender",
     "InboundTransfer",
     "OutboundTransfer",
+    "Wanem",
 ]
 
 __version__: str
@@ -209,3 +210,49 @@ class KvSender:
     def metrics(self) -> dict[str, int]: ...
     def prometheus(self, endpoint: str = "kv_sender") -> str: ...
     def close(self) -> None: ...
+@final
+class Wanem:
+    """A running WAN emulator: a TCP proxy from ``listen`` to ``upstream`` with an
+    emulated link per direction. Use ``pdd_transport.wanem.Wanem``, which takes
+    friendlier units; this is the thin binding."""
+
+    def __new__(
+        cls,
+        listen: str,
+        upstream: str,
+        *,
+        client_to_upstream: dict[str, Any] | None = None,
+        upstream_to_client: dict[str, Any] | None = None,
+        seed: int = 0,
+        max_in_flight: int | None = None,
+        socket_buffer: int | None = None,
+        connect_timeout: float = 5.0,
+    ) -> Wanem: ...
+    @property
+    def local_addr(self) -> tuple[str, int]:
+        """The address it listens on, ``(ip, port)``."""
+    @property
+    def upstream_addr(self) -> tuple[str, int]:
+        """Where connections are relayed to, ``(ip, port)``."""
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+    @property
+    def blackholed(self) -> bool:
+        """Whether the blackhole is on."""
+    def profile(self, direction: str) -> dict[str, Any]:
+        """``{"delay_ms", "jitter_ms", "jitter", "rate_bps"}`` of one direction."""
+    def set_profile(self, direction: str, profile: dict[str, Any]) -> None:
+        """Replace the profile of ``direction`` (or ``"both"``); validated first."""
+    def stall(self, direction: str, seconds: float) -> None:
+        """Hold every byte of ``direction`` for ``seconds``; 0 lifts a stall."""
+    def reset_all(self) -> None:
+        """Reset (RST) every current connection."""
+    def corrupt_next(self, direction: str) -> None:
+        """Flip one byte of the next chunk written in ``direction``."""
+    def blackhole(self, on: bool) -> None:
+        """Turn the blackhole on or off."""
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of the counters."""
+    def close(self) -> None:
+        """Close, waiting at most 5 s (GIL released). Idempotent."""

@@ -1,6 +1,6 @@
 """The ``pdd-transport`` command.
 
-Subcommands: ``bench handoff`` today; ``demo``, ``wanem`` and more benchmarks arrive
+Subcommands: ``bench handoff`` and ``wanem`` today; ``demo`` and more benchmarks arrive
 with the features they exercise.
 """
 
@@ -9,13 +9,17 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from pdd_transport import __version__, wire
 from pdd_transport.errors import PddError
 from pdd_transport.model_shapes import DEFAULT_SHAPE, PRESETS, ModelShape
+from pdd_transport.wanem import Wanem
 
 
 def _bench_handoff(args: argparse.Namespace) -> dict[str, Any]:
@@ -35,6 +39,46 @@ def _bench_handoff(args: argparse.Namespace) -> dict[str, Any]:
         "kv_to_frame_ratio": round(kv_bytes / len(frame), 1),
         "model_shape": shape.describe(),
     }
+
+
+def _wanem(args: argparse.Namespace) -> None:
+    """Run the WAN emulator in the foreground until Ctrl-C, SIGTERM or ``--duration``."""
+    wan = Wanem(
+        args.upstream,
+        args.listen,
+        delay_ms=args.delay_ms,
+        rtt_ms=args.rtt_ms,
+        jitter_ms=args.jitter_ms,
+        rate_gbit=args.rate_gbit,
+        seed=args.seed,
+    )
+    with wan:
+        stop = threading.Event()
+        previous: dict[int, Any] = {}
+        # Handlers can only be installed from the main thread (main() may be called
+        # from elsewhere, e.g. a test); there, Ctrl-C and SIGTERM end the wait.
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, lambda _signo, _frame: stop.set())
+        try:
+            # One machine-readable line, flushed, so that scripts can wait for it.
+            print(f"wanem listening on {wan.address_str} -> {wan.upstream_str}", flush=True)
+            deadline = None if args.duration is None else time.monotonic() + args.duration
+            while not stop.is_set():
+                wait = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
+                if wait <= 0:
+                    break
+                stop.wait(wait)
+        finally:
+            for signo, handler in previous.items():
+                signal.signal(signo, handler)
+    s = wan.stats()
+    c2u, u2c = s["client_to_upstream"], s["upstream_to_client"]
+    print(
+        f"wanem stopped: connections={s['connections_accepted']} resets={s['resets']} "
+        f"bytes_client_to_upstream={c2u['bytes_delivered']} bytes_upstream_to_client={u2c['bytes_delivered']}",
+        file=sys.stderr,
+    )
 
 
 def _print(result: dict[str, Any], as_json: bool) -> None:
@@ -69,6 +113,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     handoff.add_argument("--seed", type=int, default=0, help="seed for the token IDs")
     handoff.set_defaults(run=_bench_handoff)
+
+    wanem = sub.add_parser(
+        "wanem",
+        help="run the WAN emulator (a shaping TCP proxy) in the foreground",
+        description="Relay every connection made to --listen to --upstream through an emulated "
+        "WAN line. Delays are one way: --rtt-ms 30 is the same as --delay-ms 15. Prints "
+        "'wanem listening on HOST:PORT -> UPSTREAM' once ready; stops on Ctrl-C, SIGTERM or "
+        "after --duration.",
+    )
+    wanem.add_argument(
+        "--listen", default="127.0.0.1:0", help="IP:PORT to listen on; port 0 picks one (default %(default)s)"
+    )
+    wanem.add_argument("--upstream", required=True, help="IP:PORT to relay to (no host names)")
+    delay = wanem.add_mutually_exclusive_group()
+    delay.add_argument("--rtt-ms", type=float, help="round-trip delay, split evenly between the directions")
+    delay.add_argument("--delay-ms", type=float, help="one-way delay, applied in each direction")
+    wanem.add_argument(
+        "--jitter-ms", type=float, default=0.0, help="per-direction jitter, uniform in +-J (default 0)"
+    )
+    wanem.add_argument("--rate-gbit", type=float, help="bandwidth cap per direction in Gbit/s (default none)")
+    wanem.add_argument("--seed", type=int, default=0, help="seed of the jitter and corruption RNG (default 0)")
+    wanem.add_argument("--duration", type=float, help="stop by itself after SECONDS (default: run until stopped)")
+    wanem.set_defaults(run=_wanem)
     return parser
 
 
@@ -81,12 +148,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if getattr(args, "tokens", 1) < 1:
         parser.error("--tokens must be >= 1")
+    duration = getattr(args, "duration", None)
+    if duration is not None and not duration >= 0:
+        parser.error("--duration must be >= 0")
     try:
         result = run(args)
     except PddError as exc:
         print(f"pdd-transport: {exc} [{exc.reason}]", file=sys.stderr)
         return 1
-    _print(result, getattr(args, "json", False))
+    if result is not None:
+        _print(result, getattr(args, "json", False))
     return 0
 
 

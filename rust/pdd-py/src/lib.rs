@@ -1,6 +1,6 @@
 //! `pdd_transport._native`: the PyO3 binding. One file per Python-facing family:
 //! `errors.rs` (error mapping), `runtime.rs` (the process's tokio runtime, fork guard),
-//! `wire.rs` (frame encode/decode).
+//! `wire.rs` (frame encode/decode), `wanem.rs` (the WAN emulator).
 //!
 //! This crate only converts between Python and Rust values, releases the GIL around
 //! work that takes time, and maps `pdd_core::Error` to the Python exception
@@ -12,6 +12,7 @@ mod convert;
 mod errors;
 mod kv;
 mod runtime;
+mod wanem;
 mod wire;
 
 /// The native module. `pdd_transport/__init__.py` re-exports the public names.
@@ -20,5 +21,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     wire::register(m)?;
     kv::register(m)?;
+    wanem::register(m)?;
     Ok(())
 }
