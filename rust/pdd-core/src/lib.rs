@@ -10,6 +10,7 @@
 #![warn(missing_docs)]
 
 pub mod error;
+pub mod radix;
 pub mod wire;
 
 pub use error::{Error, ErrorClass};
