@@ -399,3 +399,23 @@ fn peek_changes_nothing() {
     assert_eq!(c.peek_prefix(1, &seq(0, 9)), 0);
     assert_eq!(c.stats().nodes, nodes, "no split");
 }
+
+#[test]
+fn a_parent_left_childless_is_placed_by_its_own_last_use() {
+    // Cold session: [1] then [2] resumed from it; later, an unrelated [9].
+    let mut c = RadixCache::new(1).unwrap();
+    let a = c.insert(0, &[1], &[1]).unwrap().node;
+    c.insert_from(a, &[2], &[2]).unwrap();
+    c.insert(0, &[9], &[9]).unwrap();
+    // [1] was last used through [2]: once [2] goes, [1] is the coldest.
+    assert_eq!(c.evict(2), vec![2, 1]);
+
+    let mut c = RadixCache::new(1).unwrap();
+    let a = c.insert(0, &[1], &[1]).unwrap().node;
+    c.insert_from(a, &[2], &[2]).unwrap();
+    c.insert(0, &[9], &[9]).unwrap();
+    // A later request used the prefix [1] on its own: it outlives the colder [9].
+    c.match_prefix(0, &[1, 5]);
+    assert_eq!(c.evict(2), vec![2, 9]);
+    c.check_invariants();
+}
