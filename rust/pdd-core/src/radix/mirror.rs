@@ -4,7 +4,7 @@ use std::collections::{HashMap, HashSet};
 
 use super::check_page_size;
 use super::event::{Event, EventKind, Snapshot};
-use super::hash::{page_hash, root_seed};
+use super::hash::{root_seed, PageHasher};
 use crate::error::{Error, Result};
 use crate::wire::{CacheEvent, CacheEvents};
 
@@ -210,44 +210,54 @@ impl Mirror {
 
     /// For every known instance (in increasing id order), how many leading whole
     /// pages of `tokens` in `namespace` it holds.
+    ///
+    /// An instance's pages are prefix-closed (a cache evicts deepest pages first, and
+    /// [`Mirror::apply`] refuses a run stored under a missing parent), so "holds page i"
+    /// only turns from true to false once along the prompt. The search therefore
+    /// gallops (pages 0, 1, 3, 7, ...) and then bisects, for all instances at once:
+    /// O(log pages) lookups per distinct answer instead of one per page, and hashes
+    /// only up to about twice the longest match.
     pub fn match_prefix(&self, namespace: u64, tokens: &[u32]) -> Vec<InstanceMatch> {
-        let words = self.slots.len().div_ceil(WORD_BITS);
-        let mut alive = vec![0u64; words];
+        let total = tokens.len() / self.page_size;
+        let mut alive = vec![0u64; self.slots.len().div_ceil(WORD_BITS)];
         for (slot, owner) in self.slots.iter().enumerate() {
             if owner.is_some() {
                 alive[slot / WORD_BITS] |= 1 << (slot % WORD_BITS);
             }
         }
         let mut matched = vec![0usize; self.slots.len()];
-        let mut pages_done = 0;
-        let mut prev = root_seed(namespace);
-        for page in tokens.chunks_exact(self.page_size) {
-            if alive.iter().all(|&w| w == 0) {
+        let mut chain = LazyChain {
+            tokens,
+            page_size: self.page_size,
+            hashes: Vec::new(),
+            prev: root_seed(namespace),
+            hasher: PageHasher::new(),
+        };
+        // (lo, hi, slots): each slot holds every page before `lo` and not page `hi`.
+        let mut pending: Vec<(usize, usize, Vec<u64>)> = Vec::new();
+        let (mut lo, mut step, mut set) = (0, 1, alive);
+        while !is_empty(&set) {
+            if lo == total {
+                record(&mut matched, &set, total);
                 break;
             }
-            prev = page_hash(prev, page);
-            for (word, bits) in alive.iter_mut().enumerate() {
-                if *bits == 0 {
-                    continue;
-                }
-                let held = self.members.get(&(prev, word as u32)).copied().unwrap_or(0);
-                let mut dying = *bits & !held;
-                while dying != 0 {
-                    let bit = dying.trailing_zeros() as usize;
-                    matched[word * WORD_BITS + bit] = pages_done;
-                    dying &= dying - 1;
-                }
-                *bits &= held;
-            }
-            pages_done += 1;
+            let probe = (lo + step - 1).min(total - 1);
+            let held = self.held_at(chain.hash(probe), &set);
+            pending.push((lo, probe, minus(&set, &held)));
+            (lo, step, set) = (probe + 1, step * 2, held);
         }
-        for (word, &bits) in alive.iter().enumerate() {
-            let mut rest = bits;
-            while rest != 0 {
-                let bit = rest.trailing_zeros() as usize;
-                matched[word * WORD_BITS + bit] = pages_done;
-                rest &= rest - 1;
+        while let Some((lo, hi, set)) = pending.pop() {
+            if is_empty(&set) {
+                continue;
             }
+            if lo == hi {
+                record(&mut matched, &set, lo);
+                continue;
+            }
+            let mid = lo + (hi - lo) / 2;
+            let held = self.held_at(chain.hash(mid), &set);
+            pending.push((lo, mid, minus(&set, &held)));
+            pending.push((mid + 1, hi, held));
         }
         let mut out: Vec<InstanceMatch> = self
             .slots
@@ -262,6 +272,20 @@ impl Mirror {
             .collect();
         out.sort_unstable_by_key(|m| m.instance);
         out
+    }
+
+    /// The slots of `set` that hold the page with this hash.
+    fn held_at(&self, hash: u64, set: &[u64]) -> Vec<u64> {
+        set.iter()
+            .enumerate()
+            .map(|(word, &bits)| {
+                if bits == 0 {
+                    0
+                } else {
+                    bits & self.members.get(&(hash, word as u32)).copied().unwrap_or(0)
+                }
+            })
+            .collect()
     }
 
     /// Estimated heap bytes (hash maps from their capacity).
@@ -424,5 +448,45 @@ impl Mirror {
             }
             *mask != 0
         });
+    }
+}
+
+/// Page hashes of a prompt, computed on demand in order (each needs the previous).
+struct LazyChain<'a> {
+    tokens: &'a [u32],
+    page_size: usize,
+    hashes: Vec<u64>,
+    prev: u64,
+    hasher: PageHasher,
+}
+
+impl LazyChain<'_> {
+    fn hash(&mut self, page: usize) -> u64 {
+        while self.hashes.len() <= page {
+            let i = self.hashes.len();
+            let tokens = &self.tokens[i * self.page_size..(i + 1) * self.page_size];
+            self.prev = self.hasher.hash(self.prev, tokens);
+            self.hashes.push(self.prev);
+        }
+        self.hashes[page]
+    }
+}
+
+fn is_empty(set: &[u64]) -> bool {
+    set.iter().all(|&w| w == 0)
+}
+
+fn minus(a: &[u64], b: &[u64]) -> Vec<u64> {
+    a.iter().zip(b).map(|(x, y)| x & !y).collect()
+}
+
+/// Set the matched page count of every slot in `set`.
+fn record(matched: &mut [usize], set: &[u64], pages: usize) {
+    for (word, &bits) in set.iter().enumerate() {
+        let mut rest = bits;
+        while rest != 0 {
+            matched[word * WORD_BITS + rest.trailing_zeros() as usize] = pages;
+            rest &= rest - 1;
+        }
     }
 }

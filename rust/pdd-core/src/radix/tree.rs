@@ -105,6 +105,11 @@ enum Children {
         keys: [u64; INLINE_CHILDREN],
         nodes: [u32; INLINE_CHILDREN],
     },
+    // Boxed so that every node pays 8 bytes for the rare wide case, not 48.
+    #[expect(
+        clippy::box_collection,
+        reason = "keeps Children, and so every node, small"
+    )]
     Wide(Box<HashMap<u64, u32>>),
 }
 
@@ -232,12 +237,14 @@ fn map_bytes<K, V>(capacity: usize) -> usize {
 
 #[derive(Debug)]
 struct Node {
-    /// The edge's tokens, a whole number of pages (empty for a namespace root).
-    tokens: Vec<u32>,
-    /// One engine page handle per page of the edge.
-    handles: Vec<u32>,
-    /// One chain hash per page of the edge.
-    hashes: Vec<u64>,
+    /// The edge in one allocation, sized for the pages it was built with (`built`):
+    /// first `META` words per page [chain hash low 32 bits, high 32 bits, engine page
+    /// handle], then `page_size` tokens per page. One malloc and one free per node; the
+    /// metadata that eviction reads shares cache lines with the allocator's chunk header
+    /// that freeing touches; evicting tail pages only lowers `pages`.
+    data: Vec<u32>,
+    /// Pages on the edge (0 for a namespace root): the first `pages` of `built`.
+    pages: u32,
     children: Children,
     namespace: u64,
     /// Logical clock of the last match or insert through this node.
@@ -263,9 +270,8 @@ struct Node {
 impl Node {
     fn vacant() -> Node {
         Node {
-            tokens: Vec::new(),
-            handles: Vec::new(),
-            hashes: Vec::new(),
+            data: Vec::new(),
+            pages: 0,
             children: Children::EMPTY,
             namespace: 0,
             last_access: 0,
@@ -285,8 +291,59 @@ impl Node {
     }
 
     fn pages(&self) -> usize {
-        self.handles.len()
+        self.pages as usize
     }
+
+    /// Pages `data` was built for.
+    fn built(&self, ps: usize) -> usize {
+        self.data.len() / (META + ps)
+    }
+
+    fn tokens(&self, ps: usize) -> &[u32] {
+        let start = META * self.built(ps);
+        &self.data[start..start + self.pages() * ps]
+    }
+
+    /// `META` words per page: hash low, hash high, handle.
+    fn meta(&self) -> &[u32] {
+        &self.data[..META * self.pages()]
+    }
+
+    fn hash(&self, page: usize) -> u64 {
+        let m = &self.meta()[META * page..];
+        u64::from(m[0]) | (u64::from(m[1]) << 32)
+    }
+
+    fn handle(&self, page: usize) -> u32 {
+        self.meta()[META * page + 2]
+    }
+
+    fn hashes(&self) -> impl Iterator<Item = u64> + '_ {
+        self.meta()
+            .chunks_exact(META)
+            .map(|m| u64::from(m[0]) | (u64::from(m[1]) << 32))
+    }
+
+    fn handles(&self) -> impl Iterator<Item = u32> + '_ {
+        self.meta().chunks_exact(META).map(|m| m[2])
+    }
+
+    fn last_page_hash(&self) -> Option<u64> {
+        self.pages().checked_sub(1).map(|last| self.hash(last))
+    }
+}
+
+/// Words of per-page metadata in `Node::data`.
+const META: usize = 3;
+
+/// Build a node's `data` from its page hashes and handles and its tokens.
+fn edge_data(meta: impl Iterator<Item = (u64, u32)>, tokens: &[u32], pages: usize) -> Vec<u32> {
+    let mut data = Vec::with_capacity(META * pages + tokens.len());
+    for (hash, handle) in meta {
+        data.extend([hash as u32, (hash >> 32) as u32, handle]);
+    }
+    data.extend_from_slice(tokens);
+    data
 }
 
 /// Where a walk down the tree stopped.
@@ -409,7 +466,7 @@ impl RadixCache {
             let Some(child) = self.nodes[node as usize].children.get(key) else {
                 break;
             };
-            let edge = &self.nodes[child as usize].tokens;
+            let edge = self.nodes[child as usize].tokens(ps);
             let pages = common_pages(edge, &whole[pos..], ps);
             pos += pages * ps;
             if pages * ps < edge.len() {
@@ -514,7 +571,6 @@ impl RadixCache {
     /// handles (fewer than asked when fewer are evictable; locked pages never are) and
     /// emits one `Removed` event. O(pages freed): no scan of the tree.
     pub fn evict(&mut self, n_pages: usize) -> Vec<u32> {
-        let ps = self.page_size;
         let mut freed = Vec::with_capacity(n_pages.min(self.pages - self.locked_pages));
         let mut removed = Vec::with_capacity(freed.capacity());
         while freed.len() < n_pages && self.lru_head != NIL {
@@ -523,11 +579,13 @@ impl RadixCache {
             let pages = node.pages();
             let take = (n_pages - freed.len()).min(pages);
             let keep = pages - take;
-            let key = node.hashes[0];
+            let key = node.hash(0);
             // Deepest page first, so the freed handles read like the Removed event.
-            freed.extend(node.handles.drain(keep..).rev());
-            removed.extend(node.hashes.drain(keep..).rev());
-            node.tokens.truncate(keep * ps);
+            for page in (keep..pages).rev() {
+                freed.push(node.handle(page));
+                removed.push(node.hash(page));
+            }
+            node.pages = keep as u32;
             if keep > 0 {
                 // The node no longer ends the prefix it ended: old references are stale.
                 node.generation = node.generation.wrapping_add(1);
@@ -556,7 +614,7 @@ impl RadixCache {
         let mut handles = Vec::with_capacity(self.pages);
         for index in 0..self.nodes.len() {
             if self.nodes[index].in_use {
-                handles.extend_from_slice(&self.nodes[index].handles);
+                handles.extend(self.nodes[index].handles());
                 self.free(index as u32);
             }
         }
@@ -583,8 +641,8 @@ impl RadixCache {
                 if node.parent != NIL {
                     let parent = &self.nodes[node.parent as usize];
                     stored.push(StoredPages {
-                        parent: parent.hashes.last().copied(),
-                        page_hashes: node.hashes.clone(),
+                        parent: parent.last_page_hash(),
+                        page_hashes: node.hashes().collect(),
                     });
                 }
                 node.children.for_each(|child| stack.push(child));
@@ -603,10 +661,7 @@ impl RadixCache {
             + self.free_slots.capacity() * mem::size_of::<u32>()
             + map_bytes::<u64, u32>(self.roots.capacity());
         for node in self.nodes.iter().filter(|n| n.in_use) {
-            bytes += node.tokens.capacity() * mem::size_of::<u32>()
-                + node.handles.capacity() * mem::size_of::<u32>()
-                + node.hashes.capacity() * mem::size_of::<u64>()
-                + node.children.heap_bytes();
+            bytes += node.data.capacity() * mem::size_of::<u32>() + node.children.heap_bytes();
         }
         bytes
     }
@@ -625,11 +680,11 @@ impl RadixCache {
             live += 1;
             let index = index as u32;
             assert_eq!(
-                node.tokens.len(),
-                node.pages() * ps,
-                "node {index}: edge length"
+                node.data.len() % (META + ps),
+                0,
+                "node {index}: edge layout"
             );
-            assert_eq!(node.hashes.len(), node.pages(), "node {index}: hash count");
+            assert!(node.pages() <= node.built(ps), "node {index}: pages");
             let mut pinned_children = 0;
             node.children.for_each(|c| {
                 let child = &self.nodes[c as usize];
@@ -638,7 +693,7 @@ impl RadixCache {
                     "child {c} of {index}"
                 );
                 assert_eq!(
-                    node.children.get(child.hashes[0]),
+                    node.children.get(child.hash(0)),
                     Some(c),
                     "key of child {c}"
                 );
@@ -666,7 +721,7 @@ impl RadixCache {
             let parent = &self.nodes[node.parent as usize];
             assert_eq!(parent.namespace, node.namespace, "node {index}: namespace");
             let mut prev = self.last_hash(node.parent);
-            for (page, &h) in node.tokens.chunks_exact(ps).zip(&node.hashes) {
+            for (page, h) in node.tokens(ps).chunks_exact(ps).zip(node.hashes()) {
                 prev = page_hash(prev, page);
                 assert_eq!(prev, h, "node {index}: hash chain");
             }
@@ -753,8 +808,8 @@ impl RadixCache {
     /// The hash new pages below `index` chain from.
     fn last_hash(&self, index: u32) -> u64 {
         let node = &self.nodes[index as usize];
-        match node.hashes.last() {
-            Some(&h) => h,
+        match node.last_page_hash() {
+            Some(h) => h,
             None => root_seed(node.namespace),
         }
     }
@@ -789,10 +844,17 @@ impl RadixCache {
                 return Err(Error::RadixHashCollision);
             }
             let new_pages = hashes.len();
+            let data = edge_data(
+                hashes
+                    .iter()
+                    .copied()
+                    .zip(handles[cached..].iter().copied()),
+                &tokens[cached * ps..],
+                new_pages,
+            );
             let leaf = self.alloc(Node {
-                tokens: tokens[cached * ps..].to_vec(),
-                handles: handles[cached..].to_vec(),
-                hashes: hashes.clone(),
+                data,
+                pages: new_pages as u32,
                 namespace: self.nodes[end as usize].namespace,
                 last_access: self.clock,
                 parent: end,
@@ -844,12 +906,12 @@ impl RadixCache {
                 break;
             };
             let child_node = &mut self.nodes[child as usize];
-            let pages = common_pages(&child_node.tokens, &tokens[pos..], ps);
+            let pages = common_pages(child_node.tokens(ps), &tokens[pos..], ps);
             if pages == 0 {
                 collided = true;
                 break;
             }
-            handles.extend_from_slice(&child_node.handles[..pages]);
+            handles.extend(child_node.handles().take(pages));
             child_node.last_access = now;
             pos += pages * ps;
             if pages < child_node.pages() {
@@ -871,30 +933,27 @@ impl RadixCache {
     fn split(&mut self, lower: u32, pages: usize) -> u32 {
         let ps = self.page_size;
         let node = &mut self.nodes[lower as usize];
-        // The upper node takes the lower's vectors and the lower gets a copy of its
-        // tail: the copy is the part after the split, usually the shorter one.
-        let mut tokens = mem::take(&mut node.tokens);
-        let mut handles = mem::take(&mut node.handles);
-        let mut hashes = mem::take(&mut node.hashes);
-        node.tokens = tokens[pages * ps..].to_vec();
-        node.handles = handles[pages..].to_vec();
-        node.hashes = hashes[pages..].to_vec();
-        tokens.truncate(pages * ps);
-        handles.truncate(pages);
-        hashes.truncate(pages);
-        tokens.shrink_to_fit();
-        handles.shrink_to_fit();
-        hashes.shrink_to_fit();
-        let key_upper = hashes[0];
-        let key_lower = node.hashes[0];
+        let total = node.pages();
+        let split_data = |from: usize, to: usize| {
+            let (meta, tokens) = (node.meta(), node.tokens(ps));
+            let mut data = Vec::with_capacity((to - from) * (META + ps));
+            data.extend_from_slice(&meta[from * META..to * META]);
+            data.extend_from_slice(&tokens[from * ps..to * ps]);
+            data
+        };
+        let upper_data = split_data(0, pages);
+        let lower_data = split_data(pages, total);
+        let key_upper = node.hash(0);
+        let key_lower = node.hash(pages);
+        node.data = lower_data;
+        node.pages = (total - pages) as u32;
         let parent = node.parent;
         let namespace = node.namespace;
         let last_access = node.last_access;
         let lower_pinned = node.pinned();
         let upper = self.alloc(Node {
-            tokens,
-            handles,
-            hashes,
+            data: upper_data,
+            pages: pages as u32,
             namespace,
             last_access,
             parent,
