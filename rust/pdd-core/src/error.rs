@@ -254,6 +254,60 @@ pub enum Error {
         /// What the caller tried.
         operation: &'static str,
     },
+    /// Radix insert: the tokens are not a whole number of pages.
+    #[error("{tokens} tokens are not a whole number of {page_size}-token pages")]
+    RadixMisaligned {
+        /// Tokens passed.
+        tokens: usize,
+        /// The cache's page size.
+        page_size: usize,
+    },
+    /// Radix insert: the number of page handles is not the number of pages.
+    #[error("expected {expected} page handles (one per page), got {found}")]
+    RadixHandleCount {
+        /// Pages in the tokens passed.
+        expected: usize,
+        /// Handles passed.
+        found: usize,
+    },
+    /// Radix: the node reference names a node that was evicted (or whose last pages
+    /// were) since the reference was issued; match from the root again.
+    #[error("stale radix node reference: the node was evicted")]
+    RadixStaleNode,
+    /// Radix unlock: the node holds no lock of its own.
+    #[error("radix node is not locked")]
+    RadixNotLocked,
+    /// Radix clear: refused while pages are locked by requests in flight.
+    #[error("radix cache has {locked_pages} locked pages")]
+    RadixLocked {
+        /// Pages locked.
+        locked_pages: usize,
+    },
+    /// Radix insert: two different pages under one parent have the same 64-bit chain
+    /// hash, so the tree cannot key both; nothing was inserted.
+    #[error("radix page hash collision")]
+    RadixHashCollision,
+    /// Mirror: an instance's event ids skipped some; resync it from a snapshot.
+    #[error("cache events of source {source_id}: expected event {expected}, got {found}; resync from a snapshot")]
+    CacheEventGap {
+        /// The instance.
+        source_id: u64,
+        /// Next id the mirror can apply.
+        expected: u64,
+        /// Id received.
+        found: u64,
+    },
+    /// Mirror: an event (or snapshot) contradicts the mirrored state; resync from a
+    /// snapshot.
+    #[error("cache event {event_id} of source {source_id} does not fit the mirror: {detail}; resync from a snapshot")]
+    CacheEventMismatch {
+        /// The instance.
+        source_id: u64,
+        /// The event (for a snapshot: its last event id).
+        event_id: u64,
+        /// What does not fit.
+        detail: &'static str,
+    },
 }
 
 impl Error {
@@ -289,6 +343,14 @@ impl Error {
             Error::ProgressRegressed { .. } => "progress_regressed",
             Error::HandoffTimedOut { .. } => "handoff_timed_out",
             Error::HandoffClosed { .. } => "handoff_closed",
+            Error::RadixMisaligned { .. } => "radix_misaligned",
+            Error::RadixHandleCount { .. } => "radix_handle_count",
+            Error::RadixStaleNode => "radix_stale_node",
+            Error::RadixNotLocked => "radix_not_locked",
+            Error::RadixLocked { .. } => "radix_locked",
+            Error::RadixHashCollision => "radix_hash_collision",
+            Error::CacheEventGap { .. } => "cache_event_gap",
+            Error::CacheEventMismatch { .. } => "cache_event_mismatch",
         }
     }
 
@@ -305,6 +367,14 @@ impl Error {
                 ErrorClass::InvalidArgument
             }
             Error::DeadlineExceeded { .. } | Error::HandoffTimedOut { .. } => ErrorClass::Timeout,
+            Error::RadixMisaligned { .. }
+            | Error::RadixHandleCount { .. }
+            | Error::RadixStaleNode
+            | Error::RadixNotLocked
+            | Error::RadixLocked { .. }
+            | Error::RadixHashCollision => ErrorClass::InvalidArgument,
+            // Events that do not follow from what a peer sent before.
+            Error::CacheEventGap { .. } | Error::CacheEventMismatch { .. } => ErrorClass::Protocol,
             _ => ErrorClass::Protocol,
         }
     }
@@ -331,6 +401,12 @@ impl Error {
             }
             Error::Cancelled { .. } => AbortReason::Cancelled,
             Error::ConnectionLost { .. } => AbortReason::Shutdown,
+            Error::RadixMisaligned { .. }
+            | Error::RadixHandleCount { .. }
+            | Error::RadixStaleNode
+            | Error::RadixNotLocked
+            | Error::RadixLocked { .. }
+            | Error::RadixHashCollision => AbortReason::Internal,
             _ => AbortReason::ProtocolError,
         }
     }

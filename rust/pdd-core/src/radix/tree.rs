@@ -1,0 +1,1150 @@
+//! The radix tree: arena of nodes, page-granular edges, intrusive LRU of evictable
+//! leaves, lock counts, generation-checked node references, and the event log.
+
+use std::collections::HashMap;
+use std::mem;
+
+use super::check_page_size;
+use super::event::{Event, EventKind, Snapshot, StoredPages};
+use super::hash::{chain_hashes, page_hash, root_seed};
+use crate::error::{Error, Result};
+
+/// "No node": the parent of a namespace root, the end of the LRU list.
+const NIL: u32 = u32::MAX;
+
+/// Children kept inline before a node switches to a hash map. Most nodes have zero or
+/// one child (a session's turns form a chain); branch points are rare and few are wide.
+const INLINE_CHILDREN: usize = 2;
+
+/// A reference to a node (the end of a cached prefix), to lock it or to resume from it.
+///
+/// It is opaque and cheap to copy. It carries the slot's generation, so once the node
+/// is evicted (or its last pages are), every operation that takes the reference
+/// returns [`Error::RadixStaleNode`] instead of following it. The reference of an empty
+/// prefix ("the root of namespace N") never goes stale. A reference belongs to the
+/// cache that issued it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct NodeRef {
+    namespace: u64,
+    index: u32,
+    generation: u32,
+}
+
+impl NodeRef {
+    fn root(namespace: u64) -> NodeRef {
+        NodeRef {
+            namespace,
+            index: NIL,
+            generation: 0,
+        }
+    }
+
+    /// The namespace of the prefix this reference ends.
+    pub fn namespace(&self) -> u64 {
+        self.namespace
+    }
+
+    /// True for the empty prefix of a namespace (nothing to lock).
+    pub fn is_root(&self) -> bool {
+        self.index == NIL
+    }
+}
+
+/// What [`RadixCache::match_prefix`] (or [`RadixCache::match_from`]) found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MatchResult {
+    /// Tokens matched, a multiple of the page size (for `match_from`: after the node).
+    pub matched_tokens: usize,
+    /// One page handle per matched page, in order.
+    pub handles: Vec<u32>,
+    /// The node that ends the whole matched prefix: lock it, or resume from it.
+    pub node: NodeRef,
+    /// Hash-chain hash of the last matched page (the namespace's root seed when the
+    /// whole prefix is empty); PREFIX_REPLY's `prefix_hash`.
+    pub prefix_hash: u64,
+}
+
+/// What [`RadixCache::insert`] (or [`RadixCache::insert_from`]) did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InsertResult {
+    /// Leading tokens that were cached already (for `insert_from`: after the node).
+    pub cached_tokens: usize,
+    /// Caller handles of already-cached pages that differ from the tree's handle for
+    /// the same page: the tree keeps its own page, the caller may free these. A caller
+    /// handle equal to the tree's (the caller got it from a match) is not listed.
+    pub duplicates: Vec<u32>,
+    /// The node that ends the inserted sequence; resume the next turn from it.
+    pub node: NodeRef,
+}
+
+/// Capacity accounting, in pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CacheStats {
+    /// Pages the tree holds.
+    pub pages: usize,
+    /// Pages on a locked path (a lock pins its node and every ancestor).
+    pub locked_pages: usize,
+    /// Pages `evict` may free, now or after evicting below them (`pages - locked`).
+    pub evictable_pages: usize,
+    /// Unlocked leaves in the LRU list.
+    pub evictable_leaves: usize,
+    /// Nodes in use, namespace roots included.
+    pub nodes: usize,
+}
+
+/// Child slots of a node, keyed by the hash of the child's first page.
+///
+/// The key is the chain hash rather than the first token: with pages of more than one
+/// token, siblings often share their first token (a chat template) and differ later in
+/// the page, so only the whole first page tells them apart. The chain hash of that page
+/// is stored in the child anyway, so the key costs no memory; lookups verify the tokens.
+#[derive(Debug)]
+enum Children {
+    Inline {
+        len: u8,
+        keys: [u64; INLINE_CHILDREN],
+        nodes: [u32; INLINE_CHILDREN],
+    },
+    // Boxed so that every node pays 8 bytes for the rare wide case, not 48.
+    #[expect(
+        clippy::box_collection,
+        reason = "keeps Children, and so every node, small"
+    )]
+    Wide(Box<HashMap<u64, u32>>),
+}
+
+impl Children {
+    const EMPTY: Children = Children::Inline {
+        len: 0,
+        keys: [0; INLINE_CHILDREN],
+        nodes: [NIL; INLINE_CHILDREN],
+    };
+
+    fn len(&self) -> usize {
+        match self {
+            Children::Inline { len, .. } => usize::from(*len),
+            Children::Wide(map) => map.len(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn get(&self, key: u64) -> Option<u32> {
+        match self {
+            Children::Inline { len, keys, nodes } => keys[..usize::from(*len)]
+                .iter()
+                .position(|&k| k == key)
+                .map(|i| nodes[i]),
+            Children::Wide(map) => map.get(&key).copied(),
+        }
+    }
+
+    /// Add a child; the key must be absent.
+    fn insert(&mut self, key: u64, node: u32) {
+        debug_assert!(self.get(key).is_none());
+        match self {
+            Children::Inline { len, keys, nodes } if usize::from(*len) < INLINE_CHILDREN => {
+                keys[usize::from(*len)] = key;
+                nodes[usize::from(*len)] = node;
+                *len += 1;
+            }
+            Children::Inline { keys, nodes, .. } => {
+                let mut map: HashMap<u64, u32> = keys.iter().copied().zip(*nodes).collect();
+                map.insert(key, node);
+                *self = Children::Wide(Box::new(map));
+            }
+            Children::Wide(map) => {
+                map.insert(key, node);
+            }
+        }
+    }
+
+    /// Point an existing key at another node (an edge split puts the new upper node
+    /// in the slot of the node it split).
+    fn replace(&mut self, key: u64, node: u32) {
+        match self {
+            Children::Inline { len, keys, nodes } => {
+                let i = keys[..usize::from(*len)]
+                    .iter()
+                    .position(|&k| k == key)
+                    .expect("replaced child exists");
+                nodes[i] = node;
+            }
+            Children::Wide(map) => {
+                *map.get_mut(&key).expect("replaced child exists") = node;
+            }
+        }
+    }
+
+    fn remove(&mut self, key: u64) {
+        match self {
+            Children::Inline { len, keys, nodes } => {
+                let n = usize::from(*len);
+                let i = keys[..n]
+                    .iter()
+                    .position(|&k| k == key)
+                    .expect("removed child exists");
+                keys[i] = keys[n - 1];
+                nodes[i] = nodes[n - 1];
+                *len -= 1;
+            }
+            Children::Wide(map) => {
+                map.remove(&key);
+                if map.len() <= INLINE_CHILDREN {
+                    // Back inline: a branch point that lost its fan-out stops paying
+                    // for a map.
+                    let mut inline = Children::EMPTY;
+                    for (&k, &v) in map.iter() {
+                        inline.insert(k, v);
+                    }
+                    *self = inline;
+                }
+            }
+        }
+    }
+
+    fn for_each(&self, mut f: impl FnMut(u32)) {
+        match self {
+            Children::Inline { len, nodes, .. } => {
+                nodes[..usize::from(*len)].iter().for_each(|&n| f(n))
+            }
+            Children::Wide(map) => map.values().for_each(|&n| f(n)),
+        }
+    }
+
+    fn heap_bytes(&self) -> usize {
+        match self {
+            Children::Inline { .. } => 0,
+            Children::Wide(map) => {
+                mem::size_of::<HashMap<u64, u32>>() + map_bytes::<u64, u32>(map.capacity())
+            }
+        }
+    }
+}
+
+/// Estimated heap bytes of a std `HashMap` with this capacity: hashbrown allocates a
+/// power-of-two bucket count at a 7/8 load factor, one entry plus one control byte per
+/// bucket.
+fn map_bytes<K, V>(capacity: usize) -> usize {
+    if capacity == 0 {
+        return 0;
+    }
+    let buckets = (capacity * 8 / 7).next_power_of_two();
+    buckets * (mem::size_of::<(K, V)>() + 1)
+}
+
+#[derive(Debug)]
+struct Node {
+    /// The edge in one allocation, sized for the pages it was built with (`built`):
+    /// first `META` words per page [chain hash low 32 bits, high 32 bits, engine page
+    /// handle], then `page_size` tokens per page. One malloc and one free per node; the
+    /// metadata that eviction reads shares cache lines with the allocator's chunk header
+    /// that freeing touches; evicting tail pages only lowers `pages`.
+    data: Vec<u32>,
+    /// Pages on the edge (0 for a namespace root): the first `pages` of `built`.
+    pages: u32,
+    children: Children,
+    namespace: u64,
+    /// Logical clock of the last match or insert through this node.
+    last_access: u64,
+    /// `NIL` for a namespace root.
+    parent: u32,
+    /// Bumped whenever the node stops ending the prefix it ended (freed, or its tail
+    /// pages evicted), which makes older `NodeRef`s stale.
+    generation: u32,
+    lru_prev: u32,
+    lru_next: u32,
+    /// Locks taken on this node itself.
+    locks: u32,
+    /// Children whose `locks + pinned_children` is non-zero. A node is pinned (never
+    /// evicted, its pages counted as locked) while `locks + pinned_children > 0`;
+    /// counting pinned children rather than locks below lets lock and unlock stop
+    /// walking up at the first ancestor whose pinned state does not change.
+    pinned_children: u32,
+    in_use: bool,
+    in_lru: bool,
+}
+
+impl Node {
+    fn vacant() -> Node {
+        Node {
+            data: Vec::new(),
+            pages: 0,
+            children: Children::EMPTY,
+            namespace: 0,
+            last_access: 0,
+            parent: NIL,
+            generation: 0,
+            lru_prev: NIL,
+            lru_next: NIL,
+            locks: 0,
+            pinned_children: 0,
+            in_use: false,
+            in_lru: false,
+        }
+    }
+
+    fn pinned(&self) -> bool {
+        self.locks > 0 || self.pinned_children > 0
+    }
+
+    fn pages(&self) -> usize {
+        self.pages as usize
+    }
+
+    /// Pages `data` was built for.
+    fn built(&self, ps: usize) -> usize {
+        self.data.len() / (META + ps)
+    }
+
+    fn tokens(&self, ps: usize) -> &[u32] {
+        let start = META * self.built(ps);
+        &self.data[start..start + self.pages() * ps]
+    }
+
+    /// `META` words per page: hash low, hash high, handle.
+    fn meta(&self) -> &[u32] {
+        &self.data[..META * self.pages()]
+    }
+
+    fn hash(&self, page: usize) -> u64 {
+        let m = &self.meta()[META * page..];
+        u64::from(m[0]) | (u64::from(m[1]) << 32)
+    }
+
+    fn handle(&self, page: usize) -> u32 {
+        self.meta()[META * page + 2]
+    }
+
+    fn hashes(&self) -> impl Iterator<Item = u64> + '_ {
+        self.meta()
+            .chunks_exact(META)
+            .map(|m| u64::from(m[0]) | (u64::from(m[1]) << 32))
+    }
+
+    fn handles(&self) -> impl Iterator<Item = u32> + '_ {
+        self.meta().chunks_exact(META).map(|m| m[2])
+    }
+
+    fn last_page_hash(&self) -> Option<u64> {
+        self.pages().checked_sub(1).map(|last| self.hash(last))
+    }
+}
+
+/// Words of per-page metadata in `Node::data`.
+const META: usize = 3;
+
+/// Build a node's `data` from its page hashes and handles and its tokens.
+fn edge_data(meta: impl Iterator<Item = (u64, u32)>, tokens: &[u32], pages: usize) -> Vec<u32> {
+    let mut data = Vec::with_capacity(META * pages + tokens.len());
+    for (hash, handle) in meta {
+        data.extend([hash as u32, (hash >> 32) as u32, handle]);
+    }
+    data.extend_from_slice(tokens);
+    data
+}
+
+/// Where a walk down the tree stopped.
+struct Descent {
+    /// The node ending the matched prefix (an edge ending inside the match was split).
+    node: u32,
+    /// Whole pages matched below the start node.
+    pages: usize,
+    /// A child's key matched the next page's hash but its tokens differ: a 64-bit
+    /// chain-hash collision. Matching treats it as a miss; inserting refuses.
+    collided: bool,
+}
+
+/// Decode-side radix cache of KV pages. See the module docs and `docs/radix.md`.
+#[derive(Debug)]
+pub struct RadixCache {
+    page_size: usize,
+    nodes: Vec<Node>,
+    free_slots: Vec<u32>,
+    roots: HashMap<u64, u32>,
+    /// Coldest evictable leaf (evicted first).
+    lru_head: u32,
+    /// Most recently used evictable leaf.
+    lru_tail: u32,
+    clock: u64,
+    pages: usize,
+    locked_pages: usize,
+    evictable_leaves: usize,
+    live_nodes: usize,
+    next_event_id: u64,
+    events: Vec<Event>,
+}
+
+impl RadixCache {
+    /// An empty cache whose pages hold `page_size` tokens (1..=256).
+    pub fn new(page_size: usize) -> Result<RadixCache> {
+        check_page_size(page_size)?;
+        Ok(RadixCache {
+            page_size,
+            nodes: Vec::new(),
+            free_slots: Vec::new(),
+            roots: HashMap::new(),
+            lru_head: NIL,
+            lru_tail: NIL,
+            clock: 0,
+            pages: 0,
+            locked_pages: 0,
+            evictable_leaves: 0,
+            live_nodes: 0,
+            next_event_id: 1,
+            events: Vec::new(),
+        })
+    }
+
+    /// Tokens per page.
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    /// Capacity accounting.
+    pub fn stats(&self) -> CacheStats {
+        CacheStats {
+            pages: self.pages,
+            locked_pages: self.locked_pages,
+            evictable_pages: self.pages - self.locked_pages,
+            evictable_leaves: self.evictable_leaves,
+            nodes: self.live_nodes,
+        }
+    }
+
+    /// Id of the last event emitted (0 before the first).
+    pub fn last_event_id(&self) -> u64 {
+        self.next_event_id - 1
+    }
+
+    /// Take the events emitted since the last drain, in id order. The owner must drain
+    /// them regularly: they accumulate until drained.
+    pub fn drain_events(&mut self) -> Vec<Event> {
+        mem::take(&mut self.events)
+    }
+
+    /// Longest cached prefix of `tokens` in `namespace`, whole pages only (a partial
+    /// tail never matches). Marks the path as recently used; if the match ends inside
+    /// an edge, the edge is split so that the returned node ends exactly the match.
+    pub fn match_prefix(&mut self, namespace: u64, tokens: &[u32]) -> MatchResult {
+        match self.roots.get(&namespace) {
+            Some(&root) => self.match_at(root, tokens),
+            None => MatchResult {
+                matched_tokens: 0,
+                handles: Vec::new(),
+                node: NodeRef::root(namespace),
+                prefix_hash: root_seed(namespace),
+            },
+        }
+    }
+
+    /// Continue a match from `node` (the end of a previous match or insert): `tokens`
+    /// are the tokens that follow the node's prefix. Costs O(`tokens`), not O(the whole
+    /// prefix). The result counts and lists only what lies after `node`; its `node`
+    /// ends the whole prefix. Fails with [`Error::RadixStaleNode`] if `node` was evicted.
+    pub fn match_from(&mut self, node: NodeRef, tokens: &[u32]) -> Result<MatchResult> {
+        match self.resolve(node)? {
+            Some(index) => Ok(self.match_at(index, tokens)),
+            None => Ok(self.match_prefix(node.namespace, tokens)),
+        }
+    }
+
+    /// How many leading tokens of `tokens` are cached, changing nothing (no split, no
+    /// recency update): for planning queries that must not disturb the cache.
+    pub fn peek_prefix(&self, namespace: u64, tokens: &[u32]) -> usize {
+        let ps = self.page_size;
+        let Some(&root) = self.roots.get(&namespace) else {
+            return 0;
+        };
+        let whole = &tokens[..tokens.len() / ps * ps];
+        let mut node = root;
+        let mut pos = 0;
+        while pos < whole.len() {
+            let key = page_hash(self.last_hash(node), &whole[pos..pos + ps]);
+            let Some(child) = self.nodes[node as usize].children.get(key) else {
+                break;
+            };
+            let edge = self.nodes[child as usize].tokens(ps);
+            let pages = common_pages(edge, &whole[pos..], ps);
+            pos += pages * ps;
+            if pages * ps < edge.len() {
+                break;
+            }
+            node = child;
+        }
+        pos
+    }
+
+    /// Cache `tokens` (a whole number of pages) with one page handle per page.
+    ///
+    /// Pages already cached keep the tree's handle; the caller's differing handles for
+    /// them come back in [`InsertResult::duplicates`]. New pages take the caller's
+    /// handles and emit one `Stored` event. Errors (state unchanged): tokens not a whole
+    /// number of pages, wrong handle count, a chain-hash collision.
+    pub fn insert(
+        &mut self,
+        namespace: u64,
+        tokens: &[u32],
+        handles: &[u32],
+    ) -> Result<InsertResult> {
+        self.check_insert_args(tokens, handles)?;
+        if tokens.is_empty() {
+            return Ok(InsertResult {
+                cached_tokens: 0,
+                duplicates: Vec::new(),
+                node: NodeRef::root(namespace),
+            });
+        }
+        let root = match self.roots.get(&namespace) {
+            Some(&root) => root,
+            None => {
+                let root = self.alloc(Node {
+                    namespace,
+                    ..Node::vacant()
+                });
+                self.roots.insert(namespace, root);
+                root
+            }
+        };
+        self.insert_at(root, tokens, handles)
+    }
+
+    /// Continue an insert from `node`: `tokens` (a whole number of pages) follow the
+    /// node's prefix. Costs O(`tokens`): a new turn of a session pays for its own
+    /// tokens, not for the context before it. Same results and errors as [`insert`],
+    /// relative to `node`, plus [`Error::RadixStaleNode`].
+    ///
+    /// [`insert`]: RadixCache::insert
+    pub fn insert_from(
+        &mut self,
+        node: NodeRef,
+        tokens: &[u32],
+        handles: &[u32],
+    ) -> Result<InsertResult> {
+        let start = self.resolve(node)?;
+        self.check_insert_args(tokens, handles)?;
+        match start {
+            Some(index) => self.insert_at(index, tokens, handles),
+            None => self.insert(node.namespace, tokens, handles),
+        }
+    }
+
+    /// Pin the prefix ended by `node`: none of its pages is evicted until the matching
+    /// [`unlock`](RadixCache::unlock). Locks nest. Locking a root reference does nothing.
+    pub fn lock(&mut self, node: NodeRef) -> Result<()> {
+        let Some(index) = self.resolve(node)? else {
+            return Ok(());
+        };
+        let n = &mut self.nodes[index as usize];
+        let was_pinned = n.pinned();
+        n.locks = n
+            .locks
+            .checked_add(1)
+            .ok_or_else(|| Error::InvalidArgument("radix node lock count overflow".into()))?;
+        if !was_pinned {
+            self.pin_upwards(index);
+        }
+        Ok(())
+    }
+
+    /// Release one lock taken with [`lock`](RadixCache::lock) on the same reference.
+    /// Fails with [`Error::RadixNotLocked`] if the node holds no lock of its own.
+    pub fn unlock(&mut self, node: NodeRef) -> Result<()> {
+        let Some(index) = self.resolve(node)? else {
+            return Ok(());
+        };
+        let n = &mut self.nodes[index as usize];
+        if n.locks == 0 {
+            return Err(Error::RadixNotLocked);
+        }
+        n.locks -= 1;
+        if !n.pinned() {
+            self.unpin_upwards(index);
+        }
+        Ok(())
+    }
+
+    /// Free up to `n_pages` pages, least recently used leaves first, taking pages from
+    /// the tail of a leaf edge (so a cached prefix stays a prefix). Returns the freed
+    /// handles (fewer than asked when fewer are evictable; locked pages never are) and
+    /// emits one `Removed` event. O(pages freed): no scan of the tree.
+    pub fn evict(&mut self, n_pages: usize) -> Vec<u32> {
+        let mut freed = Vec::with_capacity(n_pages.min(self.pages - self.locked_pages));
+        let mut removed = Vec::with_capacity(freed.capacity());
+        while freed.len() < n_pages && self.lru_head != NIL {
+            let leaf = self.lru_head;
+            let node = &mut self.nodes[leaf as usize];
+            let pages = node.pages();
+            let take = (n_pages - freed.len()).min(pages);
+            let keep = pages - take;
+            let key = node.hash(0);
+            // Deepest page first, so the freed handles read like the Removed event.
+            for page in (keep..pages).rev() {
+                freed.push(node.handle(page));
+                removed.push(node.hash(page));
+            }
+            node.pages = keep as u32;
+            if keep > 0 {
+                // The node no longer ends the prefix it ended: old references are stale.
+                node.generation = node.generation.wrapping_add(1);
+            }
+            self.pages -= take;
+            if keep == 0 {
+                self.remove_leaf(leaf, key);
+            }
+        }
+        if !removed.is_empty() {
+            self.emit(EventKind::Removed {
+                page_hashes: removed,
+            });
+        }
+        freed
+    }
+
+    /// Empty the cache: returns every handle and emits `Cleared`; every node reference
+    /// goes stale. Refused with [`Error::RadixLocked`] while any page is locked.
+    pub fn clear(&mut self) -> Result<Vec<u32>> {
+        if self.locked_pages > 0 {
+            return Err(Error::RadixLocked {
+                locked_pages: self.locked_pages,
+            });
+        }
+        let mut handles = Vec::with_capacity(self.pages);
+        for index in 0..self.nodes.len() {
+            if self.nodes[index].in_use {
+                handles.extend(self.nodes[index].handles());
+                self.free(index as u32);
+            }
+        }
+        self.roots.clear();
+        self.lru_head = NIL;
+        self.lru_tail = NIL;
+        self.pages = 0;
+        self.evictable_leaves = 0;
+        self.emit(EventKind::Cleared);
+        Ok(handles)
+    }
+
+    /// The full state as `Stored` runs (parents first) plus the last event id, for a
+    /// mirror that joins late or missed events.
+    pub fn snapshot(&self) -> Snapshot {
+        let mut stored = Vec::with_capacity(self.live_nodes);
+        let mut roots: Vec<(u64, u32)> = self.roots.iter().map(|(&ns, &i)| (ns, i)).collect();
+        roots.sort_unstable();
+        let mut stack = Vec::new();
+        for (_, root) in roots {
+            stack.push(root);
+            while let Some(index) = stack.pop() {
+                let node = &self.nodes[index as usize];
+                if node.parent != NIL {
+                    let parent = &self.nodes[node.parent as usize];
+                    stored.push(StoredPages {
+                        parent: parent.last_page_hash(),
+                        page_hashes: node.hashes().collect(),
+                    });
+                }
+                node.children.for_each(|child| stack.push(child));
+            }
+        }
+        Snapshot {
+            last_event_id: self.last_event_id(),
+            stored,
+        }
+    }
+
+    /// Heap bytes the cache holds, counted from allocated capacities (hash maps
+    /// estimated from their capacity); pending undrained events are not included.
+    pub fn heap_bytes(&self) -> usize {
+        let mut bytes = self.nodes.capacity() * mem::size_of::<Node>()
+            + self.free_slots.capacity() * mem::size_of::<u32>()
+            + map_bytes::<u64, u32>(self.roots.capacity());
+        for node in self.nodes.iter().filter(|n| n.in_use) {
+            bytes += node.data.capacity() * mem::size_of::<u32>() + node.children.heap_bytes();
+        }
+        bytes
+    }
+
+    /// Check every structural invariant (links, keys, hash chains, lock counts, LRU
+    /// membership, accounting); panics with a description of the first violation.
+    /// Linear in the size of the tree: for tests.
+    #[cfg(feature = "testing")]
+    pub fn check_invariants(&self) {
+        let ps = self.page_size;
+        let (mut pages, mut locked, mut live, mut leaves) = (0, 0, 0, 0);
+        for (index, node) in self.nodes.iter().enumerate() {
+            if !node.in_use {
+                continue;
+            }
+            live += 1;
+            let index = index as u32;
+            assert_eq!(
+                node.data.len() % (META + ps),
+                0,
+                "node {index}: edge layout"
+            );
+            assert!(node.pages() <= node.built(ps), "node {index}: pages");
+            let mut pinned_children = 0;
+            node.children.for_each(|c| {
+                let child = &self.nodes[c as usize];
+                assert!(
+                    child.in_use && child.parent == index,
+                    "child {c} of {index}"
+                );
+                assert_eq!(
+                    node.children.get(child.hash(0)),
+                    Some(c),
+                    "key of child {c}"
+                );
+                pinned_children += u32::from(child.pinned());
+            });
+            assert_eq!(
+                node.pinned_children, pinned_children,
+                "node {index}: pinned"
+            );
+            if node.parent == NIL {
+                assert_eq!(
+                    self.roots.get(&node.namespace),
+                    Some(&index),
+                    "root {index}"
+                );
+                assert!(
+                    node.pages() == 0 && node.locks == 0,
+                    "root {index} holds pages"
+                );
+                assert!(!node.children.is_empty(), "root {index} without children");
+                assert!(!node.in_lru, "root {index} in the LRU");
+                continue;
+            }
+            assert!(node.pages() > 0, "node {index}: empty edge");
+            let parent = &self.nodes[node.parent as usize];
+            assert_eq!(parent.namespace, node.namespace, "node {index}: namespace");
+            let mut prev = self.last_hash(node.parent);
+            for (page, h) in node.tokens(ps).chunks_exact(ps).zip(node.hashes()) {
+                prev = page_hash(prev, page);
+                assert_eq!(prev, h, "node {index}: hash chain");
+            }
+            pages += node.pages();
+            if node.pinned() {
+                locked += node.pages();
+            }
+            let evictable = node.children.is_empty() && !node.pinned();
+            assert_eq!(node.in_lru, evictable, "node {index}: LRU membership");
+            leaves += usize::from(evictable);
+        }
+        let mut walked = 0;
+        let mut prev = NIL;
+        let mut at = self.lru_head;
+        while at != NIL {
+            let node = &self.nodes[at as usize];
+            assert!(node.in_use && node.in_lru, "LRU holds {at}");
+            assert_eq!(node.lru_prev, prev, "LRU back link of {at}");
+            walked += 1;
+            prev = at;
+            at = node.lru_next;
+        }
+        assert_eq!(self.lru_tail, prev, "LRU tail");
+        assert_eq!(walked, leaves, "LRU length");
+        assert_eq!(self.evictable_leaves, leaves, "evictable leaf count");
+        assert_eq!(self.pages, pages, "page count");
+        assert_eq!(self.locked_pages, locked, "locked page count");
+        assert_eq!(self.live_nodes, live, "live node count");
+        assert_eq!(
+            self.roots.len(),
+            self.roots
+                .values()
+                .collect::<std::collections::HashSet<_>>()
+                .len()
+        );
+    }
+
+    // ----- internals -----
+
+    fn check_insert_args(&self, tokens: &[u32], handles: &[u32]) -> Result<()> {
+        if tokens.len() % self.page_size != 0 {
+            return Err(Error::RadixMisaligned {
+                tokens: tokens.len(),
+                page_size: self.page_size,
+            });
+        }
+        let pages = tokens.len() / self.page_size;
+        if handles.len() != pages {
+            return Err(Error::RadixHandleCount {
+                expected: pages,
+                found: handles.len(),
+            });
+        }
+        Ok(())
+    }
+
+    /// `Ok(None)` for a root reference, the node's index if the reference is live.
+    fn resolve(&self, node: NodeRef) -> Result<Option<u32>> {
+        if node.index == NIL {
+            return Ok(None);
+        }
+        match self.nodes.get(node.index as usize) {
+            Some(n) if n.in_use && n.generation == node.generation => {
+                debug_assert_eq!(n.namespace, node.namespace);
+                Ok(Some(node.index))
+            }
+            _ => Err(Error::RadixStaleNode),
+        }
+    }
+
+    fn node_ref(&self, index: u32) -> NodeRef {
+        let node = &self.nodes[index as usize];
+        if node.parent == NIL {
+            NodeRef::root(node.namespace)
+        } else {
+            NodeRef {
+                namespace: node.namespace,
+                index,
+                generation: node.generation,
+            }
+        }
+    }
+
+    /// The hash new pages below `index` chain from.
+    fn last_hash(&self, index: u32) -> u64 {
+        let node = &self.nodes[index as usize];
+        match node.last_page_hash() {
+            Some(h) => h,
+            None => root_seed(node.namespace),
+        }
+    }
+
+    fn match_at(&mut self, start: u32, tokens: &[u32]) -> MatchResult {
+        let whole = tokens.len() / self.page_size * self.page_size;
+        let mut handles = Vec::new();
+        let descent = self.descend(start, &tokens[..whole], &mut handles);
+        self.lru_touch(descent.node);
+        MatchResult {
+            matched_tokens: handles.len() * self.page_size,
+            handles,
+            node: self.node_ref(descent.node),
+            prefix_hash: self.last_hash(descent.node),
+        }
+    }
+
+    fn insert_at(&mut self, start: u32, tokens: &[u32], handles: &[u32]) -> Result<InsertResult> {
+        let ps = self.page_size;
+        let mut tree_handles = Vec::new();
+        let descent = self.descend(start, tokens, &mut tree_handles);
+        if descent.collided {
+            return Err(Error::RadixHashCollision);
+        }
+        let cached = descent.pages;
+        let mut end = descent.node;
+        if cached * ps < tokens.len() {
+            let parent_hash = self.last_hash(end);
+            let hashes = chain_hashes(parent_hash, &tokens[cached * ps..], ps);
+            if self.nodes[end as usize].children.get(hashes[0]).is_some() {
+                // Only reachable through a chain-hash collision at the split point.
+                return Err(Error::RadixHashCollision);
+            }
+            let new_pages = hashes.len();
+            let data = edge_data(
+                hashes
+                    .iter()
+                    .copied()
+                    .zip(handles[cached..].iter().copied()),
+                &tokens[cached * ps..],
+                new_pages,
+            );
+            let leaf = self.alloc(Node {
+                data,
+                pages: new_pages as u32,
+                namespace: self.nodes[end as usize].namespace,
+                last_access: self.clock,
+                parent: end,
+                ..Node::vacant()
+            });
+            let parent = &mut self.nodes[end as usize];
+            let parent_is_root = parent.parent == NIL;
+            parent.children.insert(hashes[0], leaf);
+            if parent.in_lru {
+                self.lru_unlink(end);
+            }
+            self.pages += new_pages;
+            self.lru_push_back(leaf);
+            self.emit(EventKind::Stored(StoredPages {
+                parent: (!parent_is_root).then_some(parent_hash),
+                page_hashes: hashes,
+            }));
+            end = leaf;
+        } else {
+            self.lru_touch(end);
+        }
+        let duplicates = handles[..cached]
+            .iter()
+            .zip(&tree_handles)
+            .filter(|(mine, tree)| mine != tree)
+            .map(|(&mine, _)| mine)
+            .collect();
+        Ok(InsertResult {
+            cached_tokens: cached * ps,
+            duplicates,
+            node: self.node_ref(end),
+        })
+    }
+
+    /// Walk down from `start` along `tokens` (whole pages), appending the handles of
+    /// matched pages, stamping visited nodes with a new clock value, and splitting the
+    /// last edge if the match ends inside it.
+    fn descend(&mut self, start: u32, tokens: &[u32], handles: &mut Vec<u32>) -> Descent {
+        let ps = self.page_size;
+        self.clock += 1;
+        let now = self.clock;
+        self.nodes[start as usize].last_access = now;
+        let mut node = start;
+        let mut pos = 0;
+        let mut collided = false;
+        while pos < tokens.len() {
+            let key = page_hash(self.last_hash(node), &tokens[pos..pos + ps]);
+            let Some(child) = self.nodes[node as usize].children.get(key) else {
+                break;
+            };
+            let child_node = &mut self.nodes[child as usize];
+            let pages = common_pages(child_node.tokens(ps), &tokens[pos..], ps);
+            if pages == 0 {
+                collided = true;
+                break;
+            }
+            handles.extend(child_node.handles().take(pages));
+            child_node.last_access = now;
+            pos += pages * ps;
+            if pages < child_node.pages() {
+                node = self.split(child, pages);
+                break;
+            }
+            node = child;
+        }
+        Descent {
+            node,
+            pages: pos / ps,
+            collided,
+        }
+    }
+
+    /// Split `lower`'s edge after `pages` pages; returns the new upper node. The lower
+    /// node keeps its index and generation because it still ends the same prefix, so
+    /// references to it stay valid; the upper node takes its place under the parent.
+    fn split(&mut self, lower: u32, pages: usize) -> u32 {
+        let ps = self.page_size;
+        let node = &mut self.nodes[lower as usize];
+        let total = node.pages();
+        let split_data = |from: usize, to: usize| {
+            let (meta, tokens) = (node.meta(), node.tokens(ps));
+            let mut data = Vec::with_capacity((to - from) * (META + ps));
+            data.extend_from_slice(&meta[from * META..to * META]);
+            data.extend_from_slice(&tokens[from * ps..to * ps]);
+            data
+        };
+        let upper_data = split_data(0, pages);
+        let lower_data = split_data(pages, total);
+        let key_upper = node.hash(0);
+        let key_lower = node.hash(pages);
+        node.data = lower_data;
+        node.pages = (total - pages) as u32;
+        let parent = node.parent;
+        let namespace = node.namespace;
+        let last_access = node.last_access;
+        let lower_pinned = node.pinned();
+        let upper = self.alloc(Node {
+            data: upper_data,
+            pages: pages as u32,
+            namespace,
+            last_access,
+            parent,
+            pinned_children: u32::from(lower_pinned),
+            ..Node::vacant()
+        });
+        self.nodes[upper as usize].children.insert(key_lower, lower);
+        self.nodes[lower as usize].parent = upper;
+        self.nodes[parent as usize]
+            .children
+            .replace(key_upper, upper);
+        upper
+    }
+
+    /// Remove an emptied leaf (its key was `key` in its parent) and let the parent
+    /// become an evictable leaf, or drop a namespace root left without children.
+    fn remove_leaf(&mut self, leaf: u32, key: u64) {
+        self.lru_unlink(leaf);
+        let parent = self.nodes[leaf as usize].parent;
+        let leaf_access = self.nodes[leaf as usize].last_access;
+        self.free(leaf);
+        let p = &mut self.nodes[parent as usize];
+        p.children.remove(key);
+        if !p.children.is_empty() || p.pinned() {
+            return;
+        }
+        if p.parent == NIL {
+            let namespace = p.namespace;
+            self.roots.remove(&namespace);
+            self.free(parent);
+        } else if p.last_access > leaf_access {
+            // Used on its own after the leaf was: it is as warm as that use.
+            self.lru_push_back(parent);
+        } else {
+            // Its last use was through the leaf just evicted, the coldest: keep
+            // draining this branch from its tail.
+            self.lru_push_front(parent);
+        }
+    }
+
+    fn pin_upwards(&mut self, mut index: u32) {
+        loop {
+            // `index` just became pinned.
+            let node = &self.nodes[index as usize];
+            self.locked_pages += node.pages();
+            let parent = node.parent;
+            if node.in_lru {
+                self.lru_unlink(index);
+            }
+            if parent == NIL {
+                return;
+            }
+            let p = &mut self.nodes[parent as usize];
+            let was_pinned = p.pinned();
+            p.pinned_children += 1;
+            if was_pinned {
+                return;
+            }
+            index = parent;
+        }
+    }
+
+    fn unpin_upwards(&mut self, mut index: u32) {
+        loop {
+            // `index` just stopped being pinned.
+            let node = &self.nodes[index as usize];
+            self.locked_pages -= node.pages();
+            let parent = node.parent;
+            if parent == NIL {
+                return;
+            }
+            if node.children.is_empty() {
+                // Released just now: the most recently used evictable leaf.
+                self.lru_push_back(index);
+            }
+            let p = &mut self.nodes[parent as usize];
+            p.pinned_children -= 1;
+            if p.pinned() {
+                return;
+            }
+            index = parent;
+        }
+    }
+
+    fn emit(&mut self, kind: EventKind) {
+        let id = self.next_event_id;
+        self.next_event_id += 1;
+        self.events.push(Event { id, kind });
+    }
+
+    fn alloc(&mut self, mut node: Node) -> u32 {
+        node.in_use = true;
+        self.live_nodes += 1;
+        match self.free_slots.pop() {
+            Some(index) => {
+                node.generation = self.nodes[index as usize].generation;
+                self.nodes[index as usize] = node;
+                index
+            }
+            None => {
+                let index = u32::try_from(self.nodes.len())
+                    .ok()
+                    .filter(|&i| i != NIL)
+                    .expect("radix arena exceeds u32 indices");
+                self.nodes.push(node);
+                index
+            }
+        }
+    }
+
+    fn free(&mut self, index: u32) {
+        let generation = self.nodes[index as usize].generation.wrapping_add(1);
+        self.nodes[index as usize] = Node {
+            generation,
+            ..Node::vacant()
+        };
+        self.free_slots.push(index);
+        self.live_nodes -= 1;
+    }
+
+    fn lru_push_back(&mut self, index: u32) {
+        debug_assert!(!self.nodes[index as usize].in_lru);
+        let tail = self.lru_tail;
+        let node = &mut self.nodes[index as usize];
+        node.in_lru = true;
+        node.lru_prev = tail;
+        node.lru_next = NIL;
+        if tail == NIL {
+            self.lru_head = index;
+        } else {
+            self.nodes[tail as usize].lru_next = index;
+        }
+        self.lru_tail = index;
+        self.evictable_leaves += 1;
+    }
+
+    fn lru_push_front(&mut self, index: u32) {
+        debug_assert!(!self.nodes[index as usize].in_lru);
+        let head = self.lru_head;
+        let node = &mut self.nodes[index as usize];
+        node.in_lru = true;
+        node.lru_prev = NIL;
+        node.lru_next = head;
+        if head == NIL {
+            self.lru_tail = index;
+        } else {
+            self.nodes[head as usize].lru_prev = index;
+        }
+        self.lru_head = index;
+        self.evictable_leaves += 1;
+    }
+
+    fn lru_unlink(&mut self, index: u32) {
+        let node = &mut self.nodes[index as usize];
+        debug_assert!(node.in_lru);
+        let (prev, next) = (node.lru_prev, node.lru_next);
+        node.in_lru = false;
+        node.lru_prev = NIL;
+        node.lru_next = NIL;
+        if prev == NIL {
+            self.lru_head = next;
+        } else {
+            self.nodes[prev as usize].lru_next = next;
+        }
+        if next == NIL {
+            self.lru_tail = prev;
+        } else {
+            self.nodes[next as usize].lru_prev = prev;
+        }
+        self.evictable_leaves -= 1;
+    }
+
+    /// Move an evictable leaf to the most recently used end.
+    fn lru_touch(&mut self, index: u32) {
+        if self.nodes[index as usize].in_lru && self.lru_tail != index {
+            self.lru_unlink(index);
+            self.lru_push_back(index);
+        }
+    }
+}
+
+/// Whole pages at the start of `edge` equal to the same pages of `tokens`.
+fn common_pages(edge: &[u32], tokens: &[u32], page_size: usize) -> usize {
+    let len = edge.len().min(tokens.len()) / page_size * page_size;
+    // One bulk comparison first: on a hit (the common case) the whole edge matches.
+    if edge[..len] == tokens[..len] {
+        return len / page_size;
+    }
+    edge[..len]
+        .chunks_exact(page_size)
+        .zip(tokens[..len].chunks_exact(page_size))
+        .take_while(|(a, b)| a == b)
+        .count()
+}
