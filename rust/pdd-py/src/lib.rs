@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 mod convert;
 mod errors;
 mod kv;
+mod radix;
 mod runtime;
 mod wanem;
 mod wire;
@@ -21,6 +22,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     wire::register(m)?;
     kv::register(m)?;
+    radix::register(m)?;
     wanem::register(m)?;
     Ok(())
 }
