@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdd_transport import __version__, wire
-from pdd_transport.errors import PddError
+from pdd_transport.errors import InvalidArgument, PddError
 from pdd_transport.model_shapes import DEFAULT_SHAPE, PRESETS, ModelShape
 from pdd_transport.wanem import Wanem
 
@@ -81,6 +81,16 @@ def _wanem(args: argparse.Namespace) -> None:
     )
 
 
+def _bench_radix(args: argparse.Namespace) -> dict[str, Any]:
+    from pdd_transport import radix_bench
+
+    if not 1 <= args.page_size <= 256:
+        raise InvalidArgument(f"--page-size {args.page_size} outside 1..=256", "invalid_argument")
+    return radix_bench.run(
+        page_size=args.page_size, sessions=args.sessions, turns=args.turns, leaves=args.leaves, seed=args.seed
+    )
+
+
 def _print(result: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(result))
@@ -113,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     handoff.add_argument("--seed", type=int, default=0, help="seed for the token IDs")
     handoff.set_defaults(run=_bench_handoff)
+
+    radix = bench_sub.add_parser("radix", help="radix prefix cache on a generated agentic workload")
+    radix.add_argument("--json", action="store_true", help="print one JSON object")
+    radix.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
+    radix.add_argument("--sessions", type=int, default=24, help="concurrent sessions (default 24)")
+    radix.add_argument("--turns", type=int, default=3000, help="turns to play (default 3000)")
+    radix.add_argument("--leaves", type=int, default=20_000, help="leaves for the eviction test (default 20000)")
+    radix.add_argument("--seed", type=int, default=0)
+    radix.set_defaults(run=_bench_radix)
 
     wanem = sub.add_parser(
         "wanem",
