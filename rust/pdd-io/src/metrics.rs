@@ -52,6 +52,12 @@ counters! {
     tcp_retransmits: "gauge", "TCP segments retransmitted on the session's lanes";
     /// Goodput of the last completed transfer, bytes per second.
     last_goodput_bytes_per_s: "gauge", "page bytes per second of the last completed transfer";
+    /// PREFIX_QUERY frames answered (receiver) or sent (sender).
+    prefix_queries_total: "counter", "prefix queries answered or sent";
+    /// PREFIX_REPLY hashes that disagreed with our own tokens (reply not trusted).
+    prefix_mismatches_total: "counter", "prefix replies whose hash disagreed with our tokens";
+    /// Prefix leases currently pinning a match.
+    prefix_leases: "gauge", "prefix leases pinning a match";
     /// Sessions currently connected.
     sessions: "gauge", "sessions connected";
     /// Transfers in progress.

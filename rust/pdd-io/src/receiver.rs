@@ -16,10 +16,14 @@ use std::time::{Duration, Instant};
 
 use futures_util::{SinkExt, StreamExt};
 use pdd_core::kv::{BlockDisposition, KvBlock, ReceiverState, TransferEvent};
+use pdd_core::prefix::{answer_query, LeaseTable};
+use pdd_core::radix::{hash, RadixCache};
+use pdd_core::time::Timestamp;
 use pdd_core::wire::handshake::LocalHello;
 use pdd_core::wire::{
     Abort, Frame, FrameHeader, FrameKind, KvDone, KvGrant, Ping, HEADER_LEN, KV_PAGES_FIXED_LEN,
 };
+use pdd_core::wire::{PrefixQuery, PrefixReply};
 use pdd_core::Error;
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
@@ -48,6 +52,9 @@ pub struct ReceiverConfig {
     pub heartbeat: Duration,
     /// A control lane silent this long is dead; its session's transfers fail.
     pub dead_after: Duration,
+    /// The decoder's radix cache, shared with its engine: PREFIX_QUERY is answered
+    /// from it (match, lock, lease). Without one, every query matches nothing.
+    pub prefix_cache: Option<Arc<Mutex<RadixCache>>>,
 }
 
 impl ReceiverConfig {
@@ -60,8 +67,29 @@ impl ReceiverConfig {
             hello_timeout: Duration::from_secs(5),
             heartbeat: Duration::from_secs(1),
             dead_after: Duration::from_secs(5),
+            prefix_cache: None,
         }
     }
+}
+
+/// Something the receiver's engine should know about.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReceiverEvent {
+    /// A transfer made progress, completed or failed.
+    Transfer(TransferEvent),
+    /// A peer asked how much of a request's prompt is cached; it was answered (and,
+    /// with a lease, the match pinned until the engine calls `release_lease` or the
+    /// lease lapses). The engine plans the request's grant from this.
+    PrefixQuery {
+        /// The asking peer (session id).
+        peer: u64,
+        /// The request.
+        request_id: u64,
+        /// Tokens matched and promised.
+        matched_tokens: u32,
+        /// The lease pinning them (0: none).
+        lease_id: u64,
+    },
 }
 
 /// Where a transfer stands.
@@ -140,12 +168,19 @@ struct Shared {
     sessions: Mutex<HashMap<u64, Session>>,
     sessions_changed: watch::Sender<u64>,
     transfers: Mutex<HashMap<u64, TransferEntry>>,
-    events: Mutex<VecDeque<TransferEvent>>,
+    events: Mutex<VecDeque<ReceiverEvent>>,
+    leases: Mutex<Leases>,
     events_changed: watch::Sender<u64>,
     metrics: Metrics,
     cfg: ReceiverConfig,
     next_generation: AtomicU64,
     cancel: CancellationToken,
+}
+
+/// Live prefix leases and the session generation each belongs to.
+struct Leases {
+    table: LeaseTable,
+    owner: HashMap<u64, (u64, u64)>,
 }
 
 /// Most events kept for `poll_events`; older ones are dropped first.
@@ -177,6 +212,10 @@ impl KvReceiver {
             sessions_changed: watch::channel(0).0,
             transfers: Mutex::new(HashMap::new()),
             events: Mutex::new(VecDeque::new()),
+            leases: Mutex::new(Leases {
+                table: LeaseTable::new(),
+                owner: HashMap::new(),
+            }),
             events_changed: watch::channel(0).0,
             metrics: Metrics::default(),
             cfg,
@@ -346,7 +385,7 @@ impl KvReceiver {
     }
 
     /// Take up to `max` queued transfer events, oldest first.
-    pub fn poll_events(&self, max: usize) -> Vec<TransferEvent> {
+    pub fn poll_events(&self, max: usize) -> Vec<ReceiverEvent> {
         let mut q = lock(&self.shared.events);
         let n = max.min(q.len());
         q.drain(..n).collect()
@@ -365,6 +404,12 @@ impl KvReceiver {
     /// Counters and gauges.
     pub fn metrics(&self) -> &Metrics {
         &self.shared.metrics
+    }
+
+    /// The engine took over a prefix lease (it locked the prefix for the request
+    /// itself): drop the lease and its lock. False if it had already lapsed.
+    pub fn release_lease(&self, lease_id: u64) -> bool {
+        release_leases(&self.shared, |id, _| id == lease_id) > 0
     }
 
     /// Stop accepting, close every session (peers see ABORT `shutdown`), fail live
@@ -491,10 +536,99 @@ fn apply(shared: &Shared, events: Vec<TransferEvent>) {
         if q.len() == EVENT_QUEUE_CAP {
             q.pop_front();
         }
-        q.push_back(ev);
+        q.push_back(ReceiverEvent::Transfer(ev));
     }
     drop(q);
     shared.events_changed.send_modify(|n| *n += 1);
+}
+
+fn push_event(shared: &Shared, ev: ReceiverEvent) {
+    let mut q = lock(&shared.events);
+    if q.len() == EVENT_QUEUE_CAP {
+        q.pop_front();
+    }
+    q.push_back(ev);
+    drop(q);
+    shared.events_changed.send_modify(|n| *n += 1);
+}
+
+/// Drop the leases `which(id, (session, generation))` selects and unlock their
+/// prefixes. Returns how many.
+fn release_leases(shared: &Shared, which: impl Fn(u64, (u64, u64)) -> bool) -> usize {
+    let taken: Vec<_> = {
+        let mut l = lock(&shared.leases);
+        let ids: Vec<u64> = l
+            .owner
+            .iter()
+            .filter(|(&id, &o)| which(id, o))
+            .map(|(&id, _)| id)
+            .collect();
+        ids.into_iter()
+            .filter_map(|id| {
+                l.owner.remove(&id);
+                l.table.take(id)
+            })
+            .collect()
+    };
+    if let Some(cache) = &shared.cfg.prefix_cache {
+        let mut cache = lock(cache);
+        for lease in &taken {
+            // A lease's lock was taken by answer_query; the node cannot have been
+            // evicted while locked, so unlock only fails if the engine cleared the
+            // cache meanwhile, which it cannot while locked either.
+            let _ = cache.unlock(lease.node);
+        }
+    }
+    Metrics::set(
+        &shared.metrics.prefix_leases,
+        lock(&shared.leases).table.len() as u64,
+    );
+    taken.len()
+}
+
+/// Answer a PREFIX_QUERY: match (and lease) from the shared cache, or match nothing.
+fn answer_prefix_query(
+    shared: &Arc<Shared>,
+    session_id: u64,
+    generation: u64,
+    q: &PrefixQuery,
+) -> Result<PrefixReply, Error> {
+    Metrics::add(&shared.metrics.prefix_queries_total, 1);
+    let Some(cache) = &shared.cfg.prefix_cache else {
+        return Ok(PrefixReply {
+            query_id: q.query_id,
+            matched_tokens: 0,
+            prefix_hash: hash::root_seed(q.namespace),
+            lease_id: 0,
+            lease_ms: 0,
+        });
+    };
+    let now = Timestamp::from_nanos(now_ns());
+    let (reply, lease) = {
+        let mut cache = lock(cache);
+        let mut leases = lock(&shared.leases);
+        let answer = answer_query(&mut cache, &mut leases.table, q, now)?;
+        if let Some(l) = &answer.1 {
+            leases.owner.insert(l.id, (session_id, generation));
+        }
+        Metrics::set(&shared.metrics.prefix_leases, leases.table.len() as u64);
+        answer
+    };
+    if let Some(l) = lease {
+        // The lease's own timer: at expiry, drop it unless the engine took it.
+        let shared = shared.clone();
+        let wait = Duration::from_nanos(l.expires.as_nanos().saturating_sub(now.as_nanos()));
+        let id = l.id;
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = shared.cancel.cancelled() => {}
+                _ = tokio::time::sleep(wait) => {
+                    release_leases(&shared, |lease, _| lease == id);
+                }
+            }
+        });
+    }
+    Ok(reply)
 }
 
 /// Fail the transfers of one session generation (and only those).
@@ -675,6 +809,32 @@ async fn control_session(
                     now_ns().saturating_sub(p.sent_at_ns) / 1000,
                 );
             }
+            Frame::PrefixQuery(q) => match answer_prefix_query(&shared, session_id, generation, &q)
+            {
+                Ok(reply) => {
+                    push_event(
+                        &shared,
+                        ReceiverEvent::PrefixQuery {
+                            peer: session_id,
+                            request_id: q.request_id,
+                            matched_tokens: reply.matched_tokens,
+                            lease_id: reply.lease_id,
+                        },
+                    );
+                    let _ = tx.send(Frame::PrefixReply(reply));
+                }
+                Err(e) => {
+                    // A query this cache cannot answer (page size): refuse the request,
+                    // keep the session.
+                    let mut message = e.to_string();
+                    message.truncate(512);
+                    let _ = tx.send(Frame::Abort(Abort {
+                        request_id: q.request_id,
+                        reason: e.abort_reason(),
+                        message,
+                    }));
+                }
+            },
             Frame::Abort(a) => {
                 let err = Error::PeerAborted {
                     reason: a.reason,
@@ -713,6 +873,8 @@ async fn control_session(
     }
     shared.sessions_changed.send_modify(|n| *n += 1);
     fail_session_transfers(&shared, session_id, generation, &end_reason, None);
+    // Leases pinned for a peer that is gone would only delay eviction.
+    release_leases(&shared, |_, owner| owner == (session_id, generation));
 }
 
 /// Calls `finish_block` exactly once for a block begun on a data lane, also when the

@@ -16,14 +16,16 @@ use std::time::{Duration, Instant};
 
 use futures_util::{SinkExt, StreamExt};
 use pdd_core::kv::{KvBlock, SenderTransfer};
+use pdd_core::prefix::{verify_reply, VerifiedPrefix};
 use pdd_core::wire::handshake::LocalHello;
 use pdd_core::wire::{
     Frame, FrameHeader, FrameKind, KvGrant, Ping, HEADER_LEN, KV_PAGES_FIXED_LEN,
 };
+use pdd_core::wire::{PrefixQuery, PrefixReply};
 use pdd_core::Error;
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::OwnedWriteHalf;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::codec::{FramedRead, FramedWrite};
 use tokio_util::sync::CancellationToken;
 
@@ -127,6 +129,21 @@ struct Shared {
     metrics: Metrics,
     cancel: CancellationToken,
     connected_before: std::sync::atomic::AtomicBool,
+    /// PREFIX_QUERY waiting for its reply: query id -> (request, waiter).
+    queries: Mutex<HashMap<u64, PendingQuery>>,
+    next_query: std::sync::atomic::AtomicU64,
+}
+
+type PendingQuery = (u64, oneshot::Sender<Result<PrefixReply, Error>>);
+
+/// A checked PREFIX_REPLY.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefixAnswer {
+    /// The reply as received.
+    pub reply: PrefixReply,
+    /// What may be relied on: tokens the decoder holds and agrees on (0 if its hash
+    /// disagreed with ours).
+    pub verified: VerifiedPrefix,
 }
 
 /// A KV sender session.
@@ -166,6 +183,8 @@ impl KvSender {
             metrics: Metrics::default(),
             cancel: CancellationToken::new(),
             connected_before: false.into(),
+            queries: Mutex::new(HashMap::new()),
+            next_query: std::sync::atomic::AtomicU64::new(1),
         });
         let sender = KvSender { shared };
         sender.ensure_connected().await?;
@@ -235,6 +254,55 @@ impl KvSender {
         }
     }
 
+    /// Ask the receiver how much of `tokens` its radix cache holds (pages of
+    /// `page_size` tokens, in `namespace`), pinning the match for `lease` if non-zero.
+    /// The reply's prefix hash is checked against our own tokens: on a mismatch the
+    /// answer's `verified.matched_tokens` is 0 (send everything).
+    pub async fn query_prefix(
+        &self,
+        request_id: u64,
+        namespace: u64,
+        page_size: u16,
+        lease: Duration,
+        tokens: Vec<u32>,
+    ) -> Result<PrefixAnswer, Error> {
+        let conn = self.conn().await?;
+        let query_id = self.shared.next_query.fetch_add(1, Ordering::Relaxed);
+        let lease_ms = u32::try_from(lease.as_millis()).unwrap_or(u32::MAX);
+        let query = PrefixQuery {
+            query_id,
+            request_id,
+            namespace,
+            page_size,
+            lease_ms,
+            tokens,
+        };
+        let frame = Frame::PrefixQuery(query);
+        frame.validate()?;
+        let (tx, rx) = oneshot::channel();
+        lock(&self.shared.queries).insert(query_id, (request_id, tx));
+        Metrics::add(&self.shared.metrics.prefix_queries_total, 1);
+        if conn.control.send(frame.clone()).is_err() {
+            lock(&self.shared.queries).remove(&query_id);
+            return Err(conn.dead_error());
+        }
+        let reply = tokio::select! {
+            _ = conn.cancel.cancelled() => {
+                lock(&self.shared.queries).remove(&query_id);
+                return Err(conn.dead_error());
+            }
+            r = rx => r.map_err(|_| Error::Cancelled { detail: "sender closed".into() })??,
+        };
+        let Frame::PrefixQuery(q) = frame else {
+            unreachable!("built above")
+        };
+        let verified = verify_reply(namespace, usize::from(page_size), &q.tokens, &reply);
+        if !verified.hash_ok {
+            Metrics::add(&self.shared.metrics.prefix_mismatches_total, 1);
+        }
+        Ok(PrefixAnswer { reply, verified })
+    }
+
     /// Close the session (bounded) and fail what is in flight.
     pub async fn close(&self) {
         self.shared.cancel.cancel();
@@ -271,6 +339,20 @@ fn fail_outbound(shared: &Shared, error: &Error, request: Option<u64>) {
         }
     }
     Metrics::set(&shared.metrics.transfers_in_flight, outbound.len() as u64);
+}
+
+fn fail_queries(shared: &Shared, error: &Error, request: Option<u64>) {
+    let mut queries = lock(&shared.queries);
+    let ids: Vec<u64> = queries
+        .iter()
+        .filter(|(_, (r, _))| request.is_none_or(|want| want == *r))
+        .map(|(&id, _)| id)
+        .collect();
+    for id in ids {
+        if let Some((_, waiter)) = queries.remove(&id) {
+            let _ = waiter.send(Err(error.clone()));
+        }
+    }
 }
 
 async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
@@ -426,6 +508,12 @@ async fn control_loop(
                 }
                 Metrics::set(&shared.metrics.transfers_in_flight, outbound.len() as u64);
             }
+            Frame::PrefixReply(r) => {
+                // A reply after its query timed out has nobody waiting: dropped.
+                if let Some((_, waiter)) = lock(&shared.queries).remove(&r.query_id) {
+                    let _ = waiter.send(Ok(r));
+                }
+            }
             Frame::Abort(a) => {
                 let err = Error::PeerAborted {
                     reason: a.reason,
@@ -435,6 +523,7 @@ async fn control_loop(
                     break err;
                 }
                 lock(&shared.grants).retain(|_, g| g.request_id != a.request_id);
+                fail_queries(&shared, &err, Some(a.request_id));
                 fail_outbound(&shared, &err, Some(a.request_id));
             }
             Frame::Ping(p) => {
@@ -464,6 +553,7 @@ async fn control_loop(
     let _ = writer.await;
     // Grants of the dead session are void; the receiver failed them too.
     lock(&shared.grants).clear();
+    fail_queries(&shared, &reason, None);
     fail_outbound(&shared, &reason, None);
 }
 

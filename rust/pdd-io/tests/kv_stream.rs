@@ -11,7 +11,7 @@ use pdd_core::wire::{capability, Role};
 use pdd_core::Error;
 use pdd_io::lane::{self, SocketTuning};
 use pdd_io::pool::{MemoryRegion, PagePool};
-use pdd_io::receiver::{KvReceiver, ReceiverConfig, TransferStatus};
+use pdd_io::receiver::{KvReceiver, ReceiverConfig, ReceiverEvent, TransferStatus};
 use pdd_io::sender::{KvSender, SenderConfig};
 use pdd_io::wanem::{Direction, LinkProfile, Wanem, WanemConfig};
 
@@ -127,12 +127,19 @@ async fn pages_land_in_their_granted_slots_in_shuffled_order() {
     let events = rx.poll_events(100);
     let layer_events = events
         .iter()
-        .filter(|e| matches!(e, pdd_core::kv::TransferEvent::LayerComplete { .. }))
+        .filter(|e| {
+            matches!(
+                e,
+                ReceiverEvent::Transfer(pdd_core::kv::TransferEvent::LayerComplete { .. })
+            )
+        })
         .count();
     assert_eq!(layer_events, usize::from(LAYERS));
     assert!(matches!(
         events.last(),
-        Some(pdd_core::kv::TransferEvent::Complete { .. })
+        Some(ReceiverEvent::Transfer(
+            pdd_core::kv::TransferEvent::Complete { .. }
+        ))
     ));
     // The pages are free for the next grant, and a second transfer works.
     transfer(&rx, &tx, 6, &dst, &[0, 1, 2, 3, 4]).await.unwrap();
@@ -378,4 +385,175 @@ async fn after_a_reset_the_next_transfer_reconnects_transparently() {
             .load(std::sync::atomic::Ordering::Relaxed),
         1
     );
+}
+
+mod prefix_handshake {
+    use super::*;
+    use pdd_core::radix::RadixCache;
+    use std::sync::Mutex;
+
+    const PS: usize = 4;
+
+    async fn receiver_with_cache(
+        lease_check: impl FnOnce(&mut RadixCache),
+    ) -> (KvReceiver, Arc<Mutex<RadixCache>>) {
+        let mut cache = RadixCache::new(PS).unwrap();
+        lease_check(&mut cache);
+        let cache = Arc::new(Mutex::new(cache));
+        let c = cache.clone();
+        let rx = receiver(move |cfg| cfg.prefix_cache = Some(c)).await;
+        (rx, cache)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn only_the_missing_suffix_is_granted_and_sent() {
+        let prompt: Vec<u32> = (1..=20).collect(); // 5 pages of 4 tokens
+        let (rx, cache) = receiver_with_cache(|c| {
+            c.insert(0, &prompt[..12], &[10, 11, 12]).unwrap();
+        })
+        .await;
+        let tx = KvSender::connect(pattern_pool(4), sender_cfg(rx.local_addr(), 2))
+            .await
+            .unwrap();
+        bounded(rx.wait_peer(None)).await;
+        let answer =
+            bounded(tx.query_prefix(3, 0, PS as u16, Duration::from_secs(30), prompt.clone()))
+                .await
+                .unwrap();
+        assert_eq!(answer.verified.matched_tokens, 12);
+        assert!(answer.verified.hash_ok && answer.reply.lease_id != 0);
+        // The decoder's engine sees the query, and the pinned prefix cannot be evicted.
+        let ev = rx.poll_events(10);
+        assert!(matches!(
+            ev[..],
+            [ReceiverEvent::PrefixQuery {
+                request_id: 3,
+                matched_tokens: 12,
+                ..
+            }]
+        ));
+        assert!(cache.lock().unwrap().evict(10).is_empty());
+        // It grants only the two missing pages; the sender sends its last two pages.
+        let inbound = rx.grant(3, &[5, 6], None, None, None).unwrap();
+        let out = bounded(tx.wait_grant(3)).await.unwrap();
+        assert_eq!(out.grant().page_count, 2);
+        for layer in 0..LAYERS {
+            out.send_layer(layer, layer, &[3, 4]).await.unwrap();
+        }
+        out.finish().await.unwrap();
+        assert_eq!(
+            bounded(inbound.wait()).await.unwrap(),
+            u64::from(LAYERS) * 2 * u64::from(PAGE)
+        );
+        // The engine takes over the pin and releases the lease.
+        assert!(rx.release_lease(answer.reply.lease_id));
+        assert!(!rx.release_lease(answer.reply.lease_id));
+        assert_eq!(cache.lock().unwrap().evict(10).len(), 3);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unused_lease_expires_and_unpins() {
+        let prompt: Vec<u32> = (1..=8).collect();
+        let (rx, cache) = receiver_with_cache(|c| {
+            c.insert(0, &prompt, &[1, 2]).unwrap();
+        })
+        .await;
+        let tx = KvSender::connect(pattern_pool(4), sender_cfg(rx.local_addr(), 1))
+            .await
+            .unwrap();
+        bounded(rx.wait_peer(None)).await;
+        let a = bounded(tx.query_prefix(1, 0, PS as u16, Duration::from_millis(100), prompt))
+            .await
+            .unwrap();
+        assert_eq!(a.verified.matched_tokens, 8);
+        assert!(cache.lock().unwrap().evict(10).is_empty());
+        bounded(async {
+            loop {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                if cache.lock().unwrap().stats().locked_pages == 0 {
+                    break;
+                }
+            }
+        })
+        .await;
+        assert!(
+            !rx.release_lease(a.reply.lease_id),
+            "the lease lapsed by itself"
+        );
+        assert_eq!(cache.lock().unwrap().evict(10).len(), 2);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_diverged_prefix_is_never_trusted() {
+        let prompt: Vec<u32> = (1..=8).collect();
+        let (rx, _cache) = receiver_with_cache(|c| {
+            // The decoder cached these tokens under namespace 0 ...
+            c.insert(0, &prompt, &[1, 2]).unwrap();
+        })
+        .await;
+        let tx = KvSender::connect(pattern_pool(4), sender_cfg(rx.local_addr(), 1))
+            .await
+            .unwrap();
+        bounded(rx.wait_peer(None)).await;
+        // ... and a prefill whose hash of the same tokens differs (here: it claims
+        // namespace 0 but verifies under 7, standing in for any disagreement) gets 0.
+        let a = bounded(tx.query_prefix(1, 0, PS as u16, Duration::ZERO, prompt.clone()))
+            .await
+            .unwrap();
+        assert!(a.verified.hash_ok);
+        let reply = a.reply.clone();
+        let v = pdd_core::prefix::verify_reply(7, PS, &prompt, &reply);
+        assert_eq!((v.matched_tokens, v.hash_ok), (0, false));
+        // A page-size disagreement is refused outright, and the session lives on.
+        let err = bounded(tx.query_prefix(2, 0, 8, Duration::ZERO, prompt))
+            .await
+            .unwrap_err();
+        assert!(matches!(&err, Error::PeerAborted { .. }), "{err:?}");
+        assert_eq!(rx.peers().len(), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn leases_die_with_their_session() {
+        let prompt: Vec<u32> = (1..=8).collect();
+        let (rx, cache) = receiver_with_cache(|c| {
+            c.insert(0, &prompt, &[1, 2]).unwrap();
+        })
+        .await;
+        let tx = KvSender::connect(pattern_pool(4), sender_cfg(rx.local_addr(), 1))
+            .await
+            .unwrap();
+        bounded(rx.wait_peer(None)).await;
+        bounded(tx.query_prefix(1, 0, PS as u16, Duration::from_secs(600), prompt))
+            .await
+            .unwrap();
+        assert_eq!(cache.lock().unwrap().stats().locked_pages, 2);
+        tx.close().await;
+        bounded(async {
+            while cache.lock().unwrap().stats().locked_pages != 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn without_a_cache_nothing_matches() {
+        let rx = receiver(|_| {}).await;
+        let tx = KvSender::connect(pattern_pool(4), sender_cfg(rx.local_addr(), 1))
+            .await
+            .unwrap();
+        bounded(rx.wait_peer(None)).await;
+        let a =
+            bounded(tx.query_prefix(1, 9, PS as u16, Duration::from_secs(1), (1..=8).collect()))
+                .await
+                .unwrap();
+        assert_eq!(
+            (
+                a.verified.matched_tokens,
+                a.verified.hash_ok,
+                a.reply.lease_id
+            ),
+            (0, true, 0)
+        );
+    }
 }
