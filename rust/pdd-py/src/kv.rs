@@ -14,7 +14,7 @@ use pdd_core::Error;
 use pdd_io::lane::SocketTuning;
 use pdd_io::metrics::Metrics;
 use pdd_io::pool::{MemoryRegion, PagePool};
-use pdd_io::receiver::{self, ReceiverConfig, TransferStatus};
+use pdd_io::receiver::{self, ReceiverConfig, ReceiverEvent, TransferStatus};
 use pdd_io::sender::{self, OutboundStatus, SenderConfig};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
@@ -22,6 +22,7 @@ use pyo3::types::PyDict;
 
 use crate::convert::u32s_from_py;
 use crate::errors::{invalid, PddErr};
+use crate::radix::RadixCache;
 use crate::runtime::{block_on, runtime};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -159,7 +160,7 @@ pub struct KvReceiver {
 #[pymethods]
 impl KvReceiver {
     #[new]
-    #[pyo3(signature = (pool, listen = "127.0.0.1:0", *, role = "main_decode", credential = None, expected_credential = None, heartbeat_s = 1.0, dead_after_s = 5.0, hello_timeout_s = 5.0, socket_buffer = 8388608, congestion = None, max_payload = 16777216))]
+    #[pyo3(signature = (pool, listen = "127.0.0.1:0", *, role = "main_decode", credential = None, expected_credential = None, heartbeat_s = 1.0, dead_after_s = 5.0, hello_timeout_s = 5.0, socket_buffer = 8388608, congestion = None, max_payload = 16777216, prefix_cache = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -174,8 +175,14 @@ impl KvReceiver {
         socket_buffer: usize,
         congestion: Option<String>,
         max_payload: u32,
+        prefix_cache: Option<PyRef<'_, RadixCache>>,
     ) -> PyResult<Self> {
-        let mut hello = LocalHello::new(self::role(role)?, capability::KV_STREAM);
+        let caps = if prefix_cache.is_some() {
+            capability::KV_STREAM | capability::PREFIX_CACHE
+        } else {
+            capability::KV_STREAM
+        };
+        let mut hello = LocalHello::new(self::role(role)?, caps);
         hello.credential = credential
             .map(|c| bytes::Bytes::copy_from_slice(&c))
             .unwrap_or_default();
@@ -186,6 +193,7 @@ impl KvReceiver {
         cfg.dead_after = seconds(dead_after_s, "dead_after_s")?;
         cfg.hello_timeout = seconds(hello_timeout_s, "hello_timeout_s")?;
         cfg.tuning = tuning(socket_buffer, congestion);
+        cfg.prefix_cache = prefix_cache.map(|c| c.shared());
         let pool = pool.pool.clone();
         let rx = block_on(py, receiver::KvReceiver::start(pool, cfg))?.map_err(PddErr)?;
         Ok(KvReceiver {
@@ -246,7 +254,13 @@ impl KvReceiver {
         self.inner.cancel(transfer_id)
     }
 
-    /// Take up to `max` transfer events, oldest first.
+    /// Drop a prefix lease (after locking the prefix for the request yourself): its
+    /// pin is released. False if it had already lapsed.
+    fn release_lease(&self, lease_id: u64) -> bool {
+        self.inner.release_lease(lease_id)
+    }
+
+    /// Take up to `max` events (transfers, prefix queries), oldest first.
     #[pyo3(signature = (max = 1024))]
     fn poll_events<'py>(&self, py: Python<'py>, max: usize) -> PyResult<Vec<Bound<'py, PyDict>>> {
         self.inner
@@ -286,8 +300,24 @@ impl KvReceiver {
     }
 }
 
-fn event_dict<'py>(py: Python<'py>, e: &TransferEvent) -> PyResult<Bound<'py, PyDict>> {
+fn event_dict<'py>(py: Python<'py>, e: &ReceiverEvent) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
+    let e = match e {
+        ReceiverEvent::Transfer(t) => t,
+        ReceiverEvent::PrefixQuery {
+            peer,
+            request_id,
+            matched_tokens,
+            lease_id,
+        } => {
+            d.set_item("type", "prefix_query")?;
+            d.set_item("peer", peer)?;
+            d.set_item("request_id", request_id)?;
+            d.set_item("matched_tokens", matched_tokens)?;
+            d.set_item("lease_id", lease_id)?;
+            return Ok(d);
+        }
+    };
     match e {
         TransferEvent::LayerComplete {
             transfer_id,
@@ -497,6 +527,47 @@ impl KvSender {
             tx.wait_grant(request_id).await
         })?;
         Ok(OutboundTransfer { inner: Arc::new(t) })
+    }
+
+    /// Ask the receiver how much of `tokens` it caches (and pin it for `lease_s`).
+    /// Returns `{"matched_tokens": trusted, "hash_ok", "lease_id", "lease_ms",
+    /// "prefix_hash", "reported_tokens"}`; `matched_tokens` is 0 when the decoder's
+    /// hash disagreed with ours (send everything).
+    #[pyo3(signature = (request_id, tokens, *, namespace = 0, page_size = 64, lease_s = 5.0, timeout = 10.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn query_prefix<'py>(
+        &self,
+        py: Python<'py>,
+        request_id: u64,
+        tokens: &Bound<'py, PyAny>,
+        namespace: u64,
+        page_size: u16,
+        lease_s: f64,
+        timeout: f64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let tokens = u32s_from_py(tokens, "tokens")?;
+        if !lease_s.is_finite() || lease_s < 0.0 {
+            return Err(invalid(format!("lease_s must be >= 0, got {lease_s}")));
+        }
+        let lease = Duration::from_secs_f64(lease_s.min(600.0));
+        let tx = self.inner.clone();
+        let a = wait_bounded(
+            py,
+            seconds(timeout, "timeout")?,
+            "the prefix reply",
+            async move {
+                tx.query_prefix(request_id, namespace, page_size, lease, tokens)
+                    .await
+            },
+        )?;
+        let d = PyDict::new(py);
+        d.set_item("matched_tokens", a.verified.matched_tokens)?;
+        d.set_item("hash_ok", a.verified.hash_ok)?;
+        d.set_item("reported_tokens", a.reply.matched_tokens)?;
+        d.set_item("prefix_hash", a.reply.prefix_hash)?;
+        d.set_item("lease_id", a.reply.lease_id)?;
+        d.set_item("lease_ms", a.reply.lease_ms)?;
+        Ok(d)
     }
 
     /// Counters and gauges.

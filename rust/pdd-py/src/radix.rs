@@ -5,7 +5,7 @@
 //! operations (>= `DETACH_TOKENS` tokens, batches, big evictions) run with the GIL
 //! released; short ones keep it, because releasing costs more than they take.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use numpy::{PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
 use pdd_core::radix::{self, hash, Mirror, NodeRef, Snapshot, StoredPages};
@@ -152,10 +152,16 @@ fn insert_to_py(py: Python<'_>, r: radix::InsertResult) -> PyResult<RadixInsert>
 /// Thread-safe (an internal lock); see docs/radix.md.
 #[pyclass(frozen, module = "pdd_transport._native")]
 pub struct RadixCache {
-    cache: Mutex<radix::RadixCache>,
+    /// Shared with a `KvReceiver` that answers prefix queries from it.
+    cache: Arc<Mutex<radix::RadixCache>>,
 }
 
 impl RadixCache {
+    /// The cache itself, for a receiver that answers PREFIX_QUERY from it.
+    pub fn shared(&self) -> Arc<Mutex<radix::RadixCache>> {
+        self.cache.clone()
+    }
+
     fn with<T>(&self, f: impl FnOnce(&mut radix::RadixCache) -> T) -> T {
         let mut guard = self.cache.lock().unwrap_or_else(|p| p.into_inner());
         f(&mut guard)
@@ -181,7 +187,9 @@ impl RadixCache {
     #[pyo3(signature = (page_size = 64))]
     fn new(page_size: usize) -> PyResult<Self> {
         Ok(RadixCache {
-            cache: Mutex::new(radix::RadixCache::new(page_size).map_err(PddErr)?),
+            cache: Arc::new(Mutex::new(
+                radix::RadixCache::new(page_size).map_err(PddErr)?,
+            )),
         })
     }
 
