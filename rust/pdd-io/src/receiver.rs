@@ -301,35 +301,42 @@ impl KvReceiver {
         deadline: Option<Duration>,
     ) -> Result<InboundTransfer, Error> {
         let shared = &self.shared;
-        let sessions = lock(&shared.sessions);
-        let peer = match peer {
-            Some(p) => p,
-            None if sessions.len() == 1 => *sessions.keys().next().unwrap_or(&0),
-            None if sessions.is_empty() => {
-                return Err(Error::ConnectionLost {
-                    detail: "no peer is connected".into(),
-                })
-            }
-            None => {
-                return Err(Error::InvalidArgument(format!(
-                    "{} peers are connected; name one",
-                    sessions.len()
-                )))
-            }
+        // Lock order: never hold `sessions` while taking `state` or `transfers`
+        // (`apply` takes `transfers` then `sessions`).
+        let (peer, generation, control) = {
+            let sessions = lock(&shared.sessions);
+            let peer = match peer {
+                Some(p) => p,
+                None if sessions.len() == 1 => *sessions.keys().next().unwrap_or(&0),
+                None if sessions.is_empty() => {
+                    return Err(Error::ConnectionLost {
+                        detail: "no peer is connected".into(),
+                    })
+                }
+                None => {
+                    return Err(Error::InvalidArgument(format!(
+                        "{} peers are connected; name one",
+                        sessions.len()
+                    )))
+                }
+            };
+            let session = sessions.get(&peer).ok_or_else(|| Error::ConnectionLost {
+                detail: format!("peer {peer} is not connected"),
+            })?;
+            (peer, session.generation, session.control.clone())
         };
-        let session = sessions.get(&peer).ok_or_else(|| Error::ConnectionLost {
-            detail: format!("peer {peer} is not connected"),
-        })?;
         let deadline_ms =
             deadline.map_or(0, |d| d.as_millis().clamp(1, u128::from(u32::MAX)) as u32);
         let layers = layer_count.unwrap_or_else(|| shared.pool.layers());
         let grant = lock(&shared.state).grant(request_id, pages, layers, deadline_ms)?;
         let (status_tx, status_rx) = watch::channel(TransferStatus::InProgress { layers_done: 0 });
+        // Registered before the grant is sent: if the session dies after a successful
+        // send, its teardown (which runs after its writer stopped) sees this entry.
         lock(&shared.transfers).insert(
             grant.transfer_id,
             TransferEntry {
                 session_id: peer,
-                generation: session.generation,
+                generation,
                 status: status_tx,
                 started: Instant::now(),
                 layers_done: 0,
@@ -338,17 +345,12 @@ impl KvReceiver {
         Metrics::add(&shared.metrics.transfers_in_flight, 1);
         // The control writer owns the socket; an unbounded queue of small frames is
         // bounded in practice by the number of live grants.
-        if session.control.send(Frame::KvGrant(grant.clone())).is_err() {
-            drop(sessions);
-            let ev = lock(&shared.state).fail(
-                grant.transfer_id,
-                Error::ConnectionLost {
-                    detail: format!("peer {peer} went away"),
-                },
-            );
+        if control.send(Frame::KvGrant(grant.clone())).is_err() {
+            let err = Error::ConnectionLost {
+                detail: format!("peer {peer} went away"),
+            };
+            let ev = lock(&shared.state).fail(grant.transfer_id, err);
             apply(shared, ev);
-        } else {
-            drop(sessions);
         }
         if let Some(d) = deadline {
             let shared = shared.clone();

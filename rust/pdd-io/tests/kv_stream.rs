@@ -387,6 +387,42 @@ async fn after_a_reset_the_next_transfer_reconnects_transparently() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_transfers_share_the_lanes() {
+    let rx = Arc::new(receiver(|_| {}).await);
+    let src = pattern_pool(9);
+    let tx = Arc::new(
+        KvSender::connect(src.clone(), sender_cfg(rx.local_addr(), 3))
+            .await
+            .unwrap(),
+    );
+    bounded(rx.wait_peer(None)).await;
+    for round in 0..3u64 {
+        let mut tasks = Vec::new();
+        for i in 0..8u32 {
+            let (rx, tx) = (rx.clone(), tx.clone());
+            tasks.push(tokio::spawn(async move {
+                let request = round * 100 + u64::from(i);
+                let dst = [2 * i, 2 * i + 1];
+                let srcp = [(i + round as u32) % PAGES, (i + 5) % PAGES];
+                transfer(&rx, &tx, request, &dst, &srcp).await.unwrap();
+                (dst, srcp)
+            }));
+        }
+        for t in tasks {
+            let (dst, srcp) = bounded(t).await.unwrap();
+            for layer in 0..LAYERS {
+                for (d, s) in dst.iter().zip(srcp) {
+                    assert_eq!(
+                        rx.pool().copy_page(layer, *d).unwrap(),
+                        src.copy_page(layer, s).unwrap()
+                    );
+                }
+            }
+        }
+    }
+}
+
 mod prefix_handshake {
     use super::*;
     use pdd_core::radix::RadixCache;
