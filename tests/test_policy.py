@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -198,3 +199,47 @@ def test_exports() -> None:
             "choose_pipeline", "is_anomaly", "route", "choose_handoff_mode", "catch_up_step",
             "check_handoff_policy", "default_handoff_policy"]
     assert list(_native.__all__)[-len(tail):] == tail
+
+
+DOC = (Path(__file__).parent.parent / "docs" / "policies.md").read_text()
+
+
+def _rows_after(marker: str) -> list[list[str]]:
+    rows: list[list[str]] = []
+    for line in DOC[DOC.index(marker):].splitlines()[1:]:
+        if not line.startswith("|"):
+            if rows:
+                break
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if set(cells[0]) <= {"-", " "} or cells[0] in {"Tunable", "MD hit"}:
+            continue
+        rows.append(cells)
+    return rows
+
+
+def _number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+@pytest.mark.parametrize(
+    ("marker", "policy_obj"),
+    [("### Tunables (`PipelinePolicy`)", PipelinePolicy()), ("### Tunables (`AnomalyPolicy`)", AnomalyPolicy())],
+)
+def test_documented_defaults_are_the_code_defaults(marker: str, policy_obj: object) -> None:
+    rows = _rows_after(marker)
+    assert len(rows) == 3
+    for name, default, _why in rows:
+        assert getattr(policy_obj, name.strip("`")) == _number(default), name
+
+
+def test_documented_example_table_is_what_route_says() -> None:
+    rows = _rows_after("### What the defaults do")
+    assert len(rows) == 7
+    for hit, missing, arrival, pipeline in rows:
+        prompt = 65_536
+        cached = int(prompt * _number(hit.rstrip("%")) / 100)
+        d = route(WAN, prompt, cached, KVB)
+        assert d.missing_tokens == _number(missing)
+        assert round(d.kv_arrival_ms) == _number(arrival)
+        assert d.pipeline == {"P-MD": "p_md", "P-RLD-MD": "p_rld_md"}[pipeline]
