@@ -28,7 +28,7 @@ Every tunable is checked when the policy is built; a bad one, or a bad count, ra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal, Protocol, cast
 
 from pdd_transport import _native
 from pdd_transport._native import (
@@ -46,6 +46,7 @@ __all__ = [
     "AnomalyPolicy",
     "HandoffMode",
     "HandoffPolicy",
+    "HandoffTunables",
     "Pipeline",
     "PipelinePolicy",
     "RouteDecision",
@@ -65,6 +66,22 @@ HandoffMode = Literal["one_shot", "catch_up"]
 """The names :func:`choose_handoff_mode` returns."""
 
 
+class HandoffTunables(Protocol):
+    """What the handoff functions read from a policy: the five tunables of the Rust
+    ``HandoffPolicy``. :class:`HandoffPolicy` has them; so may other bindings."""
+
+    @property
+    def catch_up_threshold_tokens(self) -> int: ...
+    @property
+    def level_tokens(self) -> int: ...
+    @property
+    def chunk_tokens(self) -> int: ...
+    @property
+    def one_shot_load(self) -> float: ...
+    @property
+    def max_eager_tokens(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class HandoffPolicy:
     """Tunables of the handoff-mode policy (Rust ``pdd_core::handoff::HandoffPolicy``;
@@ -82,16 +99,18 @@ class HandoffPolicy:
         _native.check_handoff_policy(self)
 
 
-def choose_handoff_mode(policy: HandoffPolicy | None, rld_load: float, backlog_tokens: int) -> HandoffMode:
+def choose_handoff_mode(policy: HandoffTunables | None, rld_load: float, backlog_tokens: int) -> HandoffMode:
     """One-Shot or Catch-Up for a request whose MainDecode KV just became complete.
 
     ``rld_load``: RLD utilisation, 0 idle to 1 saturated (NaN counts as saturated);
-    ``backlog_tokens``: eager tokens not yet handed. ``None`` uses the defaults.
+    ``backlog_tokens``: eager tokens not yet handed. ``policy``: a
+    :class:`HandoffPolicy`, any object with its five attributes (checked on each
+    call), or ``None`` for the defaults.
     """
     return cast(HandoffMode, _native.choose_handoff_mode(policy, rld_load, backlog_tokens))
 
 
-def catch_up_step(policy: HandoffPolicy | None, backlog_tokens: int) -> tuple[Literal["chunk", "final"], int]:
+def catch_up_step(policy: HandoffTunables | None, backlog_tokens: int) -> tuple[Literal["chunk", "final"], int]:
     """The next Catch-Up step once MainDecode caught up: ``("chunk", n)`` hands the
     oldest ``n`` tokens and keeps decoding; ``("final", backlog_tokens)`` hands the
     rest with the final flag and stops."""
