@@ -242,8 +242,9 @@ class Engine:
         pos = starts[:, None] + step[None, :]  # [B, M] position of each new token
         valid = step[None, :] < lens[:, None]  # [B, M]
 
-        # Page and slot of every position 0..total-1 of every request (positions past
-        # a request's end point at its first page; the mask hides them).
+        # Page and slot of every position 0..total-1 of every request. Positions past
+        # a request's end point at pool page 0: finite values the mask hides (they
+        # only reach padding rows, whose logits are discarded).
         page_table = torch.zeros(batch, self.pages_for(total), dtype=torch.long)
         for b, t in enumerate(tables):
             n = self.pages_for(int(ends[b]))
