@@ -15,7 +15,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 # Builds the Rust extension (release) and installs pdd_transport in editable mode.
-.venv/bin/python -m pip install --quiet -e ".[test]"
+.venv/bin/python -m pip install --quiet -e ".[test,torch]"
 export PATH="$PWD/.venv/bin:$PATH"
 
 step "cargo fmt --check"

@@ -6,7 +6,7 @@ The public API is re-exported here; the Rust extension lives in
 
 from __future__ import annotations
 
-from pdd_transport import kv, radix, wanem, wire
+from pdd_transport import kv, policy, radix, wanem, wire
 from pdd_transport._native import __version__
 from pdd_transport.errors import (
     DeadlineExceeded,
@@ -21,6 +21,7 @@ from pdd_transport.wanem import Wanem
 __all__ = [
     "__version__",
     "kv",
+    "policy",
     "radix",
     "wire",
     "wanem",

@@ -1,7 +1,7 @@
 """Type stubs of the Rust extension ``pdd_transport._native`` (checked by mypy stubtest)."""
 
 from collections.abc import Awaitable, Sequence
-from typing import Any, TypeAlias, final
+from typing import Any, Protocol, TypeAlias, final
 
 import numpy as np
 import numpy.typing as npt
@@ -34,6 +34,18 @@ __all__ = [
     "PrefixMirror",
     "chain_hashes",
     "Wanem",
+    "WanEstimate",
+    "PipelinePolicy",
+    "AnomalyPolicy",
+    "RouteDecision",
+    "kv_arrival_ms",
+    "choose_pipeline",
+    "is_anomaly",
+    "route",
+    "choose_handoff_mode",
+    "catch_up_step",
+    "check_handoff_policy",
+    "default_handoff_policy",
 ]
 
 __version__: str
@@ -353,3 +365,119 @@ class PrefixMirror:
 
 def chain_hashes(tokens: _Tokens, page_size: int, namespace: int = 0) -> npt.NDArray[np.uint64]:
     """Chain hashes of every whole page of ``tokens``."""
+
+# ---- policies (rust/pdd-py/src/policy.rs) ----
+
+@final
+class WanEstimate:
+    """The router's estimate of the WAN path from Prefill to MainDecode."""
+
+    def __new__(cls, goodput_gbit: float, rtt_ms: float) -> WanEstimate: ...
+    @property
+    def goodput_gbit(self) -> float: ...
+    @property
+    def rtt_ms(self) -> float: ...
+
+@final
+class PipelinePolicy:
+    """Tunables of the pipeline choice (P-MD or P-RLD-MD); ``None`` keeps a default."""
+
+    def __new__(
+        cls,
+        *,
+        ttft_budget_ms: float | None = None,
+        setup_rtts: float | None = None,
+        goodput_share: float | None = None,
+    ) -> PipelinePolicy: ...
+    @property
+    def ttft_budget_ms(self) -> float: ...
+    @property
+    def setup_rtts(self) -> float: ...
+    @property
+    def goodput_share(self) -> float: ...
+
+@final
+class AnomalyPolicy:
+    """Tunables of the anomaly filter; ``None`` keeps a default."""
+
+    def __new__(
+        cls,
+        *,
+        long_input_tokens: int | None = None,
+        low_hit_rate: float | None = None,
+        short_output_tokens: int | None = None,
+    ) -> AnomalyPolicy: ...
+    @staticmethod
+    def disabled() -> AnomalyPolicy: ...
+    @property
+    def long_input_tokens(self) -> int: ...
+    @property
+    def low_hit_rate(self) -> float: ...
+    @property
+    def short_output_tokens(self) -> int: ...
+
+@final
+class RouteDecision:
+    """What ``route`` decided."""
+
+    @property
+    def pipeline(self) -> str: ...
+    @property
+    def anomaly(self) -> bool: ...
+    @property
+    def missing_tokens(self) -> int: ...
+    @property
+    def kv_arrival_ms(self) -> float: ...
+    @property
+    def sends_kv_over_wan(self) -> bool: ...
+    @property
+    def uses_rld(self) -> bool: ...
+
+class _HandoffPolicyLike(Protocol):
+    @property
+    def catch_up_threshold_tokens(self) -> int: ...
+    @property
+    def level_tokens(self) -> int: ...
+    @property
+    def chunk_tokens(self) -> int: ...
+    @property
+    def one_shot_load(self) -> float: ...
+    @property
+    def max_eager_tokens(self) -> int: ...
+
+def kv_arrival_ms(policy: PipelinePolicy, wan: WanEstimate, missing_bytes: int) -> float:
+    """Estimated milliseconds for ``missing_bytes`` of KV to reach MainDecode."""
+
+def choose_pipeline(
+    policy: PipelinePolicy, wan: WanEstimate, prompt_tokens: int, md_cached_tokens: int, kv_bytes_per_token: int
+) -> str:
+    """``"p_md"`` or ``"p_rld_md"`` (never ``"p_rld"``)."""
+
+def is_anomaly(
+    policy: AnomalyPolicy, prompt_tokens: int, md_cached_tokens: int, expected_output_tokens: int | None
+) -> bool:
+    """The anomaly filter."""
+
+def route(
+    wan: WanEstimate,
+    prompt_tokens: int,
+    md_cached_tokens: int,
+    kv_bytes_per_token: int,
+    expected_output_tokens: int | None = None,
+    *,
+    pipeline_policy: PipelinePolicy | None = None,
+    anomaly_policy: AnomalyPolicy | None = None,
+) -> RouteDecision:
+    """The anomaly filter, then the pipeline choice."""
+
+def choose_handoff_mode(policy: _HandoffPolicyLike | None, rld_load: float, backlog_tokens: int) -> str:
+    """``pdd_core::handoff::choose_mode``: ``"one_shot"`` or ``"catch_up"``."""
+
+def catch_up_step(policy: _HandoffPolicyLike | None, backlog_tokens: int) -> tuple[str, int]:
+    """``("chunk", n)`` or ``("final", backlog_tokens)``."""
+
+def check_handoff_policy(policy: _HandoffPolicyLike) -> None:
+    """``HandoffPolicy::validate`` on any object with the five attributes."""
+
+def default_handoff_policy() -> dict[str, Any]:
+    """``HandoffPolicy::default()`` as a dict."""

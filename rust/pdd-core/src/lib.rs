@@ -14,6 +14,7 @@
 pub mod error;
 pub mod handoff;
 pub mod kv;
+pub mod policy;
 pub mod prefix;
 pub mod radix;
 pub mod time;

@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 mod convert;
 mod errors;
 mod kv;
+mod policy;
 mod radix;
 mod runtime;
 mod wanem;
@@ -24,5 +25,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     kv::register(m)?;
     radix::register(m)?;
     wanem::register(m)?;
+    policy::register(m)?;
     Ok(())
 }
