@@ -294,8 +294,11 @@ where
                             bytes[at] ^= 0xFF;
                             link.count_corrupted();
                         }
-                        dst.write_all(&bytes).await?;
+                        // Counted before the write: once the peer can read the bytes,
+                        // stats() must already include them (a reader that checks
+                        // stats right after receiving would otherwise race the count).
                         link.count_delivered(n);
+                        dst.write_all(&bytes).await?;
                     }
                     budget.add_permits(n);
                 }
