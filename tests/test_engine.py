@@ -243,3 +243,26 @@ def test_forward_restores_the_thread_setting() -> None:
     engine = Engine(CFG, num_threads=1)
     engine.prefill([1, 2, 3], engine.allocate(3))
     assert torch.get_num_threads() == threads
+
+
+def test_padded_wire_pages_carry_the_same_kv() -> None:
+    """Pages padded to a larger model's size: same logits, the KV sits at the start of
+    each registered page, the padding stays zero."""
+    plain = Engine()
+    padded = Engine(wire_page_bytes=4 * plain.page_bytes)
+    prompt = list(range(1, 40))
+    a, b = plain.allocate(48), padded.allocate(48)
+    assert torch.equal(plain.prefill(prompt, a), padded.prefill(prompt, b))
+    pool = padded.kv_pool()
+    assert pool.page_bytes == 4 * plain.page_bytes and pool.pages == padded.config.num_pages
+    raw = padded._backing.view(torch.uint8).reshape(padded.config.num_layers, padded.config.num_pages, -1)
+    page = b.pages[0]
+    real = plain.page_bytes
+    assert torch.equal(raw[:, page, :real], plain._backing.view(torch.uint8).reshape(raw.shape[0], raw.shape[1], -1)[:, a.pages[0]])
+    assert not raw[:, page, real:].any()
+    with pytest.raises(InvalidArgument):
+        Engine(wire_page_bytes=plain.page_bytes - 4)
+    taken = padded.take_pages(3)
+    free = padded.free_pages
+    padded.give_pages(taken)
+    assert padded.free_pages == free + 3

@@ -91,6 +91,20 @@ def _bench_radix(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def _demo(args: argparse.Namespace) -> dict[str, Any]:
+    from pdd_transport.demo.run import DemoConfig, print_table, run
+    from pdd_transport.demo.workload import WorkloadConfig
+
+    workload = WorkloadConfig(requests=args.requests or (30 if args.quick else 120), seed=args.seed)
+    cfg = DemoConfig(workload=workload, rtt_ms=args.rtt_ms, jitter_ms=args.jitter_ms, wan_gbit=args.rate_gbit,
+                     plot=args.plot)
+    summary = run(cfg, progress=not args.json)
+    if not args.json:
+        print_table(summary)
+        return {}
+    return summary
+
+
 def _print(result: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(result))
@@ -107,6 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"pdd-transport {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    demo = sub.add_parser("demo", help="P, RLD and MD over an emulated WAN: baseline PD vs PDD")
+    demo.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    demo.add_argument("--quick", action="store_true", help="a short run (30 requests)")
+    demo.add_argument("--requests", type=int, default=0, help="requests (default 120, 30 with --quick)")
+    demo.add_argument("--rtt-ms", type=float, default=30.0, help="WAN round trip (default 30)")
+    demo.add_argument("--jitter-ms", type=float, default=5.0, help="RTT jitter, +- ms (default 5)")
+    demo.add_argument("--rate-gbit", type=float, default=1.0, help="WAN rate cap (default 1 Gbit/s)")
+    demo.add_argument("--plot", default="pdd-demo-ttft.png", help="where to write the TTFT plot")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(run=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
@@ -176,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pdd-transport: {exc} [{exc.reason}]", file=sys.stderr)
         return 1
     if result is not None:
+        if result:
         _print(result, getattr(args, "json", False))
     return 0
 

@@ -63,6 +63,12 @@ class Engine:
     handed out by :meth:`allocate` and returned by :meth:`free`; an engine does not
     share pages between tables unless the caller builds tables that do.
 
+    ``wire_page_bytes``: pad every page to this many bytes (at least the model's own
+    page size). The transport then moves pages the size a larger model's would be,
+    while the computation stays this small model's: how the demo puts a realistic
+    KV volume on an emulated WAN. The padding stays zero; ``pool`` is then a strided
+    view of the padded backing tensor that :meth:`kv_pool` registers.
+
     ``num_threads``: torch intra-op threads during a forward pass (the process's
     setting is restored after it). The default, 1, suits a model this small: handing
     its tiny ops to a second thread costs more than it saves, and on a busy 2-core
@@ -70,14 +76,26 @@ class Engine:
     """
 
     def __init__(
-        self, config: EngineConfig | None = None, weights: Weights | None = None, *, num_threads: int = 1
+        self,
+        config: EngineConfig | None = None,
+        weights: Weights | None = None,
+        *,
+        num_threads: int = 1,
+        wire_page_bytes: int | None = None,
     ) -> None:
         if not isinstance(num_threads, int) or num_threads < 1:
             raise _invalid(f"num_threads must be an int >= 1, got {num_threads!r}")
         self.num_threads = num_threads
         self.config = config if config is not None else EngineConfig()
         self.weights = weights if weights is not None else init_weights(self.config)
-        self.pool = torch.zeros(self.config.pool_shape, dtype=torch.float32)
+        real = self.config.page_bytes
+        padded = real if wire_page_bytes is None else int(wire_page_bytes)
+        if padded < real or padded % 4:
+            raise _invalid(f"wire_page_bytes must be a multiple of 4 and >= {real}, got {wire_page_bytes!r}")
+        cfg = self.config
+        self._backing = torch.zeros((cfg.num_layers, cfg.num_pages, padded // 4), dtype=torch.float32)
+        self._page_bytes = padded
+        self.pool = self._backing[:, :, : real // 4].unflatten(2, cfg.pool_shape[2:])
         self._free: list[int] = list(range(self.config.num_pages - 1, -1, -1))
         half = self.config.head_dim // 2
         self._inv_freq = self.config.rope_base ** (-torch.arange(half, dtype=torch.float32) / half)
@@ -86,13 +104,25 @@ class Engine:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page of one layer."""
-        return self.config.page_bytes
+        """Bytes of one page of one layer as the transport moves it (padded with
+        ``wire_page_bytes``)."""
+        return self._page_bytes
 
     def kv_pool(self) -> KvPool:
         """The pool registered with the transport, without a copy
-        (``pool_from_buffers(pool, page_bytes=..., num_layers=...)``)."""
-        return pool_from_buffers(self.pool, page_bytes=self.page_bytes, num_layers=self.config.num_layers)
+        (``pool_from_buffers(backing, page_bytes=..., num_layers=...)``)."""
+        return pool_from_buffers(self._backing, page_bytes=self.page_bytes, num_layers=self.config.num_layers)
+
+    def take_pages(self, n: int) -> list[int]:
+        """Hand out ``n`` free pages (for callers that manage pages themselves, such
+        as a prefix cache whose pages outlive any one request)."""
+        if n > len(self._free):
+            raise _invalid(f"out of pages: need {n}, {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def give_pages(self, pages: Sequence[int]) -> None:
+        """Return pages handed out by :meth:`take_pages` or :meth:`allocate`."""
+        self._free.extend(int(p) for p in pages)
 
     @property
     def free_pages(self) -> int:

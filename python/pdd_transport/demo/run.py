@@ -1,0 +1,306 @@
+"""``pdd-transport demo``: the whole PDD picture on one machine.
+
+Prefill (P), RelayDecode (RLD) and MainDecode (MD) run as three processes
+(:mod:`pdd_transport.demo.node`); MD sits behind the WAN emulator (default 30 ms RTT
++-5 ms, 1 Gbit/s). A synthetic multi-turn agentic workload
+(:mod:`pdd_transport.demo.workload`) runs twice: as baseline cross-DC PD (P -> MD
+only, MD's prefix cache still used) and as PDD (P -> RLD locally and P -> MD over the
+WAN, token-ID handoff RLD -> MD, the anomaly filter). The reference engine
+(:mod:`pdd_transport.engine`) computes every token; its KV pages are padded to a
+realistic per-token size so the WAN carries realistic volumes.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pdd_transport.demo.plot import cdf_plot
+from pdd_transport.demo.workload import Request, WorkloadConfig, generate
+from pdd_transport.wanem import Wanem
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Everything a run depends on."""
+
+    workload: WorkloadConfig
+    rtt_ms: float = 30.0
+    jitter_ms: float = 5.0
+    wan_gbit: float = 1.0
+    kv_bytes_per_token: int = 16384
+    page_tokens: int = 16
+    lanes: int = 4
+    ttft_budget_ms: float = 150.0
+    max_eager: int = 256
+    request_timeout_s: float = 60.0
+    plot: str = "pdd-demo-ttft.png"
+
+
+class Node:
+    """A role process and the thread that reads its JSON-line events."""
+
+    def __init__(self, role: str, cfg: dict[str, Any], events: queue.Queue[tuple[str, float, dict[str, Any]]]) -> None:
+        self.role = role
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdd_transport.demo.node", "--role", role, "--config", json.dumps(cfg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+        self.events = events
+        self.ready: queue.Queue[dict[str, Any]] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            ev = json.loads(line)
+            if ev["event"] == "ready":
+                self.ready.put(ev)
+            else:
+                self.events.put((self.role, time.monotonic(), ev))
+        self.events.put((self.role, time.monotonic(), {"event": "exit"}))
+
+    def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
+        try:
+            return self.ready.get(timeout=timeout)
+        except queue.Empty:
+            raise RuntimeError(f"{self.role} did not start within {timeout} s") from None
+
+    def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        try:
+            self.send(op="stop")
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+
+    def wait(self, timeout: float) -> None:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+
+def _node_cfg(cfg: DemoConfig, pages: int, **extra: Any) -> dict[str, Any]:
+    from pdd_transport.engine import EngineConfig
+
+    real = EngineConfig(page_tokens=cfg.page_tokens).page_bytes
+    layers = EngineConfig().num_layers
+    wire = max(real, cfg.kv_bytes_per_token * cfg.page_tokens // layers // 4 * 4)
+    return {"pages": pages, "page_tokens": cfg.page_tokens, "wire_page_bytes": wire, **extra}
+
+
+def run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: bool) -> dict[str, Any]:
+    """One run of the workload in `mode` ("baseline" or "pdd")."""
+    events: queue.Queue[tuple[str, float, dict[str, Any]]] = queue.Queue()
+    max_ctx = max(len(r.prompt) for r in requests) + max(r.output_tokens for r in requests) + cfg.page_tokens
+    per_req = -(-max_ctx // cfg.page_tokens)
+    md = Node("main", _node_cfg(cfg, pages=per_req * (cfg.workload.sessions + 24)), events)
+    md_ready = md.wait_ready()
+    one_way = cfg.rtt_ms / 2
+    wan_kv = Wanem(md_ready["kv"], delay_ms=one_way, jitter_ms=cfg.jitter_ms / 2, rate_gbit=cfg.wan_gbit, seed=1)
+    wan_ho = Wanem(md_ready["handoff"], delay_ms=one_way, jitter_ms=cfg.jitter_ms / 2, seed=2)
+    nodes = [md]
+    rld = None
+    if mode == "pdd":
+        rld = Node("relay", _node_cfg(cfg, pages=per_req * 24, md_handoff=wan_ho.address_str, max_eager=cfg.max_eager),
+                   events)
+        nodes.append(rld)
+        rld_ready = rld.wait_ready()
+    p_extra = {
+        "mode": mode,
+        "md_kv": wan_kv.address_str,
+        "rld_kv": rld_ready["kv"] if rld else None,
+        "lanes": cfg.lanes,
+        "ttft_budget_ms": cfg.ttft_budget_ms,
+        "anomaly_min_input": 2048,
+        "anomaly_max_hit": 0.2,
+        "anomaly_max_output": 8,
+        "wan_gbit": cfg.wan_gbit,
+        "wan_rtt_ms": cfg.rtt_ms,
+        "kv_bytes_per_token": cfg.kv_bytes_per_token,
+    }
+    prefill = Node("prefill", _node_cfg(cfg, pages=per_req * 24, **p_extra), events)
+    nodes.append(prefill)
+    prefill.wait_ready()
+
+    submitted: dict[int, float] = {}
+    first_token: dict[int, float] = {}
+    outputs: dict[int, dict[int, int]] = {r.request_id: {} for r in requests}
+    plans: dict[int, str] = {}
+    done: set[int] = set()
+    errors: list[dict[str, Any]] = []
+    tokens_by = {"relay": 0, "main": 0}
+    metrics: dict[str, dict[str, Any]] = {}
+    by_id = {r.request_id: r for r in requests}
+
+    def handle(role: str, at: float, ev: dict[str, Any]) -> None:
+        kind = ev["event"]
+        if kind == "tokens":
+            rid = ev["id"]
+            first_token.setdefault(rid, at)
+            for i, t in enumerate(ev["tokens"]):
+                pos = ev["first_position"] + i - len(by_id[rid].prompt)
+                if pos not in outputs[rid]:
+                    tokens_by[ev["by"]] += 1
+                outputs[rid][pos] = t
+        elif kind == "plan":
+            plans[ev["id"]] = ev["pipeline"]
+            for n in nodes:
+                if n.role != "prefill":
+                    n.send(op="plan", id=ev["id"], pipeline=ev["pipeline"])
+            if ev["pipeline"] == "p_rld" and rld is None:
+                errors.append({"id": ev["id"], "reason": "p_rld without a relay"})
+        elif kind == "done":
+            if ev["by"] == "main" or plans.get(ev["id"]) == "p_rld":
+                done.add(ev["id"])
+        elif kind == "error":
+            errors.append(ev)
+        elif kind == "metrics":
+            metrics[role] = ev
+        elif kind == "crash":
+            raise RuntimeError(f"{role} crashed: {ev['error']}\n{ev['trace']}")
+
+    start = time.monotonic()
+    pending = list(requests)
+    deadline = start + requests[-1].arrival_s + cfg.request_timeout_s
+    last_report = 0.0
+    while (len(done) < len(requests)) and time.monotonic() < deadline:
+        now = time.monotonic() - start
+        while pending and pending[0].arrival_s <= now:
+            r = pending.pop(0)
+            prompt = [int(t) for t in r.prompt]
+            for n in nodes:
+                if n.role != "prefill":
+                    n.send(op="announce", id=r.request_id, prompt=prompt, out_tokens=r.output_tokens)
+            submitted[r.request_id] = time.monotonic()
+            prefill.send(op="request", id=r.request_id, prompt=prompt, out_tokens=r.output_tokens)
+        wait = 0.005 if pending else 0.05
+        try:
+            role, at, ev = events.get(timeout=wait)
+            handle(role, at, ev)
+            while True:
+                role, at, ev = events.get_nowait()
+                handle(role, at, ev)
+        except queue.Empty:
+            pass
+        # Requests whose every token has arrived but whose done was lost count as done.
+        if progress and now - last_report >= 5.0:
+            last_report = now
+            print(f"  [{mode}] {now:5.1f} s: {len(submitted)}/{len(requests)} sent, {len(done)} done,"
+                  f" {len(errors)} errors", file=sys.stderr, flush=True)
+    for n in reversed(nodes):
+        n.stop()
+    stop_by = time.monotonic() + 20
+    while len(metrics) < len(nodes) and time.monotonic() < stop_by:
+        try:
+            role, at, ev = events.get(timeout=0.2)
+            if ev["event"] in ("metrics", "crash"):
+                handle(role, at, ev)
+        except queue.Empty:
+            pass
+    for n in nodes:
+        n.wait(timeout=10)
+    wan_kv.close()
+    wan_ho.close()
+
+    ttft = [first_token[rid] - submitted[rid] for rid in submitted if rid in first_token]
+    full_kv = sum(len(r.prompt) for r in requests) * cfg.kv_bytes_per_token
+    result: dict[str, Any] = {
+        "requests": len(requests),
+        "completed": len(done),
+        "errors": len(errors),
+        "ttft_s": ttft,
+        "wan_bytes": int(metrics.get("prefill", {}).get("wan_bytes", 0)),
+        "local_bytes": int(metrics.get("prefill", {}).get("local_bytes", 0)),
+        "full_kv_bytes": full_kv,
+        "pipelines": {k: list(plans.values()).count(k) for k in sorted(set(plans.values()))},
+        "handoffs_by_mode": metrics.get("relay", {}).get("handoff_modes", {}),
+        "tokens_by_rld": tokens_by["relay"],
+        "tokens_by_md": tokens_by["main"],
+        "outputs": {rid: [o[i] for i in sorted(o)] for rid, o in outputs.items()},
+        "error_samples": errors[:5],
+    }
+    for q, name in ((0.5, "ttft_p50_s"), (0.9, "ttft_p90_s"), (0.99, "ttft_p99_s")):
+        result[name] = float(np.quantile(ttft, q)) if ttft else float("nan")
+    return result
+
+
+def greedy_reference(requests: list[Request], cfg: DemoConfig) -> dict[int, list[int]]:
+    """One monolithic engine's greedy outputs for the same prompts."""
+    from pdd_transport.engine import Engine, EngineConfig, generate
+
+    engine = Engine(EngineConfig(page_tokens=cfg.page_tokens, num_pages=2 * (-(-4096 // cfg.page_tokens))))
+    return {r.request_id: generate(engine, [int(t) for t in r.prompt], r.output_tokens) for r in requests}
+
+
+def run(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
+    """Both runs, the comparison, the plot. Returns the JSON-able summary."""
+    requests = generate(cfg.workload)
+    out: dict[str, Any] = {"config": asdict(cfg)}
+    runs = {}
+    for mode in ("baseline", "pdd"):
+        if progress:
+            print(f"running {mode} ({len(requests)} requests)...", file=sys.stderr, flush=True)
+        runs[mode] = run_mode(mode, cfg, requests, progress)
+    reference = greedy_reference(requests, cfg)
+    for mode, r in runs.items():
+        r["greedy_equal"] = all(r["outputs"].get(rid) == toks for rid, toks in reference.items())
+        r["greedy_mismatches"] = sum(1 for rid, toks in reference.items() if r["outputs"].get(rid) != toks)
+    cdf_plot(
+        Path(cfg.plot),
+        [("BASELINE PD", runs["baseline"]["ttft_s"], (200, 60, 60)), ("PDD", runs["pdd"]["ttft_s"], (40, 110, 200))],
+        "TTFT CDF: BASELINE CROSS-DC PD VS PDD",
+        "TTFT (S)",
+    )
+    keep = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "wan_bytes", "local_bytes", "completed", "errors",
+            "pipelines", "handoffs_by_mode", "tokens_by_rld", "tokens_by_md", "greedy_mismatches", "error_samples")
+    for mode, r in runs.items():
+        out[mode] = {k: r[k] for k in keep}
+    out["full_kv_bytes"] = runs["pdd"]["full_kv_bytes"]
+    out["greedy_equal"] = runs["baseline"]["greedy_equal"] and runs["pdd"]["greedy_equal"]
+    out["plot"] = str(Path(cfg.plot).resolve())
+    return out
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    b, p = summary["baseline"], summary["pdd"]
+
+    def row(name: str, fb: str, fp: str) -> None:
+        print(f"  {name:<28}{fb:>18}{fp:>18}")
+
+    print()
+    row("", "baseline PD", "PDD")
+    row("TTFT p50 (s)", f"{b['ttft_p50_s']:.3f}", f"{p['ttft_p50_s']:.3f}")
+    row("TTFT p90 (s)", f"{b['ttft_p90_s']:.3f}", f"{p['ttft_p90_s']:.3f}")
+    row("TTFT p99 (s)", f"{b['ttft_p99_s']:.3f}", f"{p['ttft_p99_s']:.3f}")
+    full = summary["full_kv_bytes"]
+    row("WAN KV bytes (MB)", f"{b['wan_bytes'] / 1e6:.1f}", f"{p['wan_bytes'] / 1e6:.1f}")
+    row("  share of full KV", f"{b['wan_bytes'] / full:.1%}", f"{p['wan_bytes'] / full:.1%}")
+    row("pipelines", json.dumps(b["pipelines"]), json.dumps(p["pipelines"]))
+    row("handoffs by mode", "-", json.dumps(p["handoffs_by_mode"]))
+    row("tokens decoded by RLD", str(b["tokens_by_rld"]), str(p["tokens_by_rld"]))
+    row("tokens decoded by MD", str(b["tokens_by_md"]), str(p["tokens_by_md"]))
+    row("completed / errors", f"{b['completed']} / {b['errors']}", f"{p['completed']} / {p['errors']}")
+    print(f"\n  full prompt KV of the workload: {full / 1e6:.1f} MB")
+    print(f"  greedy output equals one monolithic engine's: {summary['greedy_equal']}")
+    print(f"  TTFT p90, PDD / baseline: {p['ttft_p90_s'] / b['ttft_p90_s']:.2f}")
+    print(f"  plot: {summary['plot']}")
