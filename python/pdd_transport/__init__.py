@@ -6,7 +6,7 @@ The public API is re-exported here; the Rust extension lives in
 
 from __future__ import annotations
 
-from pdd_transport import wire
+from pdd_transport import handoff, wire
 from pdd_transport._native import __version__
 from pdd_transport.errors import (
     DeadlineExceeded,
@@ -15,11 +15,32 @@ from pdd_transport.errors import (
     ProtocolError,
     TransportError,
 )
+from pdd_transport.handoff import (
+    Handoff,
+    HandoffFailed,
+    HandoffFinished,
+    HandoffPair,
+    HandoffPolicy,
+    HandoffTimers,
+    MainLink,
+    RelayLink,
+    StopDecoding,
+)
 from pdd_transport.model_shapes import ModelShape
 
 __all__ = [
     "__version__",
     "wire",
+    "handoff",
+    "RelayLink",
+    "MainLink",
+    "HandoffPair",
+    "HandoffPolicy",
+    "HandoffTimers",
+    "Handoff",
+    "StopDecoding",
+    "HandoffFinished",
+    "HandoffFailed",
     "ModelShape",
     "PddError",
     "ProtocolError",

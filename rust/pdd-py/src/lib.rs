@@ -9,6 +9,7 @@
 use pyo3::prelude::*;
 
 mod errors;
+mod handoff;
 mod runtime;
 mod wire;
 
@@ -17,5 +18,6 @@ mod wire;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     wire::register(m)?;
+    handoff::register(m)?;
     Ok(())
 }
