@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -315,7 +316,7 @@ def test_async_events_on_the_pair() -> None:
 
 
 @pytest.fixture
-def links() -> tuple[RelayLink, MainLink]:
+def links() -> Iterator[tuple[RelayLink, MainLink]]:
     main = MainLink.listen("127.0.0.1:0", timers=FAST, heartbeat_interval=0.1, dead_after=1.0)
     relay = RelayLink.connect(
         main.address, policy=CATCH_UP, timers=FAST, heartbeat_interval=0.1, dead_after=1.0
@@ -414,7 +415,7 @@ def test_async_over_tcp(links: tuple[RelayLink, MainLink]) -> None:
         main.open(1, PROMPT)
         main.report_progress(1, PROMPT)
         handoff = await asyncio.wait_for(main.next_event_async(), 10.0)
-        events = []
+        events: list[object] = []
         while not any(isinstance(e, HandoffFinished) for e in events):
             events.append(await asyncio.wait_for(relay.next_event_async(), 10.0))
         return handoff, events[-1]
