@@ -411,3 +411,94 @@ fn routers_route_by_request_and_count_strays() {
     rld.handle_timeout(later, &mut ro);
     assert!(rld.is_empty());
 }
+
+/// The Rust-only floor of the bench's round trip (no Python): RLD's engine thread
+/// calls `end_of_output` on a request catching up with 100 tokens pending and blocks
+/// until `Finished`; MD's engine thread drains its events. Figures, not assertions:
+/// `cargo test --release -p pdd-io --test handoff_link -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn round_trip_floor() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut cfg = config();
+    cfg.policy = HandoffPolicy {
+        catch_up_threshold_tokens: 1,
+        level_tokens: 0,
+        chunk_tokens: 1,
+        one_shot_load: 0.85,
+        max_eager_tokens: 200,
+    };
+    cfg.timers.give_up_after = Duration::from_secs(120);
+    cfg.timers.linger = Duration::from_secs(120);
+    cfg.timers.kv_wait_timeout = Duration::from_secs(240);
+    cfg.heartbeat_interval = Duration::from_secs(1);
+    cfg.dead_after = Duration::from_secs(5);
+    let md = Arc::new(MainLink::listen(rt.handle(), any_port(), cfg.clone()).unwrap());
+    let rld = RelayLink::connect(rt.handle(), md.local_addr().unwrap(), cfg).unwrap();
+    rt.block_on(rld.wait_connected(Duration::from_secs(5)))
+        .unwrap();
+    let chunks = Arc::new((Mutex::new(0u64), std::sync::Condvar::new()));
+    let md_engine = {
+        let (md, chunks) = (Arc::clone(&md), Arc::clone(&chunks));
+        std::thread::spawn(move || {
+            while let Some(ev) = md.events().pop_blocking(None) {
+                if let MainEvent::Handoff { final_: false, .. } = ev.event {
+                    *chunks.0.lock().unwrap() += 1;
+                    chunks.1.notify_all();
+                }
+            }
+        })
+    };
+    let mut samples = Vec::new();
+    let mut next = 1u64;
+    for _ in 0..100 {
+        let block: Vec<u64> = (next..next + 100).collect();
+        next += 100;
+        for &r in &block {
+            rld.open(r, PROMPT).unwrap();
+            rld.offer(r, 1).unwrap();
+            rld.offer(r, 2).unwrap();
+            md.open(r, PROMPT).unwrap();
+            md.report_progress(r, PROMPT, true).unwrap();
+        }
+        {
+            let mut seen = chunks.0.lock().unwrap();
+            while *seen < next - 1 {
+                seen = chunks.1.wait(seen).unwrap();
+            }
+        }
+        for &r in &block {
+            for i in 0..99 {
+                assert_eq!(
+                    rld.offer(r, token(r, i)).unwrap(),
+                    RelayDecision::KeepDecoding
+                );
+            }
+        }
+        for &r in &block {
+            let t0 = std::time::Instant::now();
+            rld.end_of_output(r).unwrap();
+            let ev = rld
+                .events()
+                .pop_blocking(Some(Duration::from_secs(10)))
+                .unwrap();
+            samples.push(t0.elapsed());
+            assert_eq!((ev.request_id, ev.event), (r, RelayEvent::Finished));
+            rld.forget(r);
+        }
+    }
+    samples.sort();
+    let n = samples.len();
+    println!(
+        "rust-only HANDOFF -> HANDOFF_ACK, {n} rounds: p50 {:.1} us, p99 {:.1} us",
+        samples[n / 2].as_secs_f64() * 1e6,
+        samples[n * 99 / 100].as_secs_f64() * 1e6
+    );
+    rld.close();
+    md.close();
+    md_engine.join().unwrap();
+}
