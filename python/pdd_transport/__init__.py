@@ -6,7 +6,7 @@ The public API is re-exported here; the Rust extension lives in
 
 from __future__ import annotations
 
-from pdd_transport import kv, policy, radix, wanem, wire
+from pdd_transport import handoff, kv, policy, radix, wanem, wire
 from pdd_transport._native import __version__
 from pdd_transport.errors import (
     DeadlineExceeded,
@@ -14,6 +14,17 @@ from pdd_transport.errors import (
     PddError,
     ProtocolError,
     TransportError,
+)
+from pdd_transport.handoff import (
+    Handoff,
+    HandoffFailed,
+    HandoffFinished,
+    HandoffPair,
+    HandoffPolicy,
+    HandoffTimers,
+    MainLink,
+    RelayLink,
+    StopDecoding,
 )
 from pdd_transport.model_shapes import ModelShape
 from pdd_transport.wanem import Wanem
@@ -25,6 +36,16 @@ __all__ = [
     "radix",
     "wire",
     "wanem",
+    "handoff",
+    "RelayLink",
+    "MainLink",
+    "HandoffPair",
+    "HandoffPolicy",
+    "HandoffTimers",
+    "Handoff",
+    "StopDecoding",
+    "HandoffFinished",
+    "HandoffFailed",
     "ModelShape",
     "Wanem",
     "PddError",

@@ -14,12 +14,15 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdd_transport import __version__, wire
 from pdd_transport.errors import InvalidArgument, PddError
 from pdd_transport.model_shapes import DEFAULT_SHAPE, PRESETS, ModelShape
 from pdd_transport.wanem import Wanem
+
+if TYPE_CHECKING:
+    from pdd_transport.handoff import HandoffTimers
 
 
 def _bench_handoff(args: argparse.Namespace) -> dict[str, Any]:
@@ -32,12 +35,411 @@ def _bench_handoff(args: argparse.Namespace) -> dict[str, Any]:
         request_id=rng.getrandbits(64), seq=0, first_position=65_536, token_ids=token_ids, final_=True
     )
     kv_bytes = shape.kv_bytes(args.tokens)
-    return {
+    result: dict[str, Any] = {
         "tokens": args.tokens,
         "frame_bytes": len(frame),
         "kv_bytes": kv_bytes,
         "kv_to_frame_ratio": round(kv_bytes / len(frame), 1),
         "model_shape": shape.describe(),
+    }
+    if args.wan is not None:
+        rtt_ms, jitter_ms = _parse_wan(args.wan)
+        result.update(
+            _bench_wan(token_ids, args.rounds or 1000, rtt_ms, jitter_ms, args.seed, args.topology == "processes")
+        )
+    elif args.rounds:
+        result.update(_bench_rtt(token_ids, bytes(frame), args.rounds, args.topology == "processes"))
+    return result
+
+
+# ---- handoff round trips through the real stack ---------------------------------
+
+# The bench's request shape: a one-token Catch-Up chunk first, so that RLD is catching
+# up when the measured final HANDOFF leaves from the engine's own end_of_output call.
+_PROMPT = 65_536
+_BLOCK = 100
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of already sorted values."""
+    index = min(len(sorted_values) - 1, max(0, int(round(q * len(sorted_values))) - 1))
+    return sorted_values[index]
+
+
+def _summary_us(prefix: str, samples_ns: list[int]) -> dict[str, float]:
+    values = sorted(samples_ns)
+    return {
+        f"{prefix}_p50": round(_percentile(values, 0.50) / 1e3, 1),
+        f"{prefix}_p99": round(_percentile(values, 0.99) / 1e3, 1),
+    }
+
+
+def _bench_timers() -> HandoffTimers:
+    from pdd_transport.handoff import HandoffTimers
+
+    # Blocks of requests wait for their turn: generous give-up bounds.
+    return HandoffTimers(give_up_after=120.0, kv_wait_timeout=240.0, linger=120.0)
+
+
+class _MdEngine:
+    """MD's side of the bench: a MainLink and an engine thread that blocks in
+    ``next_event`` and counts the Catch-Up chunks and final handoffs it receives."""
+
+    def __init__(self) -> None:
+        from pdd_transport.handoff import MainLink
+
+        self.md = MainLink.listen("127.0.0.1:0", timers=_bench_timers())
+        self.address = self.md.address
+        self.chunks = threading.Semaphore(0)
+        self.finals = threading.Semaphore(0)
+        self.failure: list[str] = []
+        self.thread = threading.Thread(target=self._engine, name="bench-md", daemon=True)
+        self.thread.start()
+
+    def _engine(self) -> None:
+        from pdd_transport.handoff import Handoff
+
+        while True:
+            event = self.md.next_event()
+            if event is None:
+                return
+            if isinstance(event, Handoff):
+                (self.finals if event.final else self.chunks).release()
+            else:
+                self.failure.append(repr(event))
+                self.chunks.release()
+                self.finals.release()
+
+    def _acquire(self, sem: threading.Semaphore, count: int, what: str) -> None:
+        for _ in range(count):
+            if not sem.acquire(timeout=60.0) or self.failure:
+                raise RuntimeError(f"bench handoff: {what} did not arrive: {self.failure}")
+
+    def prepare(self, requests: list[int]) -> None:
+        """MD's KV is complete for each request; wait for their Catch-Up chunks."""
+        for r in requests:
+            self.md.open(r, _PROMPT)
+            self.md.report_progress(r, _PROMPT, True)
+        self._acquire(self.chunks, len(requests), "Catch-Up chunk")
+
+    def finals_done(self, requests: list[int]) -> None:
+        self._acquire(self.finals, len(requests), "final Handoff")
+        for r in requests:
+            self.md.forget(r)
+
+    def close(self) -> None:
+        self.md.close()
+        self.thread.join(timeout=5.0)
+
+
+def _md_process(conn: Any) -> None:
+    """Child process: an _MdEngine driven over a pipe (outside the measured part)."""
+    engine = _MdEngine()
+    conn.send(engine.address)
+    while True:
+        cmd, requests = conn.recv()
+        try:
+            if cmd == "prepare":
+                engine.prepare(requests)
+            elif cmd == "finals":
+                engine.finals_done(requests)
+            else:
+                engine.close()
+                conn.send("ok")
+                return
+            conn.send("ok")
+        except RuntimeError as exc:
+            conn.send(str(exc))
+
+
+class _MdRemote:
+    """The same interface as _MdEngine, for an _MdEngine in a child process."""
+
+    def __init__(self) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_md_process, args=(child,), name="bench-md", daemon=True)
+        self.proc.start()
+        if not self.conn.poll(60.0):
+            raise RuntimeError("bench handoff: the MD process did not start")
+        self.address: str = self.conn.recv()
+
+    def _call(self, cmd: str, requests: list[int]) -> None:
+        self.conn.send((cmd, requests))
+        if not self.conn.poll(120.0):
+            raise RuntimeError(f"bench handoff: the MD process did not answer {cmd}")
+        answer = self.conn.recv()
+        if answer != "ok":
+            raise RuntimeError(answer)
+
+    def prepare(self, requests: list[int]) -> None:
+        self._call("prepare", requests)
+
+    def finals_done(self, requests: list[int]) -> None:
+        self._call("finals", requests)
+
+    def close(self) -> None:
+        try:
+            self._call("close", [])
+        finally:
+            self.proc.join(timeout=10.0)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+class _HandoffBench:
+    """RLD's link in this process, MD's in a child process (or a second thread).
+
+    Each measured round: RLD's engine thread calls ``end_of_output`` on a request that
+    is catching up with a backlog of exactly the bench's tokens (so the call writes a
+    final HANDOFF carrying them), then blocks in ``next_event`` (GIL released) until
+    that request's ``HandoffFinished`` (the final HANDOFF_ACK processed). MD's engine
+    thread blocks in ``next_event`` and consumes the ``Handoff`` events; MD's ack is
+    written by MD's I/O task as soon as the HANDOFF is decoded.
+    """
+
+    def __init__(self, token_ids: list[int], wan: tuple[float, float] | None, seed: int, processes: bool) -> None:
+        from pdd_transport.handoff import BenchWanem, HandoffPolicy, RelayLink
+
+        self.token_ids = token_ids
+        policy = HandoffPolicy(
+            catch_up_threshold_tokens=1, level_tokens=0, chunk_tokens=1,
+            max_eager_tokens=min(16_000, len(token_ids) + 2),
+        )
+        self.md: _MdEngine | _MdRemote = _MdRemote() if processes else _MdEngine()
+        self.wanem = None
+        target = self.md.address
+        if wan is not None:
+            self.wanem = BenchWanem(self.md.address, wan[0], wan[1], seed=seed)
+            target = self.wanem.address
+        self.rld = RelayLink.connect(
+            target, policy=policy, timers=_bench_timers(), connect_timeout=10.0
+        )
+        self.next_request = 1
+
+    def prepare(self, count: int) -> list[int]:
+        """Open ``count`` requests on both sides and bring each to Catch-Up with the
+        bench's tokens pending (outside the measured part)."""
+        rld = self.rld
+        requests = list(range(self.next_request, self.next_request + count))
+        self.next_request += count
+        for r in requests:
+            rld.open(r, _PROMPT)
+            rld.offer(r, 1)  # the one-token chunk
+            rld.offer(r, self.token_ids[0])
+        self.md.prepare(requests)
+        for r in requests:
+            for t in self.token_ids[1:]:
+                if rld.offer(r, t) != "keep_decoding":
+                    raise RuntimeError(f"bench handoff: request {r} stopped early ({rld.state(r)})")
+        return requests
+
+    def handoff(self, request_id: int) -> int:
+        """One measured round; returns its wall time in ns."""
+        from pdd_transport.handoff import HandoffFinished
+
+        rld = self.rld
+        t0 = time.perf_counter_ns()
+        rld.end_of_output(request_id)
+        event = rld.next_event(60.0)
+        t1 = time.perf_counter_ns()
+        if not isinstance(event, HandoffFinished) or event.request_id != request_id:
+            raise RuntimeError(f"bench handoff: expected HandoffFinished({request_id}), got {event!r}")
+        rld.forget(request_id)
+        return t1 - t0
+
+    def finish(self, requests: list[int]) -> None:
+        self.md.finals_done(requests)
+
+    def close(self) -> None:
+        self.rld.close()
+        self.md.close()
+        if self.wanem is not None:
+            self.wanem.close()
+
+
+def _zmq_rep_process(conn: Any, reply: bytes) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    rep = ctx.socket(zmq.REP)
+    conn.send(rep.bind_to_random_port("tcp://127.0.0.1"))
+    while True:
+        msg = rep.recv()
+        if msg == b"stop":
+            rep.send(b"")
+            break
+        rep.send(reply)
+    rep.close(linger=0)
+    ctx.term()
+
+
+class _ZmqBaseline:
+    """pyzmq REQ (calling thread) <-> REP (a child process, or a second thread) over
+    tcp://127.0.0.1: the HANDOFF frame's bytes out, the HANDOFF_ACK frame's bytes
+    back. Both block in recv."""
+
+    def __init__(self, request: bytes, reply: bytes, processes: bool) -> None:
+        import multiprocessing
+
+        import zmq
+
+        self.request = request
+        self.proc: Any
+        if processes:
+            ctx = multiprocessing.get_context("spawn")
+            conn, child = ctx.Pipe()
+            self.proc = ctx.Process(target=_zmq_rep_process, args=(child, reply), name="bench-rep", daemon=True)
+            self.proc.start()
+        else:
+            import multiprocessing.connection
+
+            conn, child = multiprocessing.Pipe()
+            self.proc = threading.Thread(target=_zmq_rep_process, args=(child, reply), name="bench-rep", daemon=True)
+            self.proc.start()
+        if not conn.poll(60.0):
+            raise RuntimeError("bench handoff: the pyzmq REP side did not start")
+        port = conn.recv()
+        self.ctx = zmq.Context()
+        self.req = self.ctx.socket(zmq.REQ)
+        self.req.connect(f"tcp://127.0.0.1:{port}")
+
+    def round_trip(self) -> int:
+        t0 = time.perf_counter_ns()
+        self.req.send(self.request)
+        self.req.recv()
+        return time.perf_counter_ns() - t0
+
+    def close(self) -> None:
+        self.req.send(b"stop")
+        self.req.recv()
+        self.proc.join(timeout=10.0)
+        self.req.close(linger=0)
+        self.ctx.term()
+
+
+def _bench_rtt(token_ids: list[int], frame: bytes, rounds: int, processes: bool) -> dict[str, Any]:
+    ack = wire.encode_frame(
+        {"kind": "HANDOFF_ACK", "request_id": 1, "acked_seq": 1, "next_position": _PROMPT + 1 + len(token_ids), "final": True}
+    )
+    bench = _HandoffBench(token_ids, None, 0, processes)
+    zmq_bench: _ZmqBaseline | None = None
+    try:
+        import zmq  # noqa: F401
+
+        zmq_bench = _ZmqBaseline(frame, bytes(ack), processes)
+    except ImportError:
+        pass
+    ours: list[int] = []
+    theirs: list[int] = []
+    pings: list[int] = []
+    try:
+        # Warm-up block, not counted; then blocks alternate between the two stacks so
+        # that both see the same machine noise.
+        warm = bench.prepare(_BLOCK)
+        for r in warm:
+            bench.handoff(r)
+        bench.finish(warm)
+        done = 0
+        while done < rounds:
+            n = min(_BLOCK, rounds - done)
+            block = bench.prepare(n)
+            for r in block:
+                ours.append(bench.handoff(r))
+            bench.finish(block)
+            if zmq_bench is not None:
+                theirs.extend(zmq_bench.round_trip() for _ in range(n))
+            t0 = time.perf_counter_ns()
+            bench.rld.ping()
+            pings.append(time.perf_counter_ns() - t0)
+            done += n
+    finally:
+        bench.close()
+        if zmq_bench is not None:
+            zmq_bench.close()
+    out: dict[str, Any] = {
+        "rtt_rounds": rounds,
+        **_summary_us("rtt_us", ours),
+        "rtt_setup": ("RLD and MD in two processes" if processes else "RLD and MD in two threads of one process")
+        + ", loopback TCP; RLD engine thread: end_of_output (writes the final HANDOFF) then blocks "
+        "in next_event (GIL released) until HandoffFinished; MD engine thread blocks in "
+        "next_event; MD's ack is written by its I/O task",
+        **_summary_us("ping_us", pings),
+    }
+    if zmq_bench is not None:
+        out.update(_summary_us("baseline_pyzmq_rtt_us", theirs))
+        out["baseline_setup"] = (
+            "pyzmq REQ (calling thread, blocks in recv) <-> REP ("
+            + ("a second process" if processes else "a second thread")
+            + ", blocks in recv), tcp://127.0.0.1, same HANDOFF bytes out and HANDOFF_ACK bytes back"
+        )
+        out["rtt_p99_over_pyzmq_p99"] = round(out["rtt_us_p99"] / out["baseline_pyzmq_rtt_us_p99"], 3)
+        out["rtt_p50_over_pyzmq_p50"] = round(out["rtt_us_p50"] / out["baseline_pyzmq_rtt_us_p50"], 3)
+    else:
+        out["baseline_pyzmq_rtt_us_p50"] = None
+        out["baseline_pyzmq_rtt_us_p99"] = None
+        out["baseline_setup"] = "pyzmq is not installed (pip install pyzmq)"
+    return out
+
+
+def _parse_wan(spec: str) -> tuple[float, float]:
+    from pdd_transport.errors import InvalidArgument
+
+    rtt, sep, jitter = spec.partition(":")
+    try:
+        values = (float(rtt), float(jitter) if sep else 0.0)
+    except ValueError:
+        raise InvalidArgument(f"--wan {spec!r}: expected RTT_MS:JITTER_MS", "invalid_argument") from None
+    if not all(v >= 0 and v == v for v in values) or values[1] > values[0]:
+        raise InvalidArgument(f"--wan {spec!r}: need 0 <= JITTER_MS <= RTT_MS", "invalid_argument")
+    return values
+
+
+def _bench_wan(
+    token_ids: list[int], rounds: int, rtt_ms: float, jitter_ms: float, seed: int, processes: bool
+) -> dict[str, Any]:
+    bench = _HandoffBench(token_ids, (rtt_ms, jitter_ms), seed, processes)
+    handoffs: list[int] = []
+    pings: list[int] = []
+    try:
+        done = 0
+        while done < rounds:
+            n = min(_BLOCK, rounds - done)
+            block = bench.prepare(n)
+            for r in block:
+                handoffs.append(bench.handoff(r))
+                # A plain PING/PONG on the same connection right after: the link's own
+                # jitter, under the same conditions.
+                t0 = time.perf_counter_ns()
+                bench.rld.ping(10.0)
+                pings.append(time.perf_counter_ns() - t0)
+            bench.finish(block)
+            done += n
+    finally:
+        bench.close()
+
+    def ms(ns: float) -> float:
+        return round(ns / 1e6, 3)
+
+    h, p = sorted(handoffs), sorted(pings)
+    spread, ping_spread = h[-1] - h[0], p[-1] - p[0]
+    return {
+        "wan": f"{rtt_ms}:{jitter_ms}",
+        "wan_setup": "wanem proxy between RLD and MD: one-way delay RTT/2 and uniform jitter "
+        "+-JITTER/2 each way; handoff = end_of_output -> HandoffFinished (final HANDOFF -> "
+        "HANDOFF_ACK), each followed by a PING/PONG on the same connection",
+        "wan_handoffs": len(h),
+        "wan_handoff_ms_min": ms(h[0]),
+        "wan_handoff_ms_p50": ms(_percentile(h, 0.5)),
+        "wan_handoff_ms_max": ms(h[-1]),
+        "wan_handoff_spread_ms": ms(spread),
+        "wan_ping_ms_min": ms(p[0]),
+        "wan_ping_ms_p50": ms(_percentile(p, 0.5)),
+        "wan_ping_ms_max": ms(p[-1]),
+        "wan_ping_spread_ms": ms(ping_spread),
+        "wan_spread_within_link_jitter_plus_1ms": spread <= ping_spread + 1_000_000,
     }
 
 
@@ -147,6 +549,26 @@ def build_parser() -> argparse.ArgumentParser:
         "layers=32,kv_heads=8,head_dim=128,vocab_size=128256 (default %(default)s)",
     )
     handoff.add_argument("--seed", type=int, default=0, help="seed for the token IDs")
+    handoff.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="measured HANDOFF -> HANDOFF_ACK round trips through the real stack on loopback, "
+        "and as many pyzmq REQ/REP round trips (default 10000; 0 skips; with --wan default 1000)",
+    )
+    handoff.add_argument(
+        "--topology",
+        choices=("processes", "threads"),
+        default="processes",
+        help="RLD and MD (and pyzmq REQ and REP) in two processes (default) or two threads of one",
+    )
+    handoff.add_argument(
+        "--wan",
+        metavar="RTT_MS:JITTER_MS",
+        default=None,
+        help="run the handoffs through the WAN emulator instead and report their spread "
+        "next to the link's ping spread",
+    )
     handoff.set_defaults(run=_bench_handoff)
 
     radix = bench_sub.add_parser("radix", help="radix prefix cache on a generated agentic workload")
@@ -195,13 +617,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     duration = getattr(args, "duration", None)
     if duration is not None and not duration >= 0:
         parser.error("--duration must be >= 0")
+    if getattr(args, "rounds", None) is None and getattr(args, "wan", None) is None and hasattr(args, "rounds"):
+        args.rounds = 10_000
+    if (getattr(args, "rounds", 0) or 0) < 0:
+        parser.error("--rounds must be >= 0")
+    if (getattr(args, "rounds", 0) or getattr(args, "wan", None)) and getattr(args, "tokens", 1) > 15_998:
+        parser.error("--tokens must be <= 15998 for the round-trip bench")
     try:
         result = run(args)
     except PddError as exc:
         print(f"pdd-transport: {exc} [{exc.reason}]", file=sys.stderr)
         return 1
-    if result is not None:
-        if result:
+    if result:
         _print(result, getattr(args, "json", False))
     return 0
 

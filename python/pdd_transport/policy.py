@@ -82,21 +82,10 @@ class HandoffTunables(Protocol):
     def max_eager_tokens(self) -> int: ...
 
 
-@dataclass(frozen=True)
-class HandoffPolicy:
-    """Tunables of the handoff-mode policy (Rust ``pdd_core::handoff::HandoffPolicy``;
-    meanings and defaults in ``docs/handoff.md``). Checked by the Rust ``validate``
-    when built: ``level_tokens < catch_up_threshold_tokens``, ``chunk_tokens >= 1``,
-    ``one_shot_load`` in ``0..=1``, ``1 <= max_eager_tokens <= 16000``."""
-
-    catch_up_threshold_tokens: int = 64
-    level_tokens: int = 8
-    chunk_tokens: int = 256
-    one_shot_load: float = 0.85
-    max_eager_tokens: int = 1024
-
-    def __post_init__(self) -> None:
-        _native.check_handoff_policy(self)
+# The handoff policy is the one class the handoff links take (``RelayLink.connect(
+# policy=...)``), bound natively in ``rust/pdd-py/src/handoff.rs`` and validated by
+# the Rust ``HandoffPolicy::validate`` when built.
+HandoffPolicy = _native.HandoffPolicy
 
 
 def choose_handoff_mode(policy: HandoffTunables | None, rld_load: float, backlog_tokens: int) -> HandoffMode:

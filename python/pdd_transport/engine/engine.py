@@ -95,7 +95,8 @@ class Engine:
         cfg = self.config
         self._backing = torch.zeros((cfg.num_layers, cfg.num_pages, padded // 4), dtype=torch.float32)
         self._page_bytes = padded
-        self.pool = self._backing[:, :, : real // 4].unflatten(2, cfg.pool_shape[2:])
+        view = self._backing[:, :, : real // 4]
+        self.pool: torch.Tensor = view.unflatten(2, cfg.pool_shape[2:])  # type: ignore[no-untyped-call]
         self._free: list[int] = list(range(self.config.num_pages - 1, -1, -1))
         half = self.config.head_dim // 2
         self._inv_freq = self.config.rope_base ** (-torch.arange(half, dtype=torch.float32) / half)

@@ -10,6 +10,7 @@ use pyo3::prelude::*;
 
 mod convert;
 mod errors;
+mod handoff;
 mod kv;
 mod policy;
 mod radix;
@@ -26,5 +27,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     radix::register(m)?;
     wanem::register(m)?;
     policy::register(m)?;
+    handoff::register(m)?;
     Ok(())
 }

@@ -1,0 +1,1547 @@
+//! The token-ID handoff over a real connection: one TCP control lane between a
+//! RelayDecode (RLD) and a MainDecode (MD) instance, multiplexing the handoff machines
+//! of many requests.
+//!
+//! Two layers:
+//! - [`Router`]: still sans-IO. A table of per-request machines
+//!   ([`RelaySide`] or [`MainSide`]) keyed by request id; routes frames by
+//!   `request_id` (an ABORT for request 0 to every machine), drives their timers, and
+//!   collects what they emit into an [`Outbox`]. The in-process pair of the Python
+//!   binding and the link below both use it, so the two behave the same.
+//! - [`HandoffLink`]: the router on tokio. RLD connects ([`RelayLink::connect`]), MD
+//!   listens ([`MainLink::listen`]); HELLO with roles `relay_decode` <-> `main_decode`;
+//!   `TCP_NODELAY`; frames are written the moment a machine produces them, straight
+//!   from the calling thread (a non-blocking write; only what the socket refuses is
+//!   left to the connection task), so an engine call that hands tokens over costs one
+//!   `send` and no thread hop. PING every `heartbeat_interval`; a peer silent for
+//!   `dead_after` is dead: the connection is dropped, RLD reconnects (with backoff),
+//!   MD accepts the next connection, and every live machine gets `on_reconnect` so
+//!   what was in flight is sent again. Engine-facing events go through an
+//!   [`EventQueue`] that blocking threads, pollers and async tasks can all wait on.
+//!
+//! Ordering: a machine's frames are encoded into the connection's send buffer while
+//! the router lock is held, so frames of one request leave in the order the machine
+//! produced them, whichever thread produced them.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, BytesMut};
+use pdd_core::handoff::{
+    HandoffPolicy, HandoffTimers, MainEvent, MainSide, MainState, RelayDecision, RelayEvent,
+    RelaySide, RelayState,
+};
+use pdd_core::time::Timestamp;
+use pdd_core::wire::handshake::{LocalHello, Negotiated};
+use pdd_core::wire::{
+    capability, encode_frame, AbortReason, Frame, FrameDecoder, Ping, Role, DEFAULT_MAX_PAYLOAD,
+};
+use pdd_core::Error;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{oneshot, watch, Notify};
+use tokio_util::sync::CancellationToken;
+
+use crate::lane::{self, SocketTuning};
+
+type Result<T, E = Error> = std::result::Result<T, E>;
+
+// ---------------------------------------------------------------------------------
+// Sans-IO: the machine table.
+// ---------------------------------------------------------------------------------
+
+/// What the router needs of a per-request handoff machine; implemented for
+/// [`RelaySide`] and [`MainSide`].
+pub trait HandoffMachine: Send + 'static {
+    /// The engine-facing event type.
+    type Event: Send + 'static;
+    /// Feed a frame routed to this machine.
+    fn handle_frame(&mut self, frame: Frame, now: Timestamp) -> Result<()>;
+    /// Feed time.
+    fn handle_timeout(&mut self, now: Timestamp);
+    /// When to call `handle_timeout` next.
+    fn poll_timeout(&self) -> Option<Timestamp>;
+    /// Next frame to send.
+    fn poll_transmit(&mut self, now: Timestamp) -> Option<Frame>;
+    /// Next engine event.
+    fn poll_event(&mut self) -> Option<Self::Event>;
+    /// The connection was replaced.
+    fn on_reconnect(&mut self, now: Timestamp);
+    /// The handoff is over (nothing but ABORT answers will be sent).
+    fn is_terminal(&self) -> bool;
+    /// The machine may be dropped now (MD: `Closed`, its linger is over).
+    fn is_done(&self) -> bool;
+    /// Abort locally; false if already over.
+    fn abort(&mut self, reason: AbortReason, message: &str) -> bool;
+}
+
+impl HandoffMachine for RelaySide {
+    type Event = RelayEvent;
+    fn handle_frame(&mut self, frame: Frame, now: Timestamp) -> Result<()> {
+        RelaySide::handle_frame(self, frame, now)
+    }
+    fn handle_timeout(&mut self, now: Timestamp) {
+        RelaySide::handle_timeout(self, now)
+    }
+    fn poll_timeout(&self) -> Option<Timestamp> {
+        RelaySide::poll_timeout(self)
+    }
+    fn poll_transmit(&mut self, now: Timestamp) -> Option<Frame> {
+        RelaySide::poll_transmit(self, now)
+    }
+    fn poll_event(&mut self) -> Option<RelayEvent> {
+        RelaySide::poll_event(self)
+    }
+    fn on_reconnect(&mut self, now: Timestamp) {
+        RelaySide::on_reconnect(self, now)
+    }
+    fn is_terminal(&self) -> bool {
+        self.state().is_terminal()
+    }
+    fn is_done(&self) -> bool {
+        false
+    }
+    fn abort(&mut self, reason: AbortReason, message: &str) -> bool {
+        RelaySide::abort(self, reason, message)
+    }
+}
+
+impl HandoffMachine for MainSide {
+    type Event = MainEvent;
+    fn handle_frame(&mut self, frame: Frame, now: Timestamp) -> Result<()> {
+        MainSide::handle_frame(self, frame, now)
+    }
+    fn handle_timeout(&mut self, now: Timestamp) {
+        MainSide::handle_timeout(self, now)
+    }
+    fn poll_timeout(&self) -> Option<Timestamp> {
+        MainSide::poll_timeout(self)
+    }
+    fn poll_transmit(&mut self, now: Timestamp) -> Option<Frame> {
+        MainSide::poll_transmit(self, now)
+    }
+    fn poll_event(&mut self) -> Option<MainEvent> {
+        MainSide::poll_event(self)
+    }
+    fn on_reconnect(&mut self, now: Timestamp) {
+        MainSide::on_reconnect(self, now)
+    }
+    fn is_terminal(&self) -> bool {
+        // Owned still answers retransmissions with the final ack: not over for the I/O.
+        matches!(self.state(), MainState::Aborted | MainState::Failed)
+    }
+    fn is_done(&self) -> bool {
+        self.state() == MainState::Closed
+    }
+    fn abort(&mut self, reason: AbortReason, message: &str) -> bool {
+        MainSide::abort(self, reason, message)
+    }
+}
+
+/// An engine-facing event of one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkEvent<E> {
+    /// The request.
+    pub request_id: u64,
+    /// What happened.
+    pub event: E,
+}
+
+/// What the machines emitted during one router call: frames to write (in order) and
+/// events for the engine, plus the earliest timer of the machines touched.
+#[derive(Debug)]
+pub struct Outbox<E> {
+    /// Frames to send, in order.
+    pub frames: Vec<Frame>,
+    /// Events for the engine, in order.
+    pub events: Vec<LinkEvent<E>>,
+    /// Earliest `poll_timeout` among the machines this call touched.
+    pub earliest_timeout: Option<Timestamp>,
+}
+
+impl<E> Default for Outbox<E> {
+    fn default() -> Self {
+        Outbox {
+            frames: Vec::new(),
+            events: Vec::new(),
+            earliest_timeout: None,
+        }
+    }
+}
+
+impl<E> Outbox<E> {
+    /// Nothing to send or deliver.
+    pub fn is_empty(&self) -> bool {
+        self.frames.is_empty() && self.events.is_empty()
+    }
+}
+
+/// Counters of a router.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RouterStats {
+    /// Frames for a request this side has no machine for (never opened, or already
+    /// dropped): dropped.
+    pub frames_unroutable: u64,
+    /// Frames a machine rejected (`handle_frame` error: stale progress, conflict);
+    /// the machine is unchanged.
+    pub frames_rejected: u64,
+}
+
+struct Entry<M> {
+    machine: M,
+    /// When the machine became terminal: kept `retain_ended` longer, so a straggler
+    /// from the peer is answered (with the ABORT) and a late engine call gets a clear
+    /// answer instead of "unknown request".
+    ended_at: Option<Timestamp>,
+}
+
+/// The per-request machines of one side of one connection, sans-IO.
+///
+/// Engine calls ([`Router::offer`], [`Router::report_progress`], ...) and I/O calls
+/// ([`Router::handle_frame`], [`Router::handle_timeout`], [`Router::on_reconnect`])
+/// take `now` and an [`Outbox`] to fill; the caller writes `outbox.frames` to the
+/// peer and hands `outbox.events` to the engine.
+pub struct Router<M> {
+    machines: HashMap<u64, Entry<M>>,
+    policy: HandoffPolicy,
+    timers: HandoffTimers,
+    rld_load: f64,
+    stats: RouterStats,
+}
+
+/// RelayDecode's router.
+pub type RelayRouter = Router<RelaySide>;
+/// MainDecode's router.
+pub type MainRouter = Router<MainSide>;
+
+/// The request id a frame is routed by; `None` for frames that are not the handoff's.
+fn route_of(frame: &Frame) -> Option<u64> {
+    match frame {
+        Frame::Handoff(h) => Some(h.request_id),
+        Frame::HandoffAck(a) => Some(a.request_id),
+        Frame::Progress(p) => Some(p.request_id),
+        Frame::Abort(a) => Some(a.request_id),
+        _ => None,
+    }
+}
+
+fn min_opt(a: Option<Timestamp>, b: Option<Timestamp>) -> Option<Timestamp> {
+    match (a, b) {
+        (Some(x), Some(y)) => Some(x.min(y)),
+        (x, None) => x,
+        (None, y) => y,
+    }
+}
+
+impl<M: HandoffMachine> Router<M> {
+    /// An empty table; `policy` is used by RLD's machines, `timers` by both.
+    pub fn new(policy: HandoffPolicy, timers: HandoffTimers) -> Result<Self> {
+        policy.validate()?;
+        timers.validate()?;
+        Ok(Router {
+            machines: HashMap::new(),
+            policy,
+            timers,
+            rld_load: 0.0,
+            stats: RouterStats::default(),
+        })
+    }
+
+    /// Machines held (live, or ended and kept for stragglers).
+    pub fn len(&self) -> usize {
+        self.machines.len()
+    }
+
+    /// No machine held.
+    pub fn is_empty(&self) -> bool {
+        self.machines.is_empty()
+    }
+
+    /// Machines whose handoff is not over.
+    pub fn live(&self) -> usize {
+        self.machines
+            .values()
+            .filter(|e| !e.machine.is_terminal() && !e.machine.is_done())
+            .count()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> RouterStats {
+        self.stats
+    }
+
+    /// The timers in force.
+    pub fn timers(&self) -> &HandoffTimers {
+        &self.timers
+    }
+
+    fn entry_deadline(entry: &Entry<M>, linger: &Duration) -> Option<Timestamp> {
+        min_opt(
+            entry.machine.poll_timeout(),
+            entry.ended_at.map(|t| t.saturating_add(*linger)),
+        )
+    }
+
+    fn unknown(request_id: u64) -> Error {
+        Error::InvalidArgument(format!(
+            "no handoff for request {request_id} on this side (never opened, or ended and dropped)"
+        ))
+    }
+
+    fn with<T>(
+        &mut self,
+        request_id: u64,
+        now: Timestamp,
+        out: &mut Outbox<M::Event>,
+        f: impl FnOnce(&mut M) -> T,
+    ) -> Result<T> {
+        let linger = self.timers.linger;
+        let entry = self
+            .machines
+            .get_mut(&request_id)
+            .ok_or_else(|| Self::unknown(request_id))?;
+        let value = f(&mut entry.machine);
+        Self::drain_with(request_id, entry, now, out, linger);
+        Ok(value)
+    }
+
+    fn drain_with(
+        id: u64,
+        entry: &mut Entry<M>,
+        now: Timestamp,
+        out: &mut Outbox<M::Event>,
+        linger: Duration,
+    ) {
+        while let Some(f) = entry.machine.poll_transmit(now) {
+            out.frames.push(f);
+        }
+        while let Some(event) = entry.machine.poll_event() {
+            out.events.push(LinkEvent {
+                request_id: id,
+                event,
+            });
+        }
+        if entry.ended_at.is_none() && entry.machine.is_terminal() {
+            entry.ended_at = Some(now);
+        }
+        out.earliest_timeout = min_opt(out.earliest_timeout, Self::entry_deadline(entry, &linger));
+    }
+
+    fn insert(&mut self, request_id: u64, machine: M) -> Result<()> {
+        if self.machines.contains_key(&request_id) {
+            return Err(Error::InvalidArgument(format!(
+                "request {request_id} already has a handoff on this side"
+            )));
+        }
+        self.machines.insert(
+            request_id,
+            Entry {
+                machine,
+                ended_at: None,
+            },
+        );
+        Ok(())
+    }
+
+    /// A frame from the peer. Frames for unknown requests are counted and dropped
+    /// (`Ok`); a machine's rejection is counted and returned (the machine is
+    /// unchanged); a frame that is not the handoff's is an `UnexpectedFrame` error.
+    pub fn handle_frame(
+        &mut self,
+        frame: Frame,
+        now: Timestamp,
+        out: &mut Outbox<M::Event>,
+    ) -> Result<()> {
+        let linger = self.timers.linger;
+        match route_of(&frame) {
+            None => Err(Error::UnexpectedFrame {
+                request_id: 0,
+                kind: frame.kind(),
+                detail: "not a handoff frame",
+            }),
+            Some(0) if matches!(frame, Frame::Abort(_)) => {
+                // The peer ends every request of the connection.
+                for (id, entry) in self.machines.iter_mut() {
+                    let _ = entry.machine.handle_frame(frame.clone(), now);
+                    Self::drain_with(*id, entry, now, out, linger);
+                }
+                Ok(())
+            }
+            Some(id) => {
+                let Some(entry) = self.machines.get_mut(&id) else {
+                    self.stats.frames_unroutable += 1;
+                    return Ok(());
+                };
+                let result = entry.machine.handle_frame(frame, now);
+                Self::drain_with(id, entry, now, out, linger);
+                if result.is_err() {
+                    self.stats.frames_rejected += 1;
+                }
+                result
+            }
+        }
+    }
+
+    /// Fire every machine timer due at `now`, and drop machines whose time is up.
+    pub fn handle_timeout(&mut self, now: Timestamp, out: &mut Outbox<M::Event>) {
+        let linger = self.timers.linger;
+        self.machines.retain(|id, entry| {
+            if entry.machine.poll_timeout().is_some_and(|t| t <= now) {
+                entry.machine.handle_timeout(now);
+                Self::drain_with(*id, entry, now, out, linger);
+            }
+            let expired = entry
+                .ended_at
+                .is_some_and(|t| t.saturating_add(linger) <= now);
+            !(entry.machine.is_done() || expired)
+        });
+    }
+
+    /// The earliest time [`Router::handle_timeout`] has work (a scan of every machine).
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
+        let linger = self.timers.linger;
+        self.machines
+            .values()
+            .filter_map(|e| Self::entry_deadline(e, &linger))
+            .min()
+    }
+
+    /// The connection was replaced: every machine re-queues what the peer may have
+    /// missed.
+    pub fn on_reconnect(&mut self, now: Timestamp, out: &mut Outbox<M::Event>) {
+        let linger = self.timers.linger;
+        for (id, entry) in self.machines.iter_mut() {
+            entry.machine.on_reconnect(now);
+            Self::drain_with(*id, entry, now, out, linger);
+        }
+    }
+
+    /// Abort one request locally (ABORT to the peer). `Ok(false)` if it had ended.
+    pub fn abort(
+        &mut self,
+        request_id: u64,
+        reason: AbortReason,
+        message: &str,
+        now: Timestamp,
+        out: &mut Outbox<M::Event>,
+    ) -> Result<bool> {
+        self.with(request_id, now, out, |m| m.abort(reason, message))
+    }
+
+    /// Abort every live request (shutting down).
+    pub fn abort_all(
+        &mut self,
+        reason: AbortReason,
+        message: &str,
+        now: Timestamp,
+        out: &mut Outbox<M::Event>,
+    ) {
+        let linger = self.timers.linger;
+        for (id, entry) in self.machines.iter_mut() {
+            if entry.machine.abort(reason, message) {
+                Self::drain_with(*id, entry, now, out, linger);
+            }
+        }
+    }
+
+    /// Drop a request's machine now, whatever its state (the engine is done with it).
+    /// Returns whether there was one.
+    pub fn forget(&mut self, request_id: u64) -> bool {
+        self.machines.remove(&request_id).is_some()
+    }
+}
+
+impl Router<RelaySide> {
+    /// Start RLD's handoff of `request_id` (non-zero), whose first eager token sits at
+    /// `first_position` (the prompt length).
+    pub fn open(
+        &mut self,
+        request_id: u64,
+        first_position: u32,
+        now: Timestamp,
+        out: &mut Outbox<RelayEvent>,
+    ) -> Result<()> {
+        let mut machine =
+            RelaySide::new(request_id, first_position, self.policy, self.timers, now)?;
+        machine.set_rld_load(self.rld_load, now);
+        self.insert(request_id, machine)?;
+        self.with(request_id, now, out, |_| ())
+    }
+
+    /// A token the engine decoded for `request_id`; see [`RelayDecision`].
+    pub fn offer(
+        &mut self,
+        request_id: u64,
+        token_id: u32,
+        now: Timestamp,
+        out: &mut Outbox<RelayEvent>,
+    ) -> Result<RelayDecision> {
+        self.with(request_id, now, out, |m| m.offer_token(token_id, now))
+    }
+
+    /// The sequence ended on RLD.
+    pub fn end_of_output(
+        &mut self,
+        request_id: u64,
+        now: Timestamp,
+        out: &mut Outbox<RelayEvent>,
+    ) -> Result<()> {
+        self.with(request_id, now, out, |m| m.end_of_output(now))
+    }
+
+    /// RLD's utilisation (0..=1), applied to every live request and to those opened
+    /// later. NaN counts as saturated (the policy's safe side); other values outside
+    /// `0..=1` are an `InvalidArgument`.
+    pub fn set_load(
+        &mut self,
+        load: f64,
+        now: Timestamp,
+        out: &mut Outbox<RelayEvent>,
+    ) -> Result<()> {
+        if !load.is_nan() && !(0.0..=1.0).contains(&load) {
+            return Err(Error::InvalidArgument(format!(
+                "RLD load {load} outside 0..=1"
+            )));
+        }
+        self.rld_load = load;
+        let linger = self.timers.linger;
+        for (id, entry) in self.machines.iter_mut() {
+            if !entry.machine.state().is_terminal() {
+                entry.machine.set_rld_load(load, now);
+                Self::drain_with(*id, entry, now, out, linger);
+            }
+        }
+        Ok(())
+    }
+
+    /// The current load.
+    pub fn load(&self) -> f64 {
+        self.rld_load
+    }
+
+    /// A request's machine, to read its state.
+    pub fn get(&self, request_id: u64) -> Result<&RelaySide> {
+        self.machines
+            .get(&request_id)
+            .map(|e| &e.machine)
+            .ok_or_else(|| Self::unknown(request_id))
+    }
+
+    /// A request's state.
+    pub fn state(&self, request_id: u64) -> Result<RelayState> {
+        self.get(request_id).map(RelaySide::state)
+    }
+}
+
+impl Router<MainSide> {
+    /// Start MD's handoff of `request_id` (non-zero), whose handed tokens start at
+    /// `first_position` (the prompt length).
+    pub fn open(
+        &mut self,
+        request_id: u64,
+        first_position: u32,
+        now: Timestamp,
+        out: &mut Outbox<MainEvent>,
+    ) -> Result<()> {
+        let machine = MainSide::new(request_id, first_position, self.timers)?;
+        self.insert(request_id, machine)?;
+        self.with(request_id, now, out, |_| ())
+    }
+
+    /// MD's engine reached `position` (with `kv_complete`: the prompt KV is in).
+    pub fn report_progress(
+        &mut self,
+        request_id: u64,
+        position: u32,
+        kv_complete: bool,
+        now: Timestamp,
+        out: &mut Outbox<MainEvent>,
+    ) -> Result<()> {
+        self.with(request_id, now, out, |m| {
+            m.report_progress(position, kv_complete, now)
+        })?
+    }
+
+    /// A request's machine, to read its state.
+    pub fn get(&self, request_id: u64) -> Result<&MainSide> {
+        self.machines
+            .get(&request_id)
+            .map(|e| &e.machine)
+            .ok_or_else(|| Self::unknown(request_id))
+    }
+
+    /// A request's state.
+    pub fn state(&self, request_id: u64) -> Result<MainState> {
+        self.get(request_id).map(MainSide::state)
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Engine-facing event queue.
+// ---------------------------------------------------------------------------------
+
+/// A multi-producer queue that a blocking thread ([`EventQueue::pop_blocking`]), a
+/// poller ([`EventQueue::try_pop`]) and an async task ([`EventQueue::pop`]) can all
+/// consume. Closing it wakes every waiter.
+#[derive(Debug)]
+pub struct EventQueue<T> {
+    items: Mutex<(VecDeque<T>, bool)>,
+    cond: Condvar,
+    notify: Notify,
+}
+
+impl<T> Default for EventQueue<T> {
+    fn default() -> Self {
+        EventQueue {
+            items: Mutex::new((VecDeque::new(), false)),
+            cond: Condvar::new(),
+            notify: Notify::new(),
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of our locks leaves plain data behind; carry on.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl<T> EventQueue<T> {
+    /// Append events and wake waiters.
+    pub fn push_all(&self, items: impl IntoIterator<Item = T>) {
+        let mut q = lock(&self.items);
+        let before = q.0.len();
+        q.0.extend(items);
+        let added = q.0.len() > before;
+        drop(q);
+        if added {
+            self.cond.notify_all();
+            self.notify.notify_waiters();
+            self.notify.notify_one();
+        }
+    }
+
+    /// Close: no more events; waiters return what is left, then `None`.
+    pub fn close(&self) {
+        lock(&self.items).1 = true;
+        self.cond.notify_all();
+        self.notify.notify_waiters();
+        self.notify.notify_one();
+    }
+
+    /// Whether [`EventQueue::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        lock(&self.items).1
+    }
+
+    /// Take the next event if there is one.
+    pub fn try_pop(&self) -> Option<T> {
+        lock(&self.items).0.pop_front()
+    }
+
+    /// Take every queued event.
+    pub fn drain(&self) -> Vec<T> {
+        lock(&self.items).0.drain(..).collect()
+    }
+
+    /// Events queued.
+    pub fn len(&self) -> usize {
+        lock(&self.items).0.len()
+    }
+
+    /// No event queued.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Wait at most `timeout` (forever with `None`) for the next event. `None` on
+    /// timeout, or once closed and empty.
+    pub fn pop_blocking(&self, timeout: Option<Duration>) -> Option<T> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut q = lock(&self.items);
+        loop {
+            if let Some(item) = q.0.pop_front() {
+                return Some(item);
+            }
+            if q.1 {
+                return None;
+            }
+            match deadline {
+                None => q = self.cond.wait(q).unwrap_or_else(|p| p.into_inner()),
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return None;
+                    }
+                    q = self
+                        .cond
+                        .wait_timeout(q, left)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            }
+        }
+    }
+
+    /// Wait for the next event; `None` once closed and empty.
+    pub async fn pop(&self) -> Option<T> {
+        loop {
+            let notified = self.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut q = lock(&self.items);
+                if let Some(item) = q.0.pop_front() {
+                    return Some(item);
+                }
+                if q.1 {
+                    return None;
+                }
+            }
+            notified.await;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// The link: the router on tokio.
+// ---------------------------------------------------------------------------------
+
+/// Settings of a [`HandoffLink`].
+#[derive(Debug, Clone)]
+pub struct LinkConfig {
+    /// RLD's policy (unused by MD).
+    pub policy: HandoffPolicy,
+    /// Both sides' retransmission and give-up bounds.
+    pub timers: HandoffTimers,
+    /// A PING goes out this often while connected.
+    pub heartbeat_interval: Duration,
+    /// A peer that sent nothing (not even a PONG) for this long is dead: the
+    /// connection is dropped and replaced. Checked at every heartbeat, so detection
+    /// takes between `dead_after` and `dead_after + heartbeat_interval`.
+    pub dead_after: Duration,
+    /// RLD: bound on one connect attempt including HELLO; MD: bound on a HELLO.
+    pub connect_timeout: Duration,
+    /// RLD: first wait between failed connect attempts (doubling).
+    pub reconnect_initial: Duration,
+    /// RLD: longest wait between connect attempts.
+    pub reconnect_max: Duration,
+    /// Socket buffers and congestion control.
+    pub tuning: SocketTuning,
+    /// Credential presented in HELLO.
+    pub credential: bytes::Bytes,
+    /// Credential the peer must present; `None` accepts any.
+    pub expected_credential: Option<bytes::Bytes>,
+    /// RLD: HELLO session id (0: a random one).
+    pub session_id: u64,
+}
+
+impl Default for LinkConfig {
+    fn default() -> Self {
+        LinkConfig {
+            policy: HandoffPolicy::default(),
+            timers: HandoffTimers::default(),
+            heartbeat_interval: Duration::from_secs(1),
+            dead_after: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(5),
+            reconnect_initial: Duration::from_millis(50),
+            reconnect_max: Duration::from_secs(2),
+            tuning: SocketTuning {
+                // Control lane: small frames; the kernel default buffers are plenty.
+                buffer_bytes: None,
+                congestion: None,
+            },
+            credential: bytes::Bytes::new(),
+            expected_credential: None,
+            session_id: 0,
+        }
+    }
+}
+
+impl LinkConfig {
+    /// Check the settings: the policy and timers, non-zero intervals,
+    /// `dead_after > heartbeat_interval`, `reconnect_initial <= reconnect_max`.
+    pub fn validate(&self) -> Result<()> {
+        self.policy.validate()?;
+        self.timers.validate()?;
+        let bad = |m: &str| Err(Error::InvalidArgument(m.to_owned()));
+        if self.heartbeat_interval.is_zero() || self.connect_timeout.is_zero() {
+            return bad("heartbeat_interval and connect_timeout must be non-zero");
+        }
+        if self.dead_after <= self.heartbeat_interval {
+            return bad("dead_after must be longer than heartbeat_interval");
+        }
+        if self.reconnect_initial.is_zero() || self.reconnect_initial > self.reconnect_max {
+            return bad("reconnect_initial must be non-zero and at most reconnect_max");
+        }
+        if self.credential.len() > pdd_core::wire::MAX_CREDENTIAL_LEN {
+            return bad("credential longer than 512 bytes");
+        }
+        Ok(())
+    }
+}
+
+/// Counters of a link (a snapshot).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LinkStats {
+    /// Connections established (the first one included).
+    pub connects: u64,
+    /// Connections lost (reset, closed by the peer, dead peer, protocol error).
+    pub connections_lost: u64,
+    /// Of those, declared dead for silence beyond `dead_after`.
+    pub dead_peer: u64,
+    /// Frames written (or queued to the socket).
+    pub frames_sent: u64,
+    /// Frames received.
+    pub frames_received: u64,
+    /// Frames dropped for want of a connection (the machines re-send on reconnect).
+    pub frames_dropped_disconnected: u64,
+    /// See [`RouterStats`].
+    pub frames_unroutable: u64,
+    /// See [`RouterStats`].
+    pub frames_rejected: u64,
+    /// PINGs sent.
+    pub pings_sent: u64,
+    /// Last PING -> PONG round trip, microseconds (0 before the first).
+    pub rtt_us: u64,
+    /// Handoff machines held.
+    pub requests: u64,
+    /// Whether a connection is up.
+    pub connected: bool,
+}
+
+#[derive(Default)]
+struct Counters {
+    connects: AtomicU64,
+    connections_lost: AtomicU64,
+    dead_peer: AtomicU64,
+    frames_sent: AtomicU64,
+    frames_received: AtomicU64,
+    frames_dropped_disconnected: AtomicU64,
+    pings_sent: AtomicU64,
+    rtt_us: AtomicU64,
+}
+
+fn bump(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// The current connection's send side.
+struct Conn {
+    stream: Option<Arc<TcpStream>>,
+    /// Encoded bytes not yet accepted by the socket.
+    pending: BytesMut,
+    send_max: u32,
+    generation: u64,
+    /// Stops the current connection's task.
+    stop: Option<CancellationToken>,
+    last_error: Option<Error>,
+}
+
+struct Shared<M: HandoffMachine> {
+    router: Mutex<Router<M>>,
+    conn: Mutex<Conn>,
+    /// The connection task flushes what the socket refused.
+    writer_wake: Notify,
+    /// The timer task re-reads the earliest deadline.
+    timer_wake: Notify,
+    /// Deadline (ns) the timer task sleeps until; u64::MAX when none.
+    armed: AtomicU64,
+    events: EventQueue<LinkEvent<M::Event>>,
+    origin: Instant,
+    config: LinkConfig,
+    counters: Counters,
+    connected: watch::Sender<bool>,
+    pings: Mutex<HashMap<u64, oneshot::Sender<Duration>>>,
+    next_nonce: AtomicU64,
+    shutdown: CancellationToken,
+    closed: AtomicBool,
+    local_addr: Mutex<Option<SocketAddr>>,
+}
+
+impl<M: HandoffMachine> Shared<M> {
+    fn now(&self) -> Timestamp {
+        Timestamp::from_duration_since_origin(self.origin.elapsed()).unwrap_or(Timestamp::MAX)
+    }
+
+    fn instant_of(&self, t: Timestamp) -> tokio::time::Instant {
+        tokio::time::Instant::from_std(self.origin + t.duration_since_origin())
+    }
+
+    /// Run a router operation; write what it emitted, deliver its events, re-arm the
+    /// timer task if a machine now wants waking sooner.
+    fn with_router<T>(
+        &self,
+        f: impl FnOnce(&mut Router<M>, Timestamp, &mut Outbox<M::Event>) -> T,
+    ) -> T {
+        let mut out = Outbox::default();
+        let mut router = lock(&self.router);
+        let now = self.now();
+        let value = f(&mut router, now, &mut out);
+        // Still under the router lock: frames leave in the order machines made them.
+        if !out.frames.is_empty() {
+            self.send_frames(&out.frames);
+        }
+        drop(router);
+        if !out.events.is_empty() {
+            self.events.push_all(out.events);
+        }
+        if let Some(t) = out.earliest_timeout {
+            if t.as_nanos() < self.armed.load(Ordering::Acquire) {
+                self.timer_wake.notify_one();
+            }
+        }
+        value
+    }
+
+    /// Encode frames into the send buffer and push it to the socket at once (a
+    /// non-blocking write from this thread); what the socket refuses, the connection
+    /// task writes when it is writable.
+    fn send_frames(&self, frames: &[Frame]) {
+        let mut conn = lock(&self.conn);
+        let Some(stream) = conn.stream.clone() else {
+            bump(
+                &self.counters.frames_dropped_disconnected,
+                frames.len() as u64,
+            );
+            return;
+        };
+        let send_max = conn.send_max;
+        let mut sent = 0;
+        for f in frames {
+            // Machines only emit valid frames under the 64 KiB floor; an error here
+            // is a bug, counted as a drop rather than a broken connection.
+            if encode_frame(f, send_max, &mut conn.pending).is_ok() {
+                sent += 1;
+            }
+        }
+        bump(&self.counters.frames_sent, sent);
+        self.flush_locked(&mut conn, &stream);
+    }
+
+    /// Write as much of the pending bytes as the socket takes now. Returns true when
+    /// some are left (the caller must wait for writability).
+    fn flush_locked(&self, conn: &mut Conn, stream: &TcpStream) -> bool {
+        while !conn.pending.is_empty() {
+            match stream.try_write(&conn.pending) {
+                Ok(n) => conn.pending.advance(n),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    self.writer_wake.notify_one();
+                    return true;
+                }
+                Err(e) => {
+                    conn.last_error = Some(Error::ConnectionLost {
+                        detail: format!("write: {e}"),
+                    });
+                    conn.pending.clear();
+                    if let Some(stop) = &conn.stop {
+                        stop.cancel();
+                    }
+                    return false;
+                }
+            }
+        }
+        false
+    }
+
+    fn send_control(&self, frame: Frame) {
+        // Control frames (PING/PONG) never touch a machine; ordering against handoff
+        // frames does not matter, so the router lock is not needed.
+        self.send_frames(std::slice::from_ref(&frame));
+    }
+
+    fn handle_frames(&self, frames: Vec<Frame>) {
+        bump(&self.counters.frames_received, frames.len() as u64);
+        let mut handoff = Vec::with_capacity(frames.len());
+        for frame in frames {
+            match frame {
+                Frame::Ping(p) => self.send_control(Frame::Pong(p)),
+                Frame::Pong(p) => {
+                    let now = self.now().as_nanos();
+                    let rtt = Duration::from_nanos(now.saturating_sub(p.sent_at_ns));
+                    self.counters.rtt_us.store(
+                        u64::try_from(rtt.as_micros()).unwrap_or(u64::MAX),
+                        Ordering::Relaxed,
+                    );
+                    if let Some(tx) = lock(&self.pings).remove(&p.nonce) {
+                        let _ = tx.send(rtt);
+                    }
+                }
+                other => handoff.push(other),
+            }
+        }
+        if handoff.is_empty() {
+            return;
+        }
+        self.with_router(|r, now, out| {
+            for f in handoff {
+                // Rejections leave the machine unchanged (counted in the router);
+                // frames that are not the handoff's are ignored on this lane.
+                let _ = r.handle_frame(f, now, out);
+            }
+        });
+    }
+
+    /// Install a fresh connection: it replaces any current one, and every machine
+    /// re-sends what the peer may have missed.
+    fn install(&self, stream: Arc<TcpStream>, agreed: &Negotiated) -> (u64, CancellationToken) {
+        let stop = self.shutdown.child_token();
+        let generation;
+        {
+            let mut router = lock(&self.router);
+            {
+                let mut conn = lock(&self.conn);
+                if let Some(old) = conn.stop.take() {
+                    old.cancel();
+                }
+                conn.stream = Some(stream);
+                conn.pending.clear();
+                conn.send_max = agreed.peer_max_payload;
+                conn.generation += 1;
+                conn.stop = Some(stop.clone());
+                conn.last_error = None;
+                generation = conn.generation;
+            }
+            let mut out = Outbox::default();
+            let now = self.now();
+            router.on_reconnect(now, &mut out);
+            if !out.frames.is_empty() {
+                self.send_frames(&out.frames);
+            }
+            drop(router);
+            self.events.push_all(out.events);
+        }
+        bump(&self.counters.connects, 1);
+        self.connected.send_replace(true);
+        self.timer_wake.notify_one();
+        (generation, stop)
+    }
+
+    fn uninstall(&self, generation: u64, error: Option<Error>) {
+        let mut conn = lock(&self.conn);
+        if conn.generation != generation {
+            return; // already replaced
+        }
+        conn.stream = None;
+        conn.pending.clear();
+        conn.stop = None;
+        if error.is_some() {
+            conn.last_error = error;
+        }
+        drop(conn);
+        if !self.shutdown.is_cancelled() {
+            bump(&self.counters.connections_lost, 1);
+        }
+        self.connected.send_replace(false);
+    }
+
+    /// Serve one connection until it is lost or stopped: read and route frames, flush
+    /// what direct writes left, heartbeat, and watch for a dead peer.
+    async fn serve(
+        self: Arc<Self>,
+        stream: Arc<TcpStream>,
+        generation: u64,
+        stop: CancellationToken,
+    ) {
+        let mut decoder = FrameDecoder::new(DEFAULT_MAX_PAYLOAD);
+        let mut buf = BytesMut::with_capacity(64 << 10);
+        let mut last_rx = tokio::time::Instant::now();
+        let mut heartbeat = tokio::time::interval(self.config.heartbeat_interval);
+        heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut want_writable = false;
+        let error: Option<Error> = loop {
+            tokio::select! {
+                biased;
+                _ = stop.cancelled() => {
+                    let err = lock(&self.conn).last_error.clone();
+                    break err;
+                }
+                ready = stream.readable() => {
+                    if let Err(e) = ready {
+                        break Some(Error::ConnectionLost { detail: format!("read: {e}") });
+                    }
+                    match stream.try_read_buf(&mut buf) {
+                        Ok(0) => break Some(Error::ConnectionLost { detail: "closed by the peer".into() }),
+                        Ok(_) => {
+                            last_rx = tokio::time::Instant::now();
+                            let mut frames = Vec::new();
+                            let failed = loop {
+                                match decoder.decode(&mut buf) {
+                                    Ok(Some(f)) => frames.push(f),
+                                    Ok(None) => break None,
+                                    Err(e) => break Some(e),
+                                }
+                            };
+                            if !frames.is_empty() {
+                                self.handle_frames(frames);
+                            }
+                            if let Some(e) = failed {
+                                // Framing is lost: tell the peer why, then drop the connection.
+                                self.send_control(lane::abort_for(&e));
+                                break Some(e);
+                            }
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                        Err(e) => break Some(Error::ConnectionLost { detail: format!("read: {e}") }),
+                    }
+                }
+                _ = self.writer_wake.notified(), if !want_writable => {
+                    want_writable = self.flush_current(&stream);
+                }
+                ready = stream.writable(), if want_writable => {
+                    if let Err(e) = ready {
+                        break Some(Error::ConnectionLost { detail: format!("write: {e}") });
+                    }
+                    want_writable = self.flush_current(&stream);
+                }
+                _ = heartbeat.tick() => {
+                    if last_rx.elapsed() >= self.config.dead_after {
+                        bump(&self.counters.dead_peer, 1);
+                        break Some(Error::DeadlineExceeded {
+                            what: format!(
+                                "peer silent for {} ms (dead_after)",
+                                last_rx.elapsed().as_millis()
+                            ),
+                        });
+                    }
+                    self.send_ping(0);
+                }
+            }
+        };
+        // Dropping the stream closes it; a reset peer sees our FIN or RST.
+        self.uninstall(generation, error);
+    }
+
+    fn flush_current(&self, stream: &TcpStream) -> bool {
+        let mut conn = lock(&self.conn);
+        match &conn.stream {
+            Some(s) if std::ptr::eq(Arc::as_ptr(s), stream) => self.flush_locked(&mut conn, stream),
+            _ => false,
+        }
+    }
+
+    fn send_ping(&self, nonce: u64) {
+        bump(&self.counters.pings_sent, 1);
+        self.send_control(Frame::Ping(Ping {
+            nonce,
+            sent_at_ns: self.now().as_nanos(),
+        }));
+    }
+
+    /// Fire machine timers when due.
+    async fn run_timers(self: Arc<Self>) {
+        loop {
+            let deadline = {
+                let r = lock(&self.router);
+                r.poll_timeout()
+            };
+            let armed = deadline.map_or(u64::MAX, Timestamp::as_nanos);
+            self.armed.store(armed, Ordering::Release);
+            let notified = self.timer_wake.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            // A deadline armed by an engine call between the scan and the store is
+            // caught by the permit left by `notify_one`.
+            let sleep = async {
+                match deadline {
+                    Some(t) => tokio::time::sleep_until(self.instant_of(t)).await,
+                    None => std::future::pending::<()>().await,
+                }
+            };
+            tokio::select! {
+                _ = self.shutdown.cancelled() => return,
+                _ = &mut notified => continue,
+                _ = sleep => {}
+            }
+            self.with_router(|r, now, out| r.handle_timeout(now, out));
+        }
+    }
+
+    fn stats(&self) -> LinkStats {
+        let (rs, requests) = {
+            let r = lock(&self.router);
+            (r.stats(), r.len() as u64)
+        };
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        LinkStats {
+            connects: get(&c.connects),
+            connections_lost: get(&c.connections_lost),
+            dead_peer: get(&c.dead_peer),
+            frames_sent: get(&c.frames_sent),
+            frames_received: get(&c.frames_received),
+            frames_dropped_disconnected: get(&c.frames_dropped_disconnected),
+            frames_unroutable: rs.frames_unroutable,
+            frames_rejected: rs.frames_rejected,
+            pings_sent: get(&c.pings_sent),
+            rtt_us: get(&c.rtt_us),
+            requests,
+            connected: *self.connected.borrow(),
+        }
+    }
+}
+
+/// One side of a handoff connection, multiplexing many requests. See the module
+/// docs; [`RelayLink`] and [`MainLink`] are the two sides.
+///
+/// Every method takes `&self` and is safe to call from any thread; none blocks
+/// except the explicit waits. Dropping the link (or [`HandoffLink::close`]) stops
+/// its tasks.
+pub struct HandoffLink<M: HandoffMachine> {
+    shared: Arc<Shared<M>>,
+    runtime: tokio::runtime::Handle,
+}
+
+/// RelayDecode's link (connects to MD).
+pub type RelayLink = HandoffLink<RelaySide>;
+/// MainDecode's link (listens for RLD).
+pub type MainLink = HandoffLink<MainSide>;
+
+impl<M: HandoffMachine> std::fmt::Debug for HandoffLink<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HandoffLink")
+            .field("stats", &self.shared.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<M: HandoffMachine> HandoffLink<M> {
+    fn build(config: LinkConfig, runtime: tokio::runtime::Handle) -> Result<Self> {
+        config.validate()?;
+        let router = Router::new(config.policy, config.timers)?;
+        let shared = Arc::new(Shared {
+            router: Mutex::new(router),
+            conn: Mutex::new(Conn {
+                stream: None,
+                pending: BytesMut::new(),
+                send_max: pdd_core::wire::MIN_MAX_PAYLOAD,
+                generation: 0,
+                stop: None,
+                last_error: None,
+            }),
+            writer_wake: Notify::new(),
+            timer_wake: Notify::new(),
+            armed: AtomicU64::new(u64::MAX),
+            events: EventQueue::default(),
+            origin: Instant::now(),
+            config,
+            counters: Counters::default(),
+            connected: watch::Sender::new(false),
+            pings: Mutex::new(HashMap::new()),
+            next_nonce: AtomicU64::new(1),
+            shutdown: CancellationToken::new(),
+            closed: AtomicBool::new(false),
+            local_addr: Mutex::new(None),
+        });
+        runtime.spawn(Arc::clone(&shared).run_timers());
+        Ok(HandoffLink { shared, runtime })
+    }
+
+    /// The link's clock: time since it was created.
+    pub fn now(&self) -> Timestamp {
+        self.shared.now()
+    }
+
+    /// Whether a connection is up.
+    pub fn is_connected(&self) -> bool {
+        *self.shared.connected.borrow()
+    }
+
+    /// Wait until a connection is up; `DeadlineExceeded` after `timeout` (with the
+    /// last connection error, if any, in the message).
+    pub async fn wait_connected(&self, timeout: Duration) -> Result<()> {
+        let mut rx = self.shared.connected.subscribe();
+        let waited = tokio::time::timeout(timeout, rx.wait_for(|up| *up)).await;
+        match waited {
+            Ok(Ok(_)) => Ok(()),
+            _ => {
+                let last = lock(&self.shared.conn).last_error.clone();
+                Err(Error::DeadlineExceeded {
+                    what: match last {
+                        Some(e) => format!("handoff connection (last error: {e})"),
+                        None => "handoff connection".into(),
+                    },
+                })
+            }
+        }
+    }
+
+    /// The last connection error, if the link is not connected because of one.
+    pub fn last_error(&self) -> Option<Error> {
+        lock(&self.shared.conn).last_error.clone()
+    }
+
+    /// Send a PING and wait for its PONG: the connection's round trip through both
+    /// links' I/O tasks (no machine involved).
+    pub async fn ping(&self, timeout: Duration) -> Result<Duration> {
+        if !self.is_connected() {
+            return Err(Error::ConnectionLost {
+                detail: "not connected".into(),
+            });
+        }
+        let nonce = self.shared.next_nonce.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        lock(&self.shared.pings).insert(nonce, tx);
+        self.shared.send_ping(nonce);
+        let result = tokio::time::timeout(timeout, rx).await;
+        lock(&self.shared.pings).remove(&nonce);
+        match result {
+            Ok(Ok(rtt)) => Ok(rtt),
+            Ok(Err(_)) => Err(Error::ConnectionLost {
+                detail: "link closed".into(),
+            }),
+            Err(_) => Err(Error::DeadlineExceeded {
+                what: "PONG".into(),
+            }),
+        }
+    }
+
+    /// Abort one request locally (ABORT to the peer). `Ok(false)` if it had ended.
+    pub fn abort(&self, request_id: u64, reason: AbortReason, message: &str) -> Result<bool> {
+        self.shared
+            .with_router(|r, now, out| r.abort(request_id, reason, message, now, out))
+    }
+
+    /// Drop a request's machine now (the engine is done with it, whatever its state).
+    pub fn forget(&self, request_id: u64) -> bool {
+        self.shared.with_router(|r, _, _| r.forget(request_id))
+    }
+
+    /// Engine events, in order.
+    pub fn events(&self) -> &EventQueue<LinkEvent<M::Event>> {
+        &self.shared.events
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> LinkStats {
+        self.shared.stats()
+    }
+
+    /// Drop the current connection as if the network had reset it (tests, and
+    /// operators forcing a reconnect). RLD reconnects; MD waits for RLD.
+    pub fn drop_connection(&self) {
+        let conn = lock(&self.shared.conn);
+        if let Some(stop) = &conn.stop {
+            stop.cancel();
+        }
+    }
+
+    /// The address the link listens on (MD) or connected to (RLD).
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        *lock(&self.shared.local_addr)
+    }
+
+    /// Abort every live request with `shutdown`, try to send those ABORTs, stop the
+    /// tasks and close the event queue. Idempotent.
+    pub fn close(&self) {
+        if self.shared.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.shared
+            .with_router(|r, now, out| r.abort_all(AbortReason::Shutdown, "link closed", now, out));
+        self.shared.shutdown.cancel();
+        self.shared.events.close();
+        lock(&self.shared.pings).clear();
+    }
+
+    /// Whether [`HandoffLink::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        self.shared.closed.load(Ordering::Acquire)
+    }
+
+    /// The runtime the link's tasks run on.
+    pub fn runtime(&self) -> &tokio::runtime::Handle {
+        &self.runtime
+    }
+}
+
+impl<M: HandoffMachine> Drop for HandoffLink<M> {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn hello(role: Role, peer: Role, config: &LinkConfig) -> LocalHello {
+    let mut h = LocalHello::new(role, capability::HANDOFF);
+    h.credential = config.credential.clone();
+    h.expected_credential = config.expected_credential.clone();
+    h.accepted_roles = vec![peer];
+    h
+}
+
+fn check_capability(agreed: &Negotiated) -> Result<()> {
+    if agreed.capabilities & capability::HANDOFF == 0 {
+        return Err(Error::ConnectionLost {
+            detail: "the peer does not offer the handoff capability".into(),
+        });
+    }
+    Ok(())
+}
+
+impl HandoffLink<RelaySide> {
+    /// RLD's side: connect to MD at `addr` on `runtime`, in the background, and keep
+    /// reconnecting (with backoff) whenever the connection is lost, until closed. Use
+    /// [`HandoffLink::wait_connected`] to wait for the first connection; handoffs
+    /// opened before it simply wait (their frames are sent on connect).
+    pub fn connect(
+        runtime: &tokio::runtime::Handle,
+        addr: SocketAddr,
+        config: LinkConfig,
+    ) -> Result<RelayLink> {
+        let link = Self::build(config, runtime.clone())?;
+        *lock(&link.shared.local_addr) = Some(addr);
+        let shared = Arc::clone(&link.shared);
+        runtime.spawn(async move {
+            let local = hello(Role::RelayDecode, Role::MainDecode, &shared.config);
+            let session_id = match shared.config.session_id {
+                0 => rand::random::<u64>() | 1,
+                s => s,
+            };
+            let mut backoff = shared.config.reconnect_initial;
+            while !shared.shutdown.is_cancelled() {
+                let attempt = lane::connect(
+                    addr,
+                    &local,
+                    session_id,
+                    0,
+                    &shared.config.tuning,
+                    shared.config.connect_timeout,
+                )
+                .await
+                .and_then(|(s, agreed)| check_capability(&agreed).map(|_| (s, agreed)));
+                match attempt {
+                    Ok((stream, agreed)) => {
+                        backoff = shared.config.reconnect_initial;
+                        let stream = Arc::new(stream);
+                        let (generation, stop) = shared.install(Arc::clone(&stream), &agreed);
+                        Arc::clone(&shared).serve(stream, generation, stop).await;
+                    }
+                    Err(e) => {
+                        lock(&shared.conn).last_error = Some(e);
+                        tokio::select! {
+                            _ = shared.shutdown.cancelled() => break,
+                            _ = tokio::time::sleep(backoff) => {}
+                        }
+                        backoff = (backoff * 2).min(shared.config.reconnect_max);
+                    }
+                }
+            }
+        });
+        Ok(link)
+    }
+
+    /// Start the handoff of `request_id` at `first_position` (the prompt length).
+    pub fn open(&self, request_id: u64, first_position: u32) -> Result<()> {
+        self.shared
+            .with_router(|r, now, out| r.open(request_id, first_position, now, out))
+    }
+
+    /// A token the engine decoded; see [`RelayDecision`]. A HANDOFF this completes is
+    /// written before the call returns.
+    pub fn offer(&self, request_id: u64, token_id: u32) -> Result<RelayDecision> {
+        self.shared
+            .with_router(|r, now, out| r.offer(request_id, token_id, now, out))
+    }
+
+    /// The sequence ended on RLD.
+    pub fn end_of_output(&self, request_id: u64) -> Result<()> {
+        self.shared
+            .with_router(|r, now, out| r.end_of_output(request_id, now, out))
+    }
+
+    /// RLD's utilisation, for every request.
+    pub fn set_load(&self, load: f64) -> Result<()> {
+        self.shared
+            .with_router(|r, now, out| r.set_load(load, now, out))
+    }
+
+    /// Read a request's machine.
+    pub fn with_machine<T>(&self, request_id: u64, f: impl FnOnce(&RelaySide) -> T) -> Result<T> {
+        lock(&self.shared.router).get(request_id).map(f)
+    }
+}
+
+impl HandoffLink<MainSide> {
+    /// MD's side: listen on `addr` (port 0 picks one; see
+    /// [`HandoffLink::local_addr`]) and serve one RLD connection at a time; a new
+    /// connection replaces the current one (RLD only reconnects when it lost it).
+    pub fn listen(
+        runtime: &tokio::runtime::Handle,
+        addr: SocketAddr,
+        config: LinkConfig,
+    ) -> Result<MainLink> {
+        let std_listener =
+            std::net::TcpListener::bind(addr).map_err(|e| Error::ConnectionLost {
+                detail: format!("bind {addr}: {e}"),
+            })?;
+        let bound = std_listener
+            .local_addr()
+            .map_err(|e| Error::ConnectionLost {
+                detail: format!("local_addr: {e}"),
+            })?;
+        std_listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::ConnectionLost {
+                detail: format!("set_nonblocking: {e}"),
+            })?;
+        let link = Self::build(config, runtime.clone())?;
+        *lock(&link.shared.local_addr) = Some(bound);
+        let listener = {
+            let _guard = runtime.enter();
+            TcpListener::from_std(std_listener).map_err(|e| Error::ConnectionLost {
+                detail: format!("listen: {e}"),
+            })?
+        };
+        let shared = Arc::clone(&link.shared);
+        runtime.spawn(async move {
+            let local = hello(Role::MainDecode, Role::RelayDecode, &shared.config);
+            loop {
+                let accepted = tokio::select! {
+                    _ = shared.shutdown.cancelled() => break,
+                    a = listener.accept() => a,
+                };
+                let Ok((mut stream, _peer)) = accepted else {
+                    // EMFILE and friends: back off a little rather than spin.
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                };
+                lane::tune(&stream, &shared.config.tuning, true);
+                let shared = Arc::clone(&shared);
+                let local = local.clone();
+                tokio::spawn(async move {
+                    let agreed = lane::accept(&mut stream, &local, shared.config.connect_timeout)
+                        .await
+                        .and_then(|a| check_capability(&a).map(|_| a));
+                    match agreed {
+                        Ok(agreed) => {
+                            let stream = Arc::new(stream);
+                            let (generation, stop) = shared.install(Arc::clone(&stream), &agreed);
+                            shared.serve(stream, generation, stop).await;
+                        }
+                        Err(e) => lock(&shared.conn).last_error = Some(e),
+                    }
+                });
+            }
+        });
+        Ok(link)
+    }
+
+    /// Start the handoff of `request_id` at `first_position` (the prompt length).
+    pub fn open(&self, request_id: u64, first_position: u32) -> Result<()> {
+        self.shared
+            .with_router(|r, now, out| r.open(request_id, first_position, now, out))
+    }
+
+    /// MD's engine reached `position`; with `kv_complete` the prompt KV is in.
+    pub fn report_progress(&self, request_id: u64, position: u32, kv_complete: bool) -> Result<()> {
+        self.shared.with_router(|r, now, out| {
+            r.report_progress(request_id, position, kv_complete, now, out)
+        })
+    }
+
+    /// Read a request's machine.
+    pub fn with_machine<T>(&self, request_id: u64, f: impl FnOnce(&MainSide) -> T) -> Result<T> {
+        lock(&self.shared.router).get(request_id).map(f)
+    }
+}

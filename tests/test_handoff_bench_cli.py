@@ -1,0 +1,56 @@
+"""``pdd-transport bench handoff`` round-trip and WAN modes, run as users run them.
+Only the shape of the report is checked; the figures live in docs/handoff.md."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args: str) -> dict[str, object]:
+    exe = shutil.which("pdd-transport")
+    cmd = [exe] if exe else [sys.executable, "-m", "pdd_transport.cli"]
+    out = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=100, check=False)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert isinstance(result, dict)
+    return result
+
+
+@pytest.mark.parametrize("topology", ["processes", "threads"])
+def test_round_trip_report(topology: str) -> None:
+    result = run("bench", "handoff", "--json", "--rounds", "200", "--topology", topology)
+    for key in ("tokens", "frame_bytes", "kv_bytes", "model_shape"):
+        assert key in result
+    assert result["rtt_rounds"] == 200
+    for key in ("rtt_us_p50", "rtt_us_p99", "baseline_pyzmq_rtt_us_p50", "baseline_pyzmq_rtt_us_p99"):
+        value = result[key]
+        assert isinstance(value, float) and value > 0
+    assert "blocks" in str(result["rtt_setup"]) and "blocks" in str(result["baseline_setup"])
+    assert topology[:-2] in str(result["rtt_setup"])
+
+
+def test_rounds_zero_keeps_the_size_report_only() -> None:
+    result = run("bench", "handoff", "--json", "--rounds", "0")
+    assert "rtt_us_p50" not in result and result["tokens"] == 100
+
+
+def test_wan_report() -> None:
+    result = run("bench", "handoff", "--json", "--wan", "4:1", "--rounds", "30", "--tokens", "50")
+    assert result["wan_handoffs"] == 30
+    assert isinstance(result["wan_handoff_spread_ms"], float)
+    assert isinstance(result["wan_ping_spread_ms"], float)
+    # The emulated RTT is a floor for both (never early).
+    assert float(str(result["wan_handoff_ms_min"])) >= 4.0
+    assert float(str(result["wan_ping_ms_min"])) >= 4.0
+
+
+def test_bad_wan_spec() -> None:
+    exe = shutil.which("pdd-transport")
+    cmd = [exe] if exe else [sys.executable, "-m", "pdd_transport.cli"]
+    out = subprocess.run([*cmd, "bench", "handoff", "--wan", "5:x"], capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 1 and "RTT_MS:JITTER_MS" in out.stderr
