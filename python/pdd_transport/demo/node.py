@@ -96,8 +96,8 @@ def run_prefill(cfg: dict[str, Any]) -> None:
         short_output_tokens=int(cfg["anomaly_max_output"]),
     )
     wan = WanEstimate(float(cfg["wan_gbit"]), float(cfg["wan_rtt_ms"]))
-    emit("ready")
     commands: queue.Queue[dict[str, Any]] = queue.Queue()
+    emit("ready")
     threading.Thread(target=read_commands, args=(commands,), daemon=True).start()
 
     def send(sender: kv.KvSender, request_id: int, src_pages: list[int], label: str) -> None:
@@ -112,15 +112,46 @@ def run_prefill(cfg: dict[str, Any]) -> None:
         except PddError as exc:
             emit("error", id=request_id, where=f"send to {label}", reason=exc.reason, message=str(exc))
 
+    # P keeps its own prefix cache over its pool, as production prefill instances do:
+    # a turn that extends a session prefills only its new tokens.
+    cache = RadixCache(ps)
+    answers: dict[int, Any] = {}
+
+    def handshake(rid: int, prompt: list[int]) -> None:
+        # One WAN round trip per request: run it off the engine thread.
+        try:
+            answers[rid] = to_md.query_prefix(rid, np.asarray(prompt, np.uint32), page_size=ps, lease_s=30)
+        except PddError as exc:
+            answers[rid] = exc
+        commands.put({"op": "answered", "id": rid})
+
+    def take(n: int) -> list[int]:
+        if engine.free_pages < n:
+            engine.give_pages(cache.evict(n - engine.free_pages + 64).tolist())
+        return engine.take_pages(n)
+
+    waiting: dict[int, dict[str, Any]] = {}
     while True:
         cmd = commands.get()
         if cmd["op"] == "stop":
             break
-        if cmd["op"] != "request":
+        if cmd["op"] == "free":
+            engine.give_pages(cmd["pages"])
+            cache.unlock(cmd["node"])
             continue
-        rid, prompt, out_tokens = int(cmd["id"]), cmd["prompt"], int(cmd["out_tokens"])
-        t0 = time.monotonic()
-        answer = to_md.query_prefix(rid, np.asarray(prompt, np.uint32), page_size=ps, lease_s=30)
+        if cmd["op"] == "request":
+            waiting[int(cmd["id"])] = cmd
+            threading.Thread(target=handshake, args=(int(cmd["id"]), cmd["prompt"]), daemon=True).start()
+            continue
+        if cmd["op"] != "answered":
+            continue
+        rid = int(cmd["id"])
+        req = waiting.pop(rid)
+        prompt, out_tokens = req["prompt"], int(req["out_tokens"])
+        answer = answers.pop(rid)
+        if isinstance(answer, PddError):
+            emit("error", id=rid, where="prefix handshake", reason=answer.reason, message=str(answer))
+            continue
         matched = int(answer["matched_tokens"])
         if cfg["mode"] == "baseline":
             pipeline = "p_md"
@@ -134,9 +165,26 @@ def run_prefill(cfg: dict[str, Any]) -> None:
                 pipeline_policy=pipeline_policy,
                 anomaly_policy=anomaly_policy,
             ).pipeline
-        emit("plan", id=rid, pipeline=pipeline, matched=matched, handshake_ms=1e3 * (time.monotonic() - t0))
-        table = engine.allocate(len(prompt))
+        emit("plan", id=rid, pipeline=pipeline, matched=matched)
+        # Prefill the part of the prompt P's own cache lacks (at least the last token,
+        # whose logits a real prefill returns).
+        tokens = np.asarray(prompt, np.uint32)
+        m = cache.match_prefix(tokens[: len(prompt) - 1])
+        cache.lock(m.node)
+        prefix = m.handles.tolist()
+        own = take(engine.pages_for(len(prompt)) - len(prefix))
+        table = PageTable(prefix + own, prompt[: m.matched_tokens])
         engine.prefill(prompt, table)
+        whole = len(prompt) // ps * ps
+        node = m.node
+        new_whole = whole // ps - len(prefix)
+        if new_whole > 0:
+            ins = cache.insert_from(m.node, tokens[len(prefix) * ps : whole], np.asarray(own[:new_whole], np.uint32))
+            cache.lock(ins.node)
+            cache.unlock(m.node)
+            node = ins.node
+            dup = set(ins.duplicates.tolist())
+            own = [p for p in own[:new_whole] if p in dup] + own[new_whole:]
         pages = list(table.pages)
         threads = []
         if pipeline in ("p_rld_md", "p_rld") and to_rld is not None:
@@ -146,17 +194,12 @@ def run_prefill(cfg: dict[str, Any]) -> None:
         for t in threads:
             t.start()
 
-        def finish(ts: list[threading.Thread] = threads, tb: PageTable = table) -> None:
+        def finish(ts: list[threading.Thread] = threads, free: list[int] = own, held: Any = node) -> None:
             for t in ts:
                 t.join()
-            commands.put({"op": "free", "pages": list(tb.pages)})
+            commands.put({"op": "free", "pages": free, "node": held})
 
         threading.Thread(target=finish, daemon=True).start()
-        while not commands.empty():
-            peek = commands.queue[0]
-            if peek.get("op") != "free":
-                break
-            engine.give_pages(commands.get()["pages"])
     m = to_md.metrics()
     emit("metrics", wan_bytes=m["bytes_sent_total"], prefix_mismatches=m["prefix_mismatches_total"],
          local_bytes=to_rld.metrics()["bytes_sent_total"] if to_rld else 0)
@@ -227,13 +270,11 @@ class Decoder:
                 self.cache.unlock(req.node)
                 self.cache.lock(ins.node)
                 req.node = ins.node
-                # Pages the cache already had (another request raced us) go back.
+                # The cache owns the pages it took; pages it already had (another
+                # request of the session landed first) stay this request's, since its
+                # table reads them, and are freed with it.
                 dup = set(ins.duplicates.tolist())
-                self.engine.give_pages(list(dup))
-                req.owned_pages = [p for p in req.owned_pages[new_whole:] if p not in dup]
-            # The cache owns the whole pages now; this request owns only its tail.
-            else:
-                req.owned_pages = req.owned_pages[max(new_whole, 0):]
+                req.owned_pages = [p for p in req.owned_pages[:new_whole] if p in dup] + req.owned_pages[new_whole:]
 
     def finish_request(self, rid: int) -> None:
         req = self.reqs.pop(rid)

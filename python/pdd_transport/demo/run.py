@@ -37,7 +37,7 @@ class DemoConfig:
     rtt_ms: float = 30.0
     jitter_ms: float = 5.0
     wan_gbit: float = 1.0
-    kv_bytes_per_token: int = 16384
+    kv_bytes_per_token: int = 32768
     page_tokens: int = 16
     lanes: int = 4
     ttft_budget_ms: float = 150.0
@@ -113,7 +113,7 @@ def run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: bool
     events: queue.Queue[tuple[str, float, dict[str, Any]]] = queue.Queue()
     max_ctx = max(len(r.prompt) for r in requests) + max(r.output_tokens for r in requests) + cfg.page_tokens
     per_req = -(-max_ctx // cfg.page_tokens)
-    md = Node("main", _node_cfg(cfg, pages=per_req * (cfg.workload.sessions + 24)), events)
+    md = Node("main", _node_cfg(cfg, pages=per_req * (cfg.workload.sessions + 12)), events)
     md_ready = md.wait_ready()
     one_way = cfg.rtt_ms / 2
     wan_kv = Wanem(md_ready["kv"], delay_ms=one_way, jitter_ms=cfg.jitter_ms / 2, rate_gbit=cfg.wan_gbit, seed=1)
@@ -121,7 +121,7 @@ def run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: bool
     nodes = [md]
     rld = None
     if mode == "pdd":
-        rld = Node("relay", _node_cfg(cfg, pages=per_req * 24, md_handoff=wan_ho.address_str, max_eager=cfg.max_eager),
+        rld = Node("relay", _node_cfg(cfg, pages=per_req * 12, md_handoff=wan_ho.address_str, max_eager=cfg.max_eager),
                    events)
         nodes.append(rld)
         rld_ready = rld.wait_ready()
@@ -138,7 +138,7 @@ def run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: bool
         "wan_rtt_ms": cfg.rtt_ms,
         "kv_bytes_per_token": cfg.kv_bytes_per_token,
     }
-    prefill = Node("prefill", _node_cfg(cfg, pages=per_req * 24, **p_extra), events)
+    prefill = Node("prefill", _node_cfg(cfg, pages=per_req * (cfg.workload.sessions + 12), **p_extra), events)
     nodes.append(prefill)
     prefill.wait_ready()
 

@@ -22,13 +22,13 @@ class WorkloadConfig:
     sessions: int = 12
     vocab: int = 1000
     system_prompt_tokens: int = 256
-    first_turn_tokens: tuple[int, int] = (1024, 2048)
+    first_turn_tokens: tuple[int, int] = (768, 1536)
     turn_growth_tokens: tuple[int, int] = (24, 96)
     output_tokens: tuple[int, int] = (16, 48)
-    max_context_tokens: int = 3072
+    max_context_tokens: int = 2560
     new_session_share: float = 0.15
     anomaly_share: float = 0.04
-    anomaly_input_tokens: tuple[int, int] = (2560, 3072)
+    anomaly_input_tokens: tuple[int, int] = (2048, 2560)
     anomaly_output_tokens: tuple[int, int] = (2, 4)
     arrival_rate_per_s: float = 4.0
     seed: int = 0

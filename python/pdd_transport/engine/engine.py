@@ -122,8 +122,13 @@ class Engine:
         return [self._free.pop() for _ in range(n)]
 
     def give_pages(self, pages: Sequence[int]) -> None:
-        """Return pages handed out by :meth:`take_pages` or :meth:`allocate`."""
-        self._free.extend(int(p) for p in pages)
+        """Return pages handed out by :meth:`take_pages` or :meth:`allocate`. Giving
+        back a page that is already free (a double free) is refused, changing nothing."""
+        back = [int(p) for p in pages]
+        free = set(self._free)
+        if len(set(back)) != len(back) or free.intersection(back):
+            raise _invalid(f"pages already free: {sorted(free.intersection(back)) or back}")
+        self._free.extend(back)
 
     @property
     def free_pages(self) -> int:
