@@ -110,7 +110,7 @@ enum Children {
         clippy::box_collection,
         reason = "keeps Children, and so every node, small"
     )]
-    Wide(Box<HashMap<u64, u32>>),
+    Wide(Box<HashMap<u64, u32, ChildHasher>>),
 }
 
 impl Children {
@@ -151,7 +151,11 @@ impl Children {
                 *len += 1;
             }
             Children::Inline { keys, nodes, .. } => {
-                let mut map: HashMap<u64, u32> = keys.iter().copied().zip(*nodes).collect();
+                let mut map = HashMap::with_capacity_and_hasher(
+                    INLINE_CHILDREN + 1,
+                    ChildHasher::new(),
+                );
+                map.extend(keys.iter().copied().zip(*nodes));
                 map.insert(key, node);
                 *self = Children::Wide(Box::new(map));
             }
@@ -218,9 +222,73 @@ impl Children {
         match self {
             Children::Inline { .. } => 0,
             Children::Wide(map) => {
-                mem::size_of::<HashMap<u64, u32>>() + map_bytes::<u64, u32>(map.capacity())
+                mem::size_of::<HashMap<u64, u32, ChildHasher>>()
+                    + map_bytes::<u64, u32>(map.capacity())
             }
         }
+    }
+}
+
+/// Hasher of wide child maps. Their keys are chain hashes (XXH3 output), already
+/// uniform, so SipHash's work buys nothing but its keying. This keeps the keying and
+/// drops the rest: one folded 64x64->128-bit multiply of the key with two secret
+/// per-map words (drawn from std's `RandomState`), as in foldhash. Someone who chooses
+/// prompts can compute chain hashes but not these words, so cannot aim many siblings
+/// at one bucket.
+#[derive(Clone, Debug)]
+struct ChildHasher {
+    k0: u64,
+    k1: u64,
+}
+
+impl ChildHasher {
+    fn new() -> ChildHasher {
+        use std::hash::BuildHasher;
+        let random = std::collections::hash_map::RandomState::new();
+        ChildHasher {
+            k0: random.hash_one(0x243f_6a88_85a3_08d3_u64),
+            // Odd, so the multiply loses no key bits.
+            k1: random.hash_one(0x1319_8a2e_0370_7344_u64) | 1,
+        }
+    }
+}
+
+impl std::hash::BuildHasher for ChildHasher {
+    type Hasher = ChildHash;
+
+    fn build_hasher(&self) -> ChildHash {
+        ChildHash {
+            k0: self.k0,
+            k1: self.k1,
+            h: 0,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct ChildHash {
+    k0: u64,
+    k1: u64,
+    h: u64,
+}
+
+impl std::hash::Hasher for ChildHash {
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `u64` keys are hashed; this generic path exists for completeness.
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(word));
+        }
+    }
+
+    fn write_u64(&mut self, x: u64) {
+        let p = u128::from(x ^ self.k0 ^ self.h) * u128::from(self.k1);
+        self.h = (p as u64) ^ ((p >> 64) as u64);
+    }
+
+    fn finish(&self) -> u64 {
+        self.h
     }
 }
 
@@ -336,9 +404,20 @@ impl Node {
 /// Words of per-page metadata in `Node::data`.
 const META: usize = 3;
 
-/// Build a node's `data` from its page hashes and handles and its tokens.
-fn edge_data(meta: impl Iterator<Item = (u64, u32)>, tokens: &[u32], pages: usize) -> Vec<u32> {
-    let mut data = Vec::with_capacity(META * pages + tokens.len());
+/// Edges of up to this many pages get their freed buffers recycled.
+const POOL_MAX_PAGES: usize = 8;
+
+/// Freed buffers kept per page count. Eviction frees about as many small leaves per
+/// call as the next inserts build, so a short stack per size is enough.
+const POOL_PER_CLASS: usize = 64;
+
+/// Fill `data` (empty, reused) with a node's page hashes and handles and its tokens.
+fn edge_data(
+    mut data: Vec<u32>,
+    meta: impl Iterator<Item = (u64, u32)>,
+    tokens: &[u32],
+) -> Vec<u32> {
+    debug_assert!(data.is_empty());
     for (hash, handle) in meta {
         data.extend([hash as u32, (hash >> 32) as u32, handle]);
     }
@@ -375,6 +454,8 @@ pub struct RadixCache {
     live_nodes: usize,
     next_event_id: u64,
     events: Vec<Event>,
+    /// Freed edge buffers by page count (`pool[p - 1]` holds `p`-page buffers).
+    pool: Vec<Vec<Vec<u32>>>,
 }
 
 impl RadixCache {
@@ -395,6 +476,7 @@ impl RadixCache {
             live_nodes: 0,
             next_event_id: 1,
             events: Vec::new(),
+            pool: (0..POOL_MAX_PAGES).map(|_| Vec::new()).collect(),
         })
     }
 
@@ -660,6 +742,10 @@ impl RadixCache {
         let mut bytes = self.nodes.capacity() * mem::size_of::<Node>()
             + self.free_slots.capacity() * mem::size_of::<u32>()
             + map_bytes::<u64, u32>(self.roots.capacity());
+        for class in &self.pool {
+            bytes += class.capacity() * mem::size_of::<Vec<u32>>()
+                + class.iter().map(|d| d.capacity() * 4).sum::<usize>();
+        }
         for node in self.nodes.iter().filter(|n| n.in_use) {
             bytes += node.data.capacity() * mem::size_of::<u32>() + node.children.heap_bytes();
         }
@@ -845,12 +931,12 @@ impl RadixCache {
             }
             let new_pages = hashes.len();
             let data = edge_data(
+                self.edge_buffer(new_pages),
                 hashes
                     .iter()
                     .copied()
                     .zip(handles[cached..].iter().copied()),
                 &tokens[cached * ps..],
-                new_pages,
             );
             let leaf = self.alloc(Node {
                 data,
@@ -932,25 +1018,26 @@ impl RadixCache {
     /// references to it stay valid; the upper node takes its place under the parent.
     fn split(&mut self, lower: u32, pages: usize) -> u32 {
         let ps = self.page_size;
+        let total = self.nodes[lower as usize].pages();
+        let mut upper_data = self.edge_buffer(pages);
+        let mut lower_data = self.edge_buffer(total - pages);
         let node = &mut self.nodes[lower as usize];
-        let total = node.pages();
-        let split_data = |from: usize, to: usize| {
+        let split_data = |data: &mut Vec<u32>, from: usize, to: usize| {
             let (meta, tokens) = (node.meta(), node.tokens(ps));
-            let mut data = Vec::with_capacity((to - from) * (META + ps));
             data.extend_from_slice(&meta[from * META..to * META]);
             data.extend_from_slice(&tokens[from * ps..to * ps]);
-            data
         };
-        let upper_data = split_data(0, pages);
-        let lower_data = split_data(pages, total);
+        split_data(&mut upper_data, 0, pages);
+        split_data(&mut lower_data, pages, total);
         let key_upper = node.hash(0);
         let key_lower = node.hash(pages);
-        node.data = lower_data;
+        let old = mem::replace(&mut node.data, lower_data);
         node.pages = (total - pages) as u32;
         let parent = node.parent;
         let namespace = node.namespace;
         let last_access = node.last_access;
         let lower_pinned = node.pinned();
+        self.recycle(old);
         let upper = self.alloc(Node {
             data: upper_data,
             pages: pages as u32,
@@ -1065,13 +1152,48 @@ impl RadixCache {
     }
 
     fn free(&mut self, index: u32) {
-        let generation = self.nodes[index as usize].generation.wrapping_add(1);
-        self.nodes[index as usize] = Node {
+        let node = &mut self.nodes[index as usize];
+        let generation = node.generation.wrapping_add(1);
+        let data = mem::take(&mut node.data);
+        *node = Node {
             generation,
             ..Node::vacant()
         };
+        self.recycle(data);
         self.free_slots.push(index);
         self.live_nodes -= 1;
+    }
+
+    /// An empty buffer for an edge of `pages` pages: a recycled one of exactly that
+    /// size when there is one, so small leaves cost no malloc/free pair.
+    fn edge_buffer(&mut self, pages: usize) -> Vec<u32> {
+        let words = pages * (META + self.page_size);
+        if let Some(mut data) = self
+            .pool
+            .get_mut(pages.wrapping_sub(1))
+            .and_then(|class| class.pop())
+        {
+            debug_assert_eq!(data.capacity(), words);
+            data.clear();
+            return data;
+        }
+        Vec::with_capacity(words)
+    }
+
+    /// Keep a freed edge buffer for reuse instead of returning it to the allocator.
+    /// Reads only the `Vec` header, never the buffer: freeing a small leaf then costs
+    /// no cache miss in the allocator's chunk headers.
+    fn recycle(&mut self, data: Vec<u32>) {
+        let per_page = META + self.page_size;
+        let pages = data.len() / per_page;
+        if data.capacity() != pages * per_page || pages == 0 {
+            return;
+        }
+        if let Some(class) = self.pool.get_mut(pages - 1) {
+            if class.len() < POOL_PER_CLASS {
+                class.push(data);
+            }
+        }
     }
 
     fn lru_push_back(&mut self, index: u32) {
