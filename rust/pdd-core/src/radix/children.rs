@@ -135,6 +135,18 @@ impl Children {
         }
     }
 
+    /// Read the slot where `key` would be found first (for a wide node), so that a
+    /// later lookup finds it in cache; returns what it read, for `black_box`.
+    pub(super) fn touch(&self, key: u64) -> u64 {
+        match self {
+            Children::Inline { .. } => 0,
+            Children::Wide(table) => {
+                let slot = table.slots[mix(key, secret()) as usize & table.mask()];
+                u64::from(slot.node)
+            }
+        }
+    }
+
     pub(super) fn heap_bytes(&self) -> usize {
         match self {
             Children::Inline { .. } => 0,

@@ -13,6 +13,9 @@ use crate::error::{Error, Result};
 /// "No node": the parent of a namespace root, the end of the LRU list.
 const NIL: u32 = u32::MAX;
 
+/// Leaves `evict` reads ahead of freeing them.
+const EVICT_BATCH: usize = 32;
+
 /// A reference to a node (the end of a cached prefix), to lock it or to resume from it.
 ///
 /// It is opaque and cheap to copy. It carries the slot's generation, so once the node
@@ -452,26 +455,40 @@ impl RadixCache {
     pub fn evict(&mut self, n_pages: usize) -> Vec<u32> {
         let mut freed = Vec::with_capacity(n_pages.min(self.pages - self.locked_pages));
         let mut removed = Vec::with_capacity(freed.capacity());
+        let mut batch = [NIL; EVICT_BATCH];
         while freed.len() < n_pages && self.lru_head != NIL {
-            let leaf = self.lru_head;
-            let node = &mut self.nodes[leaf as usize];
-            let pages = node.pages();
-            let take = (n_pages - freed.len()).min(pages);
-            let keep = pages - take;
-            let key = node.hash(0);
-            // Deepest page first, so the freed handles read like the Removed event.
-            for page in (keep..pages).rev() {
-                freed.push(node.handle(page));
-                removed.push(node.hash(page));
+            // The victims are the LRU list's head onwards, so their memory can be read
+            // before any is freed. Phase 1: walk the list far enough for the pages still
+            // wanted.
+            let mut len = 0;
+            let mut want = n_pages - freed.len();
+            let mut at = self.lru_head;
+            while at != NIL && want > 0 && len < EVICT_BATCH {
+                let node = &self.nodes[at as usize];
+                batch[len] = at;
+                len += 1;
+                want = want.saturating_sub(node.pages());
+                at = node.lru_next;
             }
-            node.pages = keep as u32;
-            if keep > 0 {
-                // The node no longer ends the prefix it ended: old references are stale.
-                node.generation = node.generation.wrapping_add(1);
+            // Phase 2: read each victim's edge metadata and its slot in its parent's
+            // children. These loads do not depend on one another, so their cache misses
+            // overlap instead of following one by one as the frees below would take them.
+            let mut sink = 0u64;
+            for &leaf in &batch[..len] {
+                let node = &self.nodes[leaf as usize];
+                let key = node.hash(0);
+                let last = node.hash(node.pages() - 1) ^ u64::from(node.handle(0));
+                sink ^= last ^ self.nodes[node.parent as usize].children.touch(key);
             }
-            self.pages -= take;
-            if keep == 0 {
-                self.remove_leaf(leaf, key);
+            std::hint::black_box(sink);
+            // Phase 3: free them in order. Freeing a leaf can make its parent the next
+            // victim (pushed to the cold end); then the rest of the batch waits for the
+            // next round, so the order is exactly that of one leaf at a time.
+            for &leaf in &batch[..len] {
+                if freed.len() >= n_pages || self.lru_head != leaf {
+                    break;
+                }
+                self.evict_head(leaf, n_pages, &mut freed, &mut removed);
             }
         }
         if !removed.is_empty() {
@@ -480,6 +497,35 @@ impl RadixCache {
             });
         }
         freed
+    }
+
+    /// Take up to `n_pages - freed.len()` pages from the tail of the coldest leaf.
+    fn evict_head(
+        &mut self,
+        leaf: u32,
+        n_pages: usize,
+        freed: &mut Vec<u32>,
+        removed: &mut Vec<u64>,
+    ) {
+        let node = &mut self.nodes[leaf as usize];
+        let pages = node.pages();
+        let take = (n_pages - freed.len()).min(pages);
+        let keep = pages - take;
+        let key = node.hash(0);
+        // Deepest page first, so the freed handles read like the Removed event.
+        for page in (keep..pages).rev() {
+            freed.push(node.handle(page));
+            removed.push(node.hash(page));
+        }
+        node.pages = keep as u32;
+        if keep > 0 {
+            // The node no longer ends the prefix it ended: old references are stale.
+            node.generation = node.generation.wrapping_add(1);
+        }
+        self.pages -= take;
+        if keep == 0 {
+            self.remove_leaf(leaf, key);
+        }
     }
 
     /// Empty the cache: returns every handle and emits `Cleared`; every node reference
