@@ -1,7 +1,7 @@
 //! The radix tree: arena of nodes, page-granular edges, intrusive LRU of evictable
 //! leaves, lock counts, generation-checked node references, and the event log.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::mem;
 
 use super::check_page_size;
@@ -12,6 +12,9 @@ use crate::error::{Error, Result};
 
 /// "No node": the parent of a namespace root, the end of the LRU list.
 const NIL: u32 = u32::MAX;
+
+/// Stale LRU entries tolerated beyond one per live entry before a compaction.
+const LRU_SLACK: usize = 64;
 
 /// Leaves `evict` reads ahead of freeing them.
 const EVICT_BATCH: usize = 32;
@@ -122,8 +125,10 @@ struct Node {
     /// Bumped whenever the node stops ending the prefix it ended (freed, or its tail
     /// pages evicted), which makes older `NodeRef`s stale.
     generation: u32,
-    lru_prev: u32,
-    lru_next: u32,
+    /// Tag of the node's current entry in the LRU queue; bumped at every (re)entry,
+    /// so entries left behind by earlier ones no longer match. Kept across reuse of
+    /// the slot.
+    lru_tag: u32,
     /// Locks taken on this node itself.
     locks: u32,
     /// Children whose `locks + pinned_children` is non-zero. A node is pinned (never
@@ -145,8 +150,7 @@ impl Node {
             last_access: 0,
             parent: NIL,
             generation: 0,
-            lru_prev: NIL,
-            lru_next: NIL,
+            lru_tag: 0,
             locks: 0,
             pinned_children: 0,
             in_use: false,
@@ -225,6 +229,13 @@ fn edge_data(
     data
 }
 
+/// An entry of the LRU queue: live while `node` is in the LRU with this tag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct LruEntry {
+    node: u32,
+    tag: u32,
+}
+
 /// Where a walk down the tree stopped.
 struct Descent {
     /// The node ending the matched prefix (an edge ending inside the match was split).
@@ -243,10 +254,12 @@ pub struct RadixCache {
     nodes: Vec<Node>,
     free_slots: Vec<u32>,
     roots: HashMap<u64, u32>,
-    /// Coldest evictable leaf (evicted first).
-    lru_head: u32,
-    /// Most recently used evictable leaf.
-    lru_tail: u32,
+    /// The evictable leaves, coldest (evicted first) at the front, as a queue with
+    /// lazy deletion: a node leaving the LRU leaves its entry behind, stale (its tag no
+    /// longer matches); stale entries are dropped when they reach an end, and all at
+    /// once when they outnumber the live ones. Eviction reads its victims from
+    /// contiguous memory instead of following a linked list node by node.
+    lru: VecDeque<LruEntry>,
     clock: u64,
     pages: usize,
     locked_pages: usize,
@@ -267,8 +280,7 @@ impl RadixCache {
             nodes: Vec::new(),
             free_slots: Vec::new(),
             roots: HashMap::new(),
-            lru_head: NIL,
-            lru_tail: NIL,
+            lru: VecDeque::new(),
             clock: 0,
             pages: 0,
             locked_pages: 0,
@@ -456,19 +468,22 @@ impl RadixCache {
         let mut freed = Vec::with_capacity(n_pages.min(self.pages - self.locked_pages));
         let mut removed = Vec::with_capacity(freed.capacity());
         let mut batch = [NIL; EVICT_BATCH];
-        while freed.len() < n_pages && self.lru_head != NIL {
-            // The victims are the LRU list's head onwards, so their memory can be read
-            // before any is freed. Phase 1: walk the list far enough for the pages still
-            // wanted.
+        while freed.len() < n_pages && self.lru_front() != NIL {
+            // The victims are the LRU queue's front onwards, so their memory can be read
+            // before any is freed. Phase 1: read the queue (contiguous) far enough for
+            // the pages still wanted; the nodes' loads are independent of one another.
             let mut len = 0;
             let mut want = n_pages - freed.len();
-            let mut at = self.lru_head;
-            while at != NIL && want > 0 && len < EVICT_BATCH {
-                let node = &self.nodes[at as usize];
-                batch[len] = at;
-                len += 1;
-                want = want.saturating_sub(node.pages());
-                at = node.lru_next;
+            for &entry in self.lru.iter().take(4 * EVICT_BATCH) {
+                if want == 0 || len == EVICT_BATCH {
+                    break;
+                }
+                let node = &self.nodes[entry.node as usize];
+                if node.in_lru && node.lru_tag == entry.tag {
+                    batch[len] = entry.node;
+                    len += 1;
+                    want = want.saturating_sub(node.pages());
+                }
             }
             // Phase 2: read each victim's edge metadata and its slot in its parent's
             // children. These loads do not depend on one another, so their cache misses
@@ -485,7 +500,7 @@ impl RadixCache {
             // victim (pushed to the cold end); then the rest of the batch waits for the
             // next round, so the order is exactly that of one leaf at a time.
             for &leaf in &batch[..len] {
-                if freed.len() >= n_pages || self.lru_head != leaf {
+                if freed.len() >= n_pages || self.lru_front() != leaf {
                     break;
                 }
                 self.evict_head(leaf, n_pages, &mut freed, &mut removed);
@@ -544,8 +559,7 @@ impl RadixCache {
             }
         }
         self.roots.clear();
-        self.lru_head = NIL;
-        self.lru_tail = NIL;
+        self.lru.clear();
         self.pages = 0;
         self.evictable_leaves = 0;
         self.emit(EventKind::Cleared);
@@ -583,6 +597,7 @@ impl RadixCache {
     /// estimated from their capacity); pending undrained events are not included.
     pub fn heap_bytes(&self) -> usize {
         let mut bytes = self.nodes.capacity() * mem::size_of::<Node>()
+            + self.lru.capacity() * mem::size_of::<LruEntry>()
             + self.free_slots.capacity() * mem::size_of::<u32>()
             + map_bytes::<u64, u32>(self.roots.capacity());
         for class in &self.pool {
@@ -663,17 +678,20 @@ impl RadixCache {
             leaves += usize::from(evictable);
         }
         let mut walked = 0;
-        let mut prev = NIL;
-        let mut at = self.lru_head;
-        while at != NIL {
-            let node = &self.nodes[at as usize];
-            assert!(node.in_use && node.in_lru, "LRU holds {at}");
-            assert_eq!(node.lru_prev, prev, "LRU back link of {at}");
-            walked += 1;
-            prev = at;
-            at = node.lru_next;
+        let mut seen = std::collections::HashSet::new();
+        for entry in &self.lru {
+            let node = &self.nodes[entry.node as usize];
+            if node.in_lru && node.lru_tag == entry.tag {
+                assert!(node.in_use, "LRU holds {}", entry.node);
+                assert!(seen.insert(entry.node), "LRU holds {} twice", entry.node);
+                walked += 1;
+            }
         }
-        assert_eq!(self.lru_tail, prev, "LRU tail");
+        assert!(
+            self.lru.len() <= 2 * leaves + LRU_SLACK,
+            "LRU queue: {} entries for {leaves} leaves",
+            self.lru.len()
+        );
         assert_eq!(walked, leaves, "LRU length");
         assert_eq!(self.evictable_leaves, leaves, "evictable leaf count");
         assert_eq!(self.pages, pages, "page count");
@@ -997,9 +1015,11 @@ impl RadixCache {
     fn free(&mut self, index: u32) {
         let node = &mut self.nodes[index as usize];
         let generation = node.generation.wrapping_add(1);
+        let lru_tag = node.lru_tag;
         let data = mem::take(&mut node.data);
         *node = Node {
             generation,
+            lru_tag,
             ..Node::vacant()
         };
         self.recycle(data);
@@ -1039,61 +1059,79 @@ impl RadixCache {
         }
     }
 
-    fn lru_push_back(&mut self, index: u32) {
-        debug_assert!(!self.nodes[index as usize].in_lru);
-        let tail = self.lru_tail;
+    fn lru_entry(&mut self, index: u32) -> LruEntry {
         let node = &mut self.nodes[index as usize];
+        debug_assert!(!node.in_lru);
         node.in_lru = true;
-        node.lru_prev = tail;
-        node.lru_next = NIL;
-        if tail == NIL {
-            self.lru_head = index;
-        } else {
-            self.nodes[tail as usize].lru_next = index;
-        }
-        self.lru_tail = index;
+        node.lru_tag = node.lru_tag.wrapping_add(1);
         self.evictable_leaves += 1;
+        LruEntry {
+            node: index,
+            tag: node.lru_tag,
+        }
+    }
+
+    fn lru_live(&self, entry: LruEntry) -> bool {
+        let node = &self.nodes[entry.node as usize];
+        node.in_lru && node.lru_tag == entry.tag
+    }
+
+    fn lru_push_back(&mut self, index: u32) {
+        let entry = self.lru_entry(index);
+        self.lru.push_back(entry);
     }
 
     fn lru_push_front(&mut self, index: u32) {
-        debug_assert!(!self.nodes[index as usize].in_lru);
-        let head = self.lru_head;
-        let node = &mut self.nodes[index as usize];
-        node.in_lru = true;
-        node.lru_prev = NIL;
-        node.lru_next = head;
-        if head == NIL {
-            self.lru_tail = index;
-        } else {
-            self.nodes[head as usize].lru_prev = index;
-        }
-        self.lru_head = index;
-        self.evictable_leaves += 1;
+        let entry = self.lru_entry(index);
+        self.lru.push_front(entry);
     }
 
     fn lru_unlink(&mut self, index: u32) {
         let node = &mut self.nodes[index as usize];
         debug_assert!(node.in_lru);
-        let (prev, next) = (node.lru_prev, node.lru_next);
         node.in_lru = false;
-        node.lru_prev = NIL;
-        node.lru_next = NIL;
-        if prev == NIL {
-            self.lru_head = next;
-        } else {
-            self.nodes[prev as usize].lru_next = next;
-        }
-        if next == NIL {
-            self.lru_tail = prev;
-        } else {
-            self.nodes[next as usize].lru_prev = prev;
-        }
         self.evictable_leaves -= 1;
+        let entry = LruEntry {
+            node: index,
+            tag: node.lru_tag,
+        };
+        // Its entry is often at an end (evicting the coldest leaf, touching the warmest):
+        // drop it now. Otherwise it stays behind, stale, until compaction.
+        if self.lru.front() == Some(&entry) {
+            self.lru.pop_front();
+        } else if self.lru.back() == Some(&entry) {
+            self.lru.pop_back();
+        }
+        // Compacting once stale entries outnumber live ones (plus a slack) keeps the
+        // queue under 2 * leaves + slack entries, at an amortized O(1) per unlink.
+        if self.lru.len() > 2 * self.evictable_leaves + LRU_SLACK {
+            let nodes = &self.nodes;
+            self.lru.retain(|e| {
+                let node = &nodes[e.node as usize];
+                node.in_lru && node.lru_tag == e.tag
+            });
+        }
+    }
+
+    /// The coldest evictable leaf (`NIL` if none), dropping stale entries before it.
+    fn lru_front(&mut self) -> u32 {
+        while let Some(&entry) = self.lru.front() {
+            if self.lru_live(entry) {
+                return entry.node;
+            }
+            self.lru.pop_front();
+        }
+        NIL
     }
 
     /// Move an evictable leaf to the most recently used end.
     fn lru_touch(&mut self, index: u32) {
-        if self.nodes[index as usize].in_lru && self.lru_tail != index {
+        let node = &self.nodes[index as usize];
+        let entry = LruEntry {
+            node: index,
+            tag: node.lru_tag,
+        };
+        if node.in_lru && self.lru.back() != Some(&entry) {
             self.lru_unlink(index);
             self.lru_push_back(index);
         }
