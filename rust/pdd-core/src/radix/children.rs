@@ -141,8 +141,13 @@ impl Children {
         match self {
             Children::Inline { .. } => 0,
             Children::Wide(table) => {
-                let slot = table.slots[mix(key, secret()) as usize & table.mask()];
-                u64::from(slot.node)
+                // The home slot, and the slot a cache line further: a removal shifts
+                // back the rest of the probe run, which often crosses into that line.
+                let mask = table.mask();
+                let home = mix(key, secret()) as usize;
+                let ahead = home.wrapping_add(64 / std::mem::size_of::<Slot>());
+                u64::from(table.slots[home & mask].node)
+                    ^ u64::from(table.slots[ahead & mask].node)
             }
         }
     }
