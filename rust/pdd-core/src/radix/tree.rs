@@ -116,6 +116,10 @@ struct Node {
     data: Vec<u32>,
     /// Pages on the edge (0 for a namespace root): the first `pages` of `built`.
     pages: u32,
+    /// Chain hash of the edge's first page, the node's key in its parent's children
+    /// (0 for a root). A copy of `data`'s first hash, kept here so that eviction can
+    /// find the parent's slot without waiting for `data` to load.
+    key: u64,
     children: Children,
     namespace: u64,
     /// Logical clock of the last match or insert through this node.
@@ -145,6 +149,7 @@ impl Node {
         Node {
             data: Vec::new(),
             pages: 0,
+            key: 0,
             children: Children::EMPTY,
             namespace: 0,
             last_access: 0,
@@ -491,9 +496,8 @@ impl RadixCache {
             let mut sink = 0u64;
             for &leaf in &batch[..len] {
                 let node = &self.nodes[leaf as usize];
-                let key = node.hash(0);
                 let last = node.hash(node.pages() - 1) ^ u64::from(node.handle(0));
-                sink ^= last ^ self.nodes[node.parent as usize].children.touch(key);
+                sink ^= last ^ self.nodes[node.parent as usize].children.touch(node.key);
             }
             std::hint::black_box(sink);
             // Phase 3: free them in order. Freeing a leaf can make its parent the next
@@ -526,7 +530,7 @@ impl RadixCache {
         let pages = node.pages();
         let take = (n_pages - freed.len()).min(pages);
         let keep = pages - take;
-        let key = node.hash(0);
+        let key = node.key;
         // Deepest page first, so the freed handles read like the Removed event.
         for page in (keep..pages).rev() {
             freed.push(node.handle(page));
@@ -636,8 +640,9 @@ impl RadixCache {
                     child.in_use && child.parent == index,
                     "child {c} of {index}"
                 );
+                assert_eq!(child.key, child.hash(0), "key of node {c}");
                 assert_eq!(
-                    node.children.get(child.hash(0)),
+                    node.children.get(child.key),
                     Some(c),
                     "key of child {c}"
                 );
@@ -802,6 +807,7 @@ impl RadixCache {
             let leaf = self.alloc(Node {
                 data,
                 pages: new_pages as u32,
+                key: hashes[0],
                 namespace: self.nodes[end as usize].namespace,
                 last_access: self.clock,
                 parent: end,
@@ -894,6 +900,7 @@ impl RadixCache {
         let key_lower = node.hash(pages);
         let old = mem::replace(&mut node.data, lower_data);
         node.pages = (total - pages) as u32;
+        node.key = key_lower;
         let parent = node.parent;
         let namespace = node.namespace;
         let last_access = node.last_access;
@@ -902,6 +909,7 @@ impl RadixCache {
         let upper = self.alloc(Node {
             data: upper_data,
             pages: pages as u32,
+            key: key_upper,
             namespace,
             last_access,
             parent,
