@@ -106,24 +106,25 @@ fn map_bytes<K, V>(capacity: usize) -> usize {
     buckets * (mem::size_of::<(K, V)>() + 1)
 }
 
+/// A node slot is two cache lines. The first holds everything eviction reads or
+/// writes on a leaf (edge, key, LRU tag, parent, flags), so freeing a leaf touches one
+/// line of its slot; the second holds what matters for inner nodes (children, pins).
 #[derive(Debug)]
+#[repr(C, align(64))]
 struct Node {
     /// The edge in one allocation, sized for the pages it was built with (`built`):
     /// first `META` words per page [chain hash low 32 bits, high 32 bits, engine page
-    /// handle], then `page_size` tokens per page. One malloc and one free per node; the
-    /// metadata that eviction reads shares cache lines with the allocator's chunk header
-    /// that freeing touches; evicting tail pages only lowers `pages`.
+    /// handle], then `page_size` tokens per page. Eviction reads the metadata of the
+    /// pages it frees; evicting tail pages only lowers `pages`.
     data: Vec<u32>,
-    /// Pages on the edge (0 for a namespace root): the first `pages` of `built`.
-    pages: u32,
     /// Chain hash of the edge's first page, the node's key in its parent's children
     /// (0 for a root). A copy of `data`'s first hash, kept here so that eviction can
     /// find the parent's slot without waiting for `data` to load.
     key: u64,
-    children: Children,
-    namespace: u64,
     /// Logical clock of the last match or insert through this node.
     last_access: u64,
+    /// Pages on the edge (0 for a namespace root): the first `pages` of `built`.
+    pages: u32,
     /// `NIL` for a namespace root.
     parent: u32,
     /// Bumped whenever the node stops ending the prefix it ended (freed, or its tail
@@ -135,13 +136,16 @@ struct Node {
     lru_tag: u32,
     /// Locks taken on this node itself.
     locks: u32,
+    in_use: bool,
+    in_lru: bool,
+    // ----- second cache line -----
+    children: Children,
+    namespace: u64,
     /// Children whose `locks + pinned_children` is non-zero. A node is pinned (never
     /// evicted, its pages counted as locked) while `locks + pinned_children > 0`;
     /// counting pinned children rather than locks below lets lock and unlock stop
     /// walking up at the first ancestor whose pinned state does not change.
     pinned_children: u32,
-    in_use: bool,
-    in_lru: bool,
 }
 
 impl Node {
@@ -930,7 +934,7 @@ impl RadixCache {
         self.lru_unlink(leaf);
         let parent = self.nodes[leaf as usize].parent;
         let leaf_access = self.nodes[leaf as usize].last_access;
-        self.free(leaf);
+        self.free_childless(leaf);
         let p = &mut self.nodes[parent as usize];
         p.children.remove(key);
         if !p.children.is_empty() || p.pinned() {
@@ -939,7 +943,7 @@ impl RadixCache {
         if p.parent == NIL {
             let namespace = p.namespace;
             self.roots.remove(&namespace);
-            self.free(parent);
+            self.free_childless(parent);
         } else if p.last_access > leaf_access {
             // Used on its own after the leaf was: it is as warm as that use.
             self.lru_push_back(parent);
@@ -1018,6 +1022,24 @@ impl RadixCache {
                 index
             }
         }
+    }
+
+    /// Free a node that has no children and no pins (an evicted leaf, an emptied
+    /// root) writing only the first cache line of its slot: the second already reads as
+    /// vacant (no children, no pinned children) and the next `alloc` overwrites it.
+    fn free_childless(&mut self, index: u32) {
+        let node = &mut self.nodes[index as usize];
+        debug_assert!(node.children.is_empty() && !node.pinned() && !node.in_lru);
+        let data = mem::take(&mut node.data);
+        node.generation = node.generation.wrapping_add(1);
+        node.key = 0;
+        node.last_access = 0;
+        node.pages = 0;
+        node.parent = NIL;
+        node.in_use = false;
+        self.recycle(data);
+        self.free_slots.push(index);
+        self.live_nodes -= 1;
     }
 
     fn free(&mut self, index: u32) {
