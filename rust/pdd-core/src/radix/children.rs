@@ -146,8 +146,7 @@ impl Children {
                 let mask = table.mask();
                 let home = mix(key, secret()) as usize;
                 let ahead = home.wrapping_add(64 / std::mem::size_of::<Slot>());
-                u64::from(table.slots[home & mask].node)
-                    ^ u64::from(table.slots[ahead & mask].node)
+                u64::from(table.slots[home & mask].node) ^ u64::from(table.slots[ahead & mask].node)
             }
         }
     }
@@ -350,7 +349,7 @@ mod tests {
                 assert_eq!(seen, model.len());
             }
         }
-        for (&k, _) in &model {
+        for &k in model.keys() {
             children.remove(k);
         }
         assert!(matches!(children, Children::Inline { len: 0, .. }));

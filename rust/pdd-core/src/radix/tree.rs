@@ -645,11 +645,7 @@ impl RadixCache {
                     "child {c} of {index}"
                 );
                 assert_eq!(child.key, child.hash(0), "key of node {c}");
-                assert_eq!(
-                    node.children.get(child.key),
-                    Some(c),
-                    "key of child {c}"
-                );
+                assert_eq!(node.children.get(child.key), Some(c), "key of child {c}");
                 pinned_children += u32::from(child.pinned());
             });
             assert_eq!(
