@@ -288,6 +288,46 @@ fn lru_order_is_exact_through_many_touches_and_compactions() {
     c.check_invariants();
 }
 
+/// Inner nodes turning into leaves (placed at either end of the LRU), slots freed and
+/// reused, touches and locks, on a small alphabet so that the tree stays deep and
+/// branchy; the invariants (LRU membership, each leaf queued once) after every step.
+#[test]
+fn lru_queue_survives_slot_reuse_and_parents_turning_into_leaves() {
+    let mut c = RadixCache::new(1).unwrap();
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut rand = move |n: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % n
+    };
+    let mut next_handle = 0u32;
+    for _ in 0..30_000 {
+        let len = 1 + rand(6) as usize;
+        let tokens: Vec<u32> = (0..len).map(|_| rand(3) as u32).collect();
+        match rand(8) {
+            0..=2 => {
+                let h: Vec<u32> = (next_handle..next_handle + len as u32).collect();
+                next_handle += len as u32;
+                c.insert(0, &tokens, &h).unwrap();
+            }
+            3 | 4 => {
+                c.match_prefix(0, &tokens);
+            }
+            5 => {
+                let node = c.match_prefix(0, &tokens).node;
+                c.lock(node).unwrap();
+                c.evict(rand(3) as usize);
+                c.unlock(node).unwrap();
+            }
+            _ => {
+                c.evict(1 + rand(3) as usize);
+            }
+        }
+        c.check_invariants();
+    }
+}
+
 #[test]
 fn resumed_turns_build_the_same_tree_as_full_inserts() {
     let turns = [seq(0, 12), seq(500, 8), seq(900, 16)];

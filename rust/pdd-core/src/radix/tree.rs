@@ -1005,7 +1005,11 @@ impl RadixCache {
         self.live_nodes += 1;
         match self.free_slots.pop() {
             Some(index) => {
-                node.generation = self.nodes[index as usize].generation;
+                let old = &self.nodes[index as usize];
+                node.generation = old.generation;
+                // Tags keep counting across reuse, so that no LRU entry left by an
+                // earlier node of this slot can ever match the new one.
+                node.lru_tag = old.lru_tag;
                 self.nodes[index as usize] = node;
                 index
             }
