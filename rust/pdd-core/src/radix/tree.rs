@@ -1,4 +1,4 @@
-//! The radix tree: arena of nodes, page-granular edges, intrusive LRU of evictable
+//! The radix tree: arena of nodes, page-granular edges, LRU queue of evictable
 //! leaves, lock counts, generation-checked node references, and the event log.
 
 use std::collections::{HashMap, VecDeque};
