@@ -288,6 +288,28 @@ fn lru_order_is_exact_through_many_touches_and_compactions() {
     c.check_invariants();
 }
 
+/// Touching a leaf in the middle of the LRU leaves a stale queue entry behind; many of
+/// them force compactions (`check_invariants` bounds the queue's length), and the
+/// order stays exact.
+#[test]
+fn lru_queue_compacts_stale_entries() {
+    let mut c = RadixCache::new(1).unwrap();
+    for k in 0..3u32 {
+        c.insert(0, &[k], &[k]).unwrap();
+    }
+    // Order 0, 1, 2; touching the middle one each time: 0, 2, 1 -> 0, 1, 2 -> ...
+    for step in 0..20_000u32 {
+        let middle = if step % 2 == 0 { 1 } else { 2 };
+        assert_eq!(c.match_prefix(0, &[middle]).handles, vec![middle]);
+        if step % 1000 == 0 {
+            c.check_invariants();
+        }
+    }
+    c.check_invariants();
+    assert_eq!(c.evict(3), vec![0, 1, 2]);
+    c.check_invariants();
+}
+
 /// Inner nodes turning into leaves (placed at either end of the LRU), slots freed and
 /// reused, touches and locks, on a small alphabet so that the tree stays deep and
 /// branchy; the invariants (LRU membership, each leaf queued once) after every step.

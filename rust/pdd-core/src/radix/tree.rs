@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 const NIL: u32 = u32::MAX;
 
 /// Stale LRU entries tolerated beyond one per live entry before a compaction.
-const LRU_SLACK: usize = 64;
+const LRU_SLACK: usize = 4096;
 
 /// Leaves `evict` reads ahead of freeing them.
 const EVICT_BATCH: usize = 32;
