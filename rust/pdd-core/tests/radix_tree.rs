@@ -225,6 +225,131 @@ fn least_recently_used_leaf_goes_first() {
     c.check_invariants();
 }
 
+/// Exact LRU order over thousands of touches, lock/unlock cycles, evictions and new
+/// leaves (enough to compact the LRU queue many times), against a list moved by hand.
+#[test]
+fn lru_order_is_exact_through_many_touches_and_compactions() {
+    let mut c = RadixCache::new(1).unwrap();
+    let mut order: Vec<u32> = Vec::new();
+    let mut next = 0u32;
+    for _ in 0..200 {
+        c.insert(0, &[next], &[next]).unwrap();
+        order.push(next);
+        next += 1;
+    }
+    let mut state = 0x2545_f491_4f6c_dd1d_u64;
+    let mut rand = move |n: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % n as u64) as usize
+    };
+    let to_back = |order: &mut Vec<u32>, k: u32| {
+        let i = order.iter().position(|&x| x == k).unwrap();
+        order.remove(i);
+        order.push(k);
+    };
+    for step in 0..20_000 {
+        let k = order[rand(order.len())];
+        match rand(10) {
+            0..=4 => {
+                assert_eq!(c.match_prefix(0, &[k]).handles, vec![k]);
+                to_back(&mut order, k);
+            }
+            5 => {
+                // Re-inserting a cached leaf touches it too.
+                assert_eq!(c.insert(0, &[k], &[k]).unwrap().cached_tokens, 1);
+                to_back(&mut order, k);
+            }
+            6 | 7 => {
+                // A released lock makes the leaf the most recently used.
+                let node = c.match_prefix(0, &[k]).node;
+                c.lock(node).unwrap();
+                c.unlock(node).unwrap();
+                to_back(&mut order, k);
+            }
+            _ => {
+                assert_eq!(c.evict(1), vec![order.remove(0)]);
+                c.insert(0, &[next], &[next]).unwrap();
+                order.push(next);
+                next += 1;
+            }
+        }
+        if step % 500 == 0 {
+            c.check_invariants();
+        }
+    }
+    c.check_invariants();
+    let mut evicted = Vec::new();
+    while c.stats().pages > 0 {
+        evicted.extend(c.evict(1));
+    }
+    assert_eq!(evicted, order);
+    c.check_invariants();
+}
+
+/// Touching a leaf in the middle of the LRU leaves a stale queue entry behind; many of
+/// them force compactions (`check_invariants` bounds the queue's length), and the
+/// order stays exact.
+#[test]
+fn lru_queue_compacts_stale_entries() {
+    let mut c = RadixCache::new(1).unwrap();
+    for k in 0..3u32 {
+        c.insert(0, &[k], &[k]).unwrap();
+    }
+    // Order 0, 1, 2; touching the middle one each time: 0, 2, 1 -> 0, 1, 2 -> ...
+    for step in 0..20_000u32 {
+        let middle = if step % 2 == 0 { 1 } else { 2 };
+        assert_eq!(c.match_prefix(0, &[middle]).handles, vec![middle]);
+        if step % 1000 == 0 {
+            c.check_invariants();
+        }
+    }
+    c.check_invariants();
+    assert_eq!(c.evict(3), vec![0, 1, 2]);
+    c.check_invariants();
+}
+
+/// Inner nodes turning into leaves (placed at either end of the LRU), slots freed and
+/// reused, touches and locks, on a small alphabet so that the tree stays deep and
+/// branchy; the invariants (LRU membership, each leaf queued once) after every step.
+#[test]
+fn lru_queue_survives_slot_reuse_and_parents_turning_into_leaves() {
+    let mut c = RadixCache::new(1).unwrap();
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut rand = move |n: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % n
+    };
+    let mut next_handle = 0u32;
+    for _ in 0..30_000 {
+        let len = 1 + rand(6) as usize;
+        let tokens: Vec<u32> = (0..len).map(|_| rand(3) as u32).collect();
+        match rand(8) {
+            0..=2 => {
+                let h: Vec<u32> = (next_handle..next_handle + len as u32).collect();
+                next_handle += len as u32;
+                c.insert(0, &tokens, &h).unwrap();
+            }
+            3 | 4 => {
+                c.match_prefix(0, &tokens);
+            }
+            5 => {
+                let node = c.match_prefix(0, &tokens).node;
+                c.lock(node).unwrap();
+                c.evict(rand(3) as usize);
+                c.unlock(node).unwrap();
+            }
+            _ => {
+                c.evict(1 + rand(3) as usize);
+            }
+        }
+        c.check_invariants();
+    }
+}
+
 #[test]
 fn resumed_turns_build_the_same_tree_as_full_inserts() {
     let turns = [seq(0, 12), seq(500, 8), seq(900, 16)];

@@ -10,6 +10,7 @@
 //! The data structure, the complexity of each operation, the hash chain and the event
 //! and resync protocol are specified in `docs/radix.md`.
 
+mod children;
 mod event;
 pub mod hash;
 mod mirror;

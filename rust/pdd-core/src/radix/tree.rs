@@ -1,10 +1,11 @@
-//! The radix tree: arena of nodes, page-granular edges, intrusive LRU of evictable
+//! The radix tree: arena of nodes, page-granular edges, LRU queue of evictable
 //! leaves, lock counts, generation-checked node references, and the event log.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::mem;
 
 use super::check_page_size;
+use super::children::Children;
 use super::event::{Event, EventKind, Snapshot, StoredPages};
 use super::hash::{chain_hashes, page_hash, root_seed};
 use crate::error::{Error, Result};
@@ -12,9 +13,11 @@ use crate::error::{Error, Result};
 /// "No node": the parent of a namespace root, the end of the LRU list.
 const NIL: u32 = u32::MAX;
 
-/// Children kept inline before a node switches to a hash map. Most nodes have zero or
-/// one child (a session's turns form a chain); branch points are rare and few are wide.
-const INLINE_CHILDREN: usize = 2;
+/// Stale LRU entries tolerated beyond one per live entry before a compaction.
+const LRU_SLACK: usize = 4096;
+
+/// Leaves `evict` reads ahead of freeing them.
+const EVICT_BATCH: usize = 32;
 
 /// A reference to a node (the end of a cached prefix), to lock it or to resume from it.
 ///
@@ -92,138 +95,6 @@ pub struct CacheStats {
     pub nodes: usize,
 }
 
-/// Child slots of a node, keyed by the hash of the child's first page.
-///
-/// The key is the chain hash rather than the first token: with pages of more than one
-/// token, siblings often share their first token (a chat template) and differ later in
-/// the page, so only the whole first page tells them apart. The chain hash of that page
-/// is stored in the child anyway, so the key costs no memory; lookups verify the tokens.
-#[derive(Debug)]
-enum Children {
-    Inline {
-        len: u8,
-        keys: [u64; INLINE_CHILDREN],
-        nodes: [u32; INLINE_CHILDREN],
-    },
-    // Boxed so that every node pays 8 bytes for the rare wide case, not 48.
-    #[expect(
-        clippy::box_collection,
-        reason = "keeps Children, and so every node, small"
-    )]
-    Wide(Box<HashMap<u64, u32>>),
-}
-
-impl Children {
-    const EMPTY: Children = Children::Inline {
-        len: 0,
-        keys: [0; INLINE_CHILDREN],
-        nodes: [NIL; INLINE_CHILDREN],
-    };
-
-    fn len(&self) -> usize {
-        match self {
-            Children::Inline { len, .. } => usize::from(*len),
-            Children::Wide(map) => map.len(),
-        }
-    }
-
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    fn get(&self, key: u64) -> Option<u32> {
-        match self {
-            Children::Inline { len, keys, nodes } => keys[..usize::from(*len)]
-                .iter()
-                .position(|&k| k == key)
-                .map(|i| nodes[i]),
-            Children::Wide(map) => map.get(&key).copied(),
-        }
-    }
-
-    /// Add a child; the key must be absent.
-    fn insert(&mut self, key: u64, node: u32) {
-        debug_assert!(self.get(key).is_none());
-        match self {
-            Children::Inline { len, keys, nodes } if usize::from(*len) < INLINE_CHILDREN => {
-                keys[usize::from(*len)] = key;
-                nodes[usize::from(*len)] = node;
-                *len += 1;
-            }
-            Children::Inline { keys, nodes, .. } => {
-                let mut map: HashMap<u64, u32> = keys.iter().copied().zip(*nodes).collect();
-                map.insert(key, node);
-                *self = Children::Wide(Box::new(map));
-            }
-            Children::Wide(map) => {
-                map.insert(key, node);
-            }
-        }
-    }
-
-    /// Point an existing key at another node (an edge split puts the new upper node
-    /// in the slot of the node it split).
-    fn replace(&mut self, key: u64, node: u32) {
-        match self {
-            Children::Inline { len, keys, nodes } => {
-                let i = keys[..usize::from(*len)]
-                    .iter()
-                    .position(|&k| k == key)
-                    .expect("replaced child exists");
-                nodes[i] = node;
-            }
-            Children::Wide(map) => {
-                *map.get_mut(&key).expect("replaced child exists") = node;
-            }
-        }
-    }
-
-    fn remove(&mut self, key: u64) {
-        match self {
-            Children::Inline { len, keys, nodes } => {
-                let n = usize::from(*len);
-                let i = keys[..n]
-                    .iter()
-                    .position(|&k| k == key)
-                    .expect("removed child exists");
-                keys[i] = keys[n - 1];
-                nodes[i] = nodes[n - 1];
-                *len -= 1;
-            }
-            Children::Wide(map) => {
-                map.remove(&key);
-                if map.len() <= INLINE_CHILDREN {
-                    // Back inline: a branch point that lost its fan-out stops paying
-                    // for a map.
-                    let mut inline = Children::EMPTY;
-                    for (&k, &v) in map.iter() {
-                        inline.insert(k, v);
-                    }
-                    *self = inline;
-                }
-            }
-        }
-    }
-
-    fn for_each(&self, mut f: impl FnMut(u32)) {
-        match self {
-            Children::Inline { len, nodes, .. } => {
-                nodes[..usize::from(*len)].iter().for_each(|&n| f(n))
-            }
-            Children::Wide(map) => map.values().for_each(|&n| f(n)),
-        }
-    }
-
-    fn heap_bytes(&self) -> usize {
-        match self {
-            Children::Inline { .. } => 0,
-            Children::Wide(map) => {
-                mem::size_of::<HashMap<u64, u32>>() + map_bytes::<u64, u32>(map.capacity())
-            }
-        }
-    }
-}
-
 /// Estimated heap bytes of a std `HashMap` with this capacity: hashbrown allocates a
 /// power-of-two bucket count at a 7/8 load factor, one entry plus one control byte per
 /// bucket.
@@ -235,36 +106,46 @@ fn map_bytes<K, V>(capacity: usize) -> usize {
     buckets * (mem::size_of::<(K, V)>() + 1)
 }
 
+/// A node slot is two cache lines. The first holds everything eviction reads or
+/// writes on a leaf (edge, key, LRU tag, parent, flags), so freeing a leaf touches one
+/// line of its slot; the second holds what matters for inner nodes (children, pins).
 #[derive(Debug)]
+#[repr(C, align(64))]
 struct Node {
     /// The edge in one allocation, sized for the pages it was built with (`built`):
     /// first `META` words per page [chain hash low 32 bits, high 32 bits, engine page
-    /// handle], then `page_size` tokens per page. One malloc and one free per node; the
-    /// metadata that eviction reads shares cache lines with the allocator's chunk header
-    /// that freeing touches; evicting tail pages only lowers `pages`.
+    /// handle], then `page_size` tokens per page. Eviction reads the metadata of the
+    /// pages it frees; evicting tail pages only lowers `pages`.
     data: Vec<u32>,
-    /// Pages on the edge (0 for a namespace root): the first `pages` of `built`.
-    pages: u32,
-    children: Children,
-    namespace: u64,
+    /// Chain hash of the edge's first page, the node's key in its parent's children
+    /// (0 for a root). A copy of `data`'s first hash, kept here so that eviction can
+    /// find the parent's slot without waiting for `data` to load.
+    key: u64,
     /// Logical clock of the last match or insert through this node.
     last_access: u64,
+    /// Pages on the edge (0 for a namespace root): the first `pages` of `built`.
+    pages: u32,
     /// `NIL` for a namespace root.
     parent: u32,
     /// Bumped whenever the node stops ending the prefix it ended (freed, or its tail
     /// pages evicted), which makes older `NodeRef`s stale.
     generation: u32,
-    lru_prev: u32,
-    lru_next: u32,
+    /// Tag of the node's current entry in the LRU queue; bumped at every (re)entry,
+    /// so entries left behind by earlier ones no longer match. Kept across reuse of
+    /// the slot.
+    lru_tag: u32,
     /// Locks taken on this node itself.
     locks: u32,
+    in_use: bool,
+    in_lru: bool,
+    // ----- second cache line -----
+    children: Children,
+    namespace: u64,
     /// Children whose `locks + pinned_children` is non-zero. A node is pinned (never
     /// evicted, its pages counted as locked) while `locks + pinned_children > 0`;
     /// counting pinned children rather than locks below lets lock and unlock stop
     /// walking up at the first ancestor whose pinned state does not change.
     pinned_children: u32,
-    in_use: bool,
-    in_lru: bool,
 }
 
 impl Node {
@@ -272,13 +153,13 @@ impl Node {
         Node {
             data: Vec::new(),
             pages: 0,
+            key: 0,
             children: Children::EMPTY,
             namespace: 0,
             last_access: 0,
             parent: NIL,
             generation: 0,
-            lru_prev: NIL,
-            lru_next: NIL,
+            lru_tag: 0,
             locks: 0,
             pinned_children: 0,
             in_use: false,
@@ -336,14 +217,32 @@ impl Node {
 /// Words of per-page metadata in `Node::data`.
 const META: usize = 3;
 
-/// Build a node's `data` from its page hashes and handles and its tokens.
-fn edge_data(meta: impl Iterator<Item = (u64, u32)>, tokens: &[u32], pages: usize) -> Vec<u32> {
-    let mut data = Vec::with_capacity(META * pages + tokens.len());
+/// Edges of up to this many pages get their freed buffers recycled.
+const POOL_MAX_PAGES: usize = 8;
+
+/// Freed buffers kept per page count. Eviction frees about as many small leaves per
+/// call as the next inserts build, so a short stack per size is enough.
+const POOL_PER_CLASS: usize = 64;
+
+/// Fill `data` (empty, reused) with a node's page hashes and handles and its tokens.
+fn edge_data(
+    mut data: Vec<u32>,
+    meta: impl Iterator<Item = (u64, u32)>,
+    tokens: &[u32],
+) -> Vec<u32> {
+    debug_assert!(data.is_empty());
     for (hash, handle) in meta {
         data.extend([hash as u32, (hash >> 32) as u32, handle]);
     }
     data.extend_from_slice(tokens);
     data
+}
+
+/// An entry of the LRU queue: live while `node` is in the LRU with this tag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct LruEntry {
+    node: u32,
+    tag: u32,
 }
 
 /// Where a walk down the tree stopped.
@@ -364,10 +263,12 @@ pub struct RadixCache {
     nodes: Vec<Node>,
     free_slots: Vec<u32>,
     roots: HashMap<u64, u32>,
-    /// Coldest evictable leaf (evicted first).
-    lru_head: u32,
-    /// Most recently used evictable leaf.
-    lru_tail: u32,
+    /// The evictable leaves, coldest (evicted first) at the front, as a queue with
+    /// lazy deletion: a node leaving the LRU leaves its entry behind, stale (its tag no
+    /// longer matches); stale entries are dropped when they reach an end, and all at
+    /// once when they outnumber the live ones. Eviction reads its victims from
+    /// contiguous memory instead of following a linked list node by node.
+    lru: VecDeque<LruEntry>,
     clock: u64,
     pages: usize,
     locked_pages: usize,
@@ -375,6 +276,8 @@ pub struct RadixCache {
     live_nodes: usize,
     next_event_id: u64,
     events: Vec<Event>,
+    /// Freed edge buffers by page count (`pool[p - 1]` holds `p`-page buffers).
+    pool: Vec<Vec<Vec<u32>>>,
 }
 
 impl RadixCache {
@@ -386,8 +289,7 @@ impl RadixCache {
             nodes: Vec::new(),
             free_slots: Vec::new(),
             roots: HashMap::new(),
-            lru_head: NIL,
-            lru_tail: NIL,
+            lru: VecDeque::new(),
             clock: 0,
             pages: 0,
             locked_pages: 0,
@@ -395,6 +297,7 @@ impl RadixCache {
             live_nodes: 0,
             next_event_id: 1,
             events: Vec::new(),
+            pool: (0..POOL_MAX_PAGES).map(|_| Vec::new()).collect(),
         })
     }
 
@@ -573,26 +476,42 @@ impl RadixCache {
     pub fn evict(&mut self, n_pages: usize) -> Vec<u32> {
         let mut freed = Vec::with_capacity(n_pages.min(self.pages - self.locked_pages));
         let mut removed = Vec::with_capacity(freed.capacity());
-        while freed.len() < n_pages && self.lru_head != NIL {
-            let leaf = self.lru_head;
-            let node = &mut self.nodes[leaf as usize];
-            let pages = node.pages();
-            let take = (n_pages - freed.len()).min(pages);
-            let keep = pages - take;
-            let key = node.hash(0);
-            // Deepest page first, so the freed handles read like the Removed event.
-            for page in (keep..pages).rev() {
-                freed.push(node.handle(page));
-                removed.push(node.hash(page));
+        let mut batch = [NIL; EVICT_BATCH];
+        while freed.len() < n_pages && self.lru_front() != NIL {
+            // The victims are the LRU queue's front onwards, so their memory can be read
+            // before any is freed. Phase 1: read the queue (contiguous) far enough for
+            // the pages still wanted; the nodes' loads are independent of one another.
+            let mut len = 0;
+            let mut want = n_pages - freed.len();
+            for &entry in self.lru.iter().take(4 * EVICT_BATCH) {
+                if want == 0 || len == EVICT_BATCH {
+                    break;
+                }
+                let node = &self.nodes[entry.node as usize];
+                if node.in_lru && node.lru_tag == entry.tag {
+                    batch[len] = entry.node;
+                    len += 1;
+                    want = want.saturating_sub(node.pages());
+                }
             }
-            node.pages = keep as u32;
-            if keep > 0 {
-                // The node no longer ends the prefix it ended: old references are stale.
-                node.generation = node.generation.wrapping_add(1);
+            // Phase 2: read each victim's edge metadata and its slot in its parent's
+            // children. These loads do not depend on one another, so their cache misses
+            // overlap instead of following one by one as the frees below would take them.
+            let mut sink = 0u64;
+            for &leaf in &batch[..len] {
+                let node = &self.nodes[leaf as usize];
+                let last = node.hash(node.pages() - 1) ^ u64::from(node.handle(0));
+                sink ^= last ^ self.nodes[node.parent as usize].children.touch(node.key);
             }
-            self.pages -= take;
-            if keep == 0 {
-                self.remove_leaf(leaf, key);
+            std::hint::black_box(sink);
+            // Phase 3: free them in order. Freeing a leaf can make its parent the next
+            // victim (pushed to the cold end); then the rest of the batch waits for the
+            // next round, so the order is exactly that of one leaf at a time.
+            for &leaf in &batch[..len] {
+                if freed.len() >= n_pages || self.lru_front() != leaf {
+                    break;
+                }
+                self.evict_head(leaf, n_pages, &mut freed, &mut removed);
             }
         }
         if !removed.is_empty() {
@@ -601,6 +520,35 @@ impl RadixCache {
             });
         }
         freed
+    }
+
+    /// Take up to `n_pages - freed.len()` pages from the tail of the coldest leaf.
+    fn evict_head(
+        &mut self,
+        leaf: u32,
+        n_pages: usize,
+        freed: &mut Vec<u32>,
+        removed: &mut Vec<u64>,
+    ) {
+        let node = &mut self.nodes[leaf as usize];
+        let pages = node.pages();
+        let take = (n_pages - freed.len()).min(pages);
+        let keep = pages - take;
+        let key = node.key;
+        // Deepest page first, so the freed handles read like the Removed event.
+        for page in (keep..pages).rev() {
+            freed.push(node.handle(page));
+            removed.push(node.hash(page));
+        }
+        node.pages = keep as u32;
+        if keep > 0 {
+            // The node no longer ends the prefix it ended: old references are stale.
+            node.generation = node.generation.wrapping_add(1);
+        }
+        self.pages -= take;
+        if keep == 0 {
+            self.remove_leaf(leaf, key);
+        }
     }
 
     /// Empty the cache: returns every handle and emits `Cleared`; every node reference
@@ -619,8 +567,7 @@ impl RadixCache {
             }
         }
         self.roots.clear();
-        self.lru_head = NIL;
-        self.lru_tail = NIL;
+        self.lru.clear();
         self.pages = 0;
         self.evictable_leaves = 0;
         self.emit(EventKind::Cleared);
@@ -658,8 +605,13 @@ impl RadixCache {
     /// estimated from their capacity); pending undrained events are not included.
     pub fn heap_bytes(&self) -> usize {
         let mut bytes = self.nodes.capacity() * mem::size_of::<Node>()
+            + self.lru.capacity() * mem::size_of::<LruEntry>()
             + self.free_slots.capacity() * mem::size_of::<u32>()
             + map_bytes::<u64, u32>(self.roots.capacity());
+        for class in &self.pool {
+            bytes += class.capacity() * mem::size_of::<Vec<u32>>()
+                + class.iter().map(|d| d.capacity() * 4).sum::<usize>();
+        }
         for node in self.nodes.iter().filter(|n| n.in_use) {
             bytes += node.data.capacity() * mem::size_of::<u32>() + node.children.heap_bytes();
         }
@@ -692,11 +644,8 @@ impl RadixCache {
                     child.in_use && child.parent == index,
                     "child {c} of {index}"
                 );
-                assert_eq!(
-                    node.children.get(child.hash(0)),
-                    Some(c),
-                    "key of child {c}"
-                );
+                assert_eq!(child.key, child.hash(0), "key of node {c}");
+                assert_eq!(node.children.get(child.key), Some(c), "key of child {c}");
                 pinned_children += u32::from(child.pinned());
             });
             assert_eq!(
@@ -734,17 +683,20 @@ impl RadixCache {
             leaves += usize::from(evictable);
         }
         let mut walked = 0;
-        let mut prev = NIL;
-        let mut at = self.lru_head;
-        while at != NIL {
-            let node = &self.nodes[at as usize];
-            assert!(node.in_use && node.in_lru, "LRU holds {at}");
-            assert_eq!(node.lru_prev, prev, "LRU back link of {at}");
-            walked += 1;
-            prev = at;
-            at = node.lru_next;
+        let mut seen = std::collections::HashSet::new();
+        for entry in &self.lru {
+            let node = &self.nodes[entry.node as usize];
+            if node.in_lru && node.lru_tag == entry.tag {
+                assert!(node.in_use, "LRU holds {}", entry.node);
+                assert!(seen.insert(entry.node), "LRU holds {} twice", entry.node);
+                walked += 1;
+            }
         }
-        assert_eq!(self.lru_tail, prev, "LRU tail");
+        assert!(
+            self.lru.len() <= 2 * leaves + LRU_SLACK,
+            "LRU queue: {} entries for {leaves} leaves",
+            self.lru.len()
+        );
         assert_eq!(walked, leaves, "LRU length");
         assert_eq!(self.evictable_leaves, leaves, "evictable leaf count");
         assert_eq!(self.pages, pages, "page count");
@@ -845,16 +797,17 @@ impl RadixCache {
             }
             let new_pages = hashes.len();
             let data = edge_data(
+                self.edge_buffer(new_pages),
                 hashes
                     .iter()
                     .copied()
                     .zip(handles[cached..].iter().copied()),
                 &tokens[cached * ps..],
-                new_pages,
             );
             let leaf = self.alloc(Node {
                 data,
                 pages: new_pages as u32,
+                key: hashes[0],
                 namespace: self.nodes[end as usize].namespace,
                 last_access: self.clock,
                 parent: end,
@@ -932,28 +885,31 @@ impl RadixCache {
     /// references to it stay valid; the upper node takes its place under the parent.
     fn split(&mut self, lower: u32, pages: usize) -> u32 {
         let ps = self.page_size;
+        let total = self.nodes[lower as usize].pages();
+        let mut upper_data = self.edge_buffer(pages);
+        let mut lower_data = self.edge_buffer(total - pages);
         let node = &mut self.nodes[lower as usize];
-        let total = node.pages();
-        let split_data = |from: usize, to: usize| {
+        let split_data = |data: &mut Vec<u32>, from: usize, to: usize| {
             let (meta, tokens) = (node.meta(), node.tokens(ps));
-            let mut data = Vec::with_capacity((to - from) * (META + ps));
             data.extend_from_slice(&meta[from * META..to * META]);
             data.extend_from_slice(&tokens[from * ps..to * ps]);
-            data
         };
-        let upper_data = split_data(0, pages);
-        let lower_data = split_data(pages, total);
+        split_data(&mut upper_data, 0, pages);
+        split_data(&mut lower_data, pages, total);
         let key_upper = node.hash(0);
         let key_lower = node.hash(pages);
-        node.data = lower_data;
+        let old = mem::replace(&mut node.data, lower_data);
         node.pages = (total - pages) as u32;
+        node.key = key_lower;
         let parent = node.parent;
         let namespace = node.namespace;
         let last_access = node.last_access;
         let lower_pinned = node.pinned();
+        self.recycle(old);
         let upper = self.alloc(Node {
             data: upper_data,
             pages: pages as u32,
+            key: key_upper,
             namespace,
             last_access,
             parent,
@@ -974,7 +930,7 @@ impl RadixCache {
         self.lru_unlink(leaf);
         let parent = self.nodes[leaf as usize].parent;
         let leaf_access = self.nodes[leaf as usize].last_access;
-        self.free(leaf);
+        self.free_childless(leaf);
         let p = &mut self.nodes[parent as usize];
         p.children.remove(key);
         if !p.children.is_empty() || p.pinned() {
@@ -983,7 +939,7 @@ impl RadixCache {
         if p.parent == NIL {
             let namespace = p.namespace;
             self.roots.remove(&namespace);
-            self.free(parent);
+            self.free_childless(parent);
         } else if p.last_access > leaf_access {
             // Used on its own after the leaf was: it is as warm as that use.
             self.lru_push_back(parent);
@@ -1049,7 +1005,11 @@ impl RadixCache {
         self.live_nodes += 1;
         match self.free_slots.pop() {
             Some(index) => {
-                node.generation = self.nodes[index as usize].generation;
+                let old = &self.nodes[index as usize];
+                node.generation = old.generation;
+                // Tags keep counting across reuse, so that no LRU entry left by an
+                // earlier node of this slot can ever match the new one.
+                node.lru_tag = old.lru_tag;
                 self.nodes[index as usize] = node;
                 index
             }
@@ -1064,71 +1024,144 @@ impl RadixCache {
         }
     }
 
-    fn free(&mut self, index: u32) {
-        let generation = self.nodes[index as usize].generation.wrapping_add(1);
-        self.nodes[index as usize] = Node {
-            generation,
-            ..Node::vacant()
-        };
+    /// Free a node that has no children and no pins (an evicted leaf, an emptied
+    /// root) writing only the first cache line of its slot: the second already reads as
+    /// vacant (no children, no pinned children) and the next `alloc` overwrites it.
+    fn free_childless(&mut self, index: u32) {
+        let node = &mut self.nodes[index as usize];
+        debug_assert!(node.children.is_empty() && !node.pinned() && !node.in_lru);
+        let data = mem::take(&mut node.data);
+        node.generation = node.generation.wrapping_add(1);
+        node.key = 0;
+        node.last_access = 0;
+        node.pages = 0;
+        node.parent = NIL;
+        node.in_use = false;
+        self.recycle(data);
         self.free_slots.push(index);
         self.live_nodes -= 1;
     }
 
-    fn lru_push_back(&mut self, index: u32) {
-        debug_assert!(!self.nodes[index as usize].in_lru);
-        let tail = self.lru_tail;
+    fn free(&mut self, index: u32) {
         let node = &mut self.nodes[index as usize];
-        node.in_lru = true;
-        node.lru_prev = tail;
-        node.lru_next = NIL;
-        if tail == NIL {
-            self.lru_head = index;
-        } else {
-            self.nodes[tail as usize].lru_next = index;
+        let generation = node.generation.wrapping_add(1);
+        let lru_tag = node.lru_tag;
+        let data = mem::take(&mut node.data);
+        *node = Node {
+            generation,
+            lru_tag,
+            ..Node::vacant()
+        };
+        self.recycle(data);
+        self.free_slots.push(index);
+        self.live_nodes -= 1;
+    }
+
+    /// An empty buffer for an edge of `pages` pages: a recycled one of exactly that
+    /// size when there is one, so small leaves cost no malloc/free pair.
+    fn edge_buffer(&mut self, pages: usize) -> Vec<u32> {
+        let words = pages * (META + self.page_size);
+        if let Some(mut data) = self
+            .pool
+            .get_mut(pages.wrapping_sub(1))
+            .and_then(|class| class.pop())
+        {
+            debug_assert_eq!(data.capacity(), words);
+            data.clear();
+            return data;
         }
-        self.lru_tail = index;
+        Vec::with_capacity(words)
+    }
+
+    /// Keep a freed edge buffer for reuse instead of returning it to the allocator.
+    /// Reads only the `Vec` header, never the buffer: freeing a small leaf then costs
+    /// no cache miss in the allocator's chunk headers.
+    fn recycle(&mut self, data: Vec<u32>) {
+        let per_page = META + self.page_size;
+        let pages = data.len() / per_page;
+        if data.capacity() != pages * per_page || pages == 0 {
+            return;
+        }
+        if let Some(class) = self.pool.get_mut(pages - 1) {
+            if class.len() < POOL_PER_CLASS {
+                class.push(data);
+            }
+        }
+    }
+
+    fn lru_entry(&mut self, index: u32) -> LruEntry {
+        let node = &mut self.nodes[index as usize];
+        debug_assert!(!node.in_lru);
+        node.in_lru = true;
+        node.lru_tag = node.lru_tag.wrapping_add(1);
         self.evictable_leaves += 1;
+        LruEntry {
+            node: index,
+            tag: node.lru_tag,
+        }
+    }
+
+    fn lru_live(&self, entry: LruEntry) -> bool {
+        let node = &self.nodes[entry.node as usize];
+        node.in_lru && node.lru_tag == entry.tag
+    }
+
+    fn lru_push_back(&mut self, index: u32) {
+        let entry = self.lru_entry(index);
+        self.lru.push_back(entry);
     }
 
     fn lru_push_front(&mut self, index: u32) {
-        debug_assert!(!self.nodes[index as usize].in_lru);
-        let head = self.lru_head;
-        let node = &mut self.nodes[index as usize];
-        node.in_lru = true;
-        node.lru_prev = NIL;
-        node.lru_next = head;
-        if head == NIL {
-            self.lru_tail = index;
-        } else {
-            self.nodes[head as usize].lru_prev = index;
-        }
-        self.lru_head = index;
-        self.evictable_leaves += 1;
+        let entry = self.lru_entry(index);
+        self.lru.push_front(entry);
     }
 
     fn lru_unlink(&mut self, index: u32) {
         let node = &mut self.nodes[index as usize];
         debug_assert!(node.in_lru);
-        let (prev, next) = (node.lru_prev, node.lru_next);
         node.in_lru = false;
-        node.lru_prev = NIL;
-        node.lru_next = NIL;
-        if prev == NIL {
-            self.lru_head = next;
-        } else {
-            self.nodes[prev as usize].lru_next = next;
-        }
-        if next == NIL {
-            self.lru_tail = prev;
-        } else {
-            self.nodes[next as usize].lru_prev = prev;
-        }
         self.evictable_leaves -= 1;
+        let entry = LruEntry {
+            node: index,
+            tag: node.lru_tag,
+        };
+        // Its entry is often at an end (evicting the coldest leaf, touching the warmest):
+        // drop it now. Otherwise it stays behind, stale, until compaction.
+        if self.lru.front() == Some(&entry) {
+            self.lru.pop_front();
+        } else if self.lru.back() == Some(&entry) {
+            self.lru.pop_back();
+        }
+        // Compacting once stale entries outnumber live ones (plus a slack) keeps the
+        // queue under 2 * leaves + slack entries, at an amortized O(1) per unlink.
+        if self.lru.len() > 2 * self.evictable_leaves + LRU_SLACK {
+            let nodes = &self.nodes;
+            self.lru.retain(|e| {
+                let node = &nodes[e.node as usize];
+                node.in_lru && node.lru_tag == e.tag
+            });
+        }
+    }
+
+    /// The coldest evictable leaf (`NIL` if none), dropping stale entries before it.
+    fn lru_front(&mut self) -> u32 {
+        while let Some(&entry) = self.lru.front() {
+            if self.lru_live(entry) {
+                return entry.node;
+            }
+            self.lru.pop_front();
+        }
+        NIL
     }
 
     /// Move an evictable leaf to the most recently used end.
     fn lru_touch(&mut self, index: u32) {
-        if self.nodes[index as usize].in_lru && self.lru_tail != index {
+        let node = &self.nodes[index as usize];
+        let entry = LruEntry {
+            node: index,
+            tag: node.lru_tag,
+        };
+        if node.in_lru && self.lru.back() != Some(&entry) {
             self.lru_unlink(index);
             self.lru_push_back(index);
         }
