@@ -308,7 +308,15 @@ def run_relay(cfg: dict[str, Any]) -> None:
     from pdd_transport.handoff import HandoffFailed, HandoffFinished, HandoffPolicy, RelayLink, StopDecoding
 
     d = Decoder(cfg, "relay")
-    link = RelayLink.connect(cfg["md_handoff"], policy=HandoffPolicy(max_eager_tokens=int(cfg["max_eager"])))
+    # The demo's outputs are tens of tokens, not hundreds: the Catch-Up thresholds are
+    # scaled down with them so both modes occur.
+    policy = HandoffPolicy(
+        catch_up_threshold_tokens=int(cfg["catch_up_threshold"]),
+        level_tokens=max(1, int(cfg["catch_up_threshold"]) // 4),
+        chunk_tokens=int(cfg["catch_up_threshold"]),
+        max_eager_tokens=int(cfg["max_eager"]),
+    )
+    link = RelayLink.connect(cfg["md_handoff"], policy=policy)
     emit("ready", kv="%s:%d" % d.rx.address)
     threading.Thread(target=read_commands, args=(d.commands,), daemon=True).start()
     modes: dict[str, int] = {}

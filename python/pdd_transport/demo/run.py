@@ -37,12 +37,14 @@ class DemoConfig:
     rtt_ms: float = 30.0
     jitter_ms: float = 5.0
     wan_gbit: float = 1.0
-    kv_bytes_per_token: int = 32768
+    kv_bytes_per_token: int = 49152
     page_tokens: int = 16
     lanes: int = 4
     ttft_budget_ms: float = 150.0
     max_eager: int = 256
+    catch_up_threshold: int = 16
     request_timeout_s: float = 60.0
+    think_time_s: float = 0.2
     plot: str = "pdd-demo-ttft.png"
 
 
@@ -121,7 +123,8 @@ def run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: bool
     nodes = [md]
     rld = None
     if mode == "pdd":
-        rld = Node("relay", _node_cfg(cfg, pages=per_req * 12, md_handoff=wan_ho.address_str, max_eager=cfg.max_eager),
+        rld = Node("relay", _node_cfg(cfg, pages=per_req * 12, md_handoff=wan_ho.address_str, max_eager=cfg.max_eager,
+                                      catch_up_threshold=cfg.catch_up_threshold),
                    events)
         nodes.append(rld)
         rld_ready = rld.wait_ready()
@@ -146,6 +149,7 @@ def run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: bool
     first_token: dict[int, float] = {}
     outputs: dict[int, dict[int, int]] = {r.request_id: {} for r in requests}
     plans: dict[int, str] = {}
+    md_hits: dict[int, int] = {}
     done: set[int] = set()
     errors: list[dict[str, Any]] = []
     tokens_by = {"relay": 0, "main": 0}
@@ -164,6 +168,7 @@ def run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: bool
                 outputs[rid][pos] = t
         elif kind == "plan":
             plans[ev["id"]] = ev["pipeline"]
+            md_hits[ev["id"]] = ev["matched"]
             for n in nodes:
                 if n.role != "prefill":
                     n.send(op="plan", id=ev["id"], pipeline=ev["pipeline"])
@@ -181,12 +186,32 @@ def run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: bool
 
     start = time.monotonic()
     pending = list(requests)
-    deadline = start + requests[-1].arrival_s + cfg.request_timeout_s
+    deadline = start + requests[-1].arrival_s + cfg.request_timeout_s + 30.0
     last_report = 0.0
+    # Sessions are closed loops, as agents are: a session's next turn is sent only
+    # after its previous request finished (plus a short think time), even if its
+    # scheduled arrival came earlier.
+    session_busy_until: dict[int, float] = {}
+    in_flight_session: dict[int, int] = {}
     while (len(done) < len(requests)) and time.monotonic() < deadline:
         now = time.monotonic() - start
-        while pending and pending[0].arrival_s <= now:
-            r = pending.pop(0)
+        for rid in list(in_flight_session):
+            if rid in done:
+                session_busy_until[in_flight_session.pop(rid)] = now + cfg.think_time_s
+        ready = []
+        busy_sessions = set(in_flight_session.values())
+        for r in pending:
+            if r.arrival_s > now:
+                break
+            if r.session >= 0:
+                if r.session in busy_sessions or session_busy_until.get(r.session, 0.0) > now:
+                    continue
+                busy_sessions.add(r.session)
+            ready.append(r)
+        for r in ready:
+            pending.remove(r)
+            if r.session >= 0:
+                in_flight_session[r.request_id] = r.session
             prompt = [int(t) for t in r.prompt]
             for n in nodes:
                 if n.role != "prefill":
@@ -238,6 +263,7 @@ def run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: bool
         "tokens_by_md": tokens_by["main"],
         "outputs": {rid: [o[i] for i in sorted(o)] for rid, o in outputs.items()},
         "error_samples": errors[:5],
+        "md_hit_tokens": md_hits,
     }
     for q, name in ((0.5, "ttft_p50_s"), (0.9, "ttft_p90_s"), (0.99, "ttft_p99_s")):
         result[name] = float(np.quantile(ttft, q)) if ttft else float("nan")

@@ -29,8 +29,8 @@ class WorkloadConfig:
     max_context_tokens: int = 2560
     new_session_share: float = 0.04
     branch_share: float = 0.18
-    branch_keep: tuple[float, float] = (0.45, 0.8)
-    branch_new_tokens: tuple[int, int] = (128, 512)
+    branch_keep: tuple[float, float] = (0.5, 0.85)
+    branch_new_tokens: tuple[int, int] = (96, 320)
     anomaly_share: float = 0.03
     anomaly_input_tokens: tuple[int, int] = (2048, 2560)
     anomaly_output_tokens: tuple[int, int] = (2, 4)
