@@ -25,7 +25,7 @@ class WorkloadConfig:
     system_prompt_tokens: int = 512
     first_turn_tokens: tuple[int, int] = (640, 1280)
     turn_growth_tokens: tuple[int, int] = (16, 48)
-    output_tokens: tuple[int, int] = (16, 48)
+    output_tokens: tuple[int, int] = (16, 160)
     max_context_tokens: int = 2560
     new_session_share: float = 0.04
     branch_share: float = 0.18

@@ -1,0 +1,32 @@
+"""``pdd-transport demo`` end to end on a tiny workload: three processes, the WAN
+emulator, both runs complete, and every request's greedy output equals one
+monolithic engine's. (Latency figures are reported, not asserted: see the README.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_demo_runs_end_to_end(tmp_path: Path) -> None:
+    exe = shutil.which("pdd-transport")
+    cmd = [exe] if exe else [sys.executable, "-m", "pdd_transport.cli"]
+    plot = tmp_path / "ttft.png"
+    out = subprocess.run(
+        [*cmd, "demo", "--requests", "12", "--json", "--plot", str(plot)],
+        capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    summary = json.loads(out.stdout)
+    assert summary["greedy_equal"] is True
+    for mode in ("baseline", "pdd"):
+        run = summary[mode]
+        assert (run["completed"], run["errors"]) == (12, 0), run["error_samples"]
+        assert 0 < run["wan_bytes"] <= summary["full_kv_bytes"]
+        assert 0 < run["ttft_p50_s"] <= run["ttft_p90_s"] <= run["ttft_p99_s"]
+    assert summary["baseline"]["tokens_by_rld"] == 0
+    assert set(summary["pdd"]["pipelines"]) <= {"p_md", "p_rld_md", "p_rld"}
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
