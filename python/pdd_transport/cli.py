@@ -1,7 +1,7 @@
 """The ``pdd-transport`` command.
 
-Subcommands: ``bench handoff`` and ``wanem`` today; ``demo`` and more benchmarks arrive
-with the features they exercise.
+Subcommands: ``bench handoff``, ``bench stream`` and ``wanem`` today; ``demo`` and more
+benchmarks arrive with the features they exercise.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdd_transport import __version__, wire
+from pdd_transport.bench.stream import DEFAULT_LANES
 from pdd_transport.errors import PddError
 from pdd_transport.model_shapes import DEFAULT_SHAPE, PRESETS, ModelShape
 from pdd_transport.wanem import Wanem
@@ -39,6 +40,34 @@ def _bench_handoff(args: argparse.Namespace) -> dict[str, Any]:
         "kv_to_frame_ratio": round(kv_bytes / len(frame), 1),
         "model_shape": shape.describe(),
     }
+
+
+def _bench_stream(args: argparse.Namespace) -> dict[str, Any]:
+    from pdd_transport.bench import stream
+
+    cfg = stream.StreamConfig(
+        bytes=stream.parse_size(args.bytes),
+        page_bytes=stream.parse_size(args.page_bytes),
+        lanes=args.lanes,
+        layers=args.layers,
+        wan=None if args.wan is None else stream.parse_wan(args.wan),
+        repeat=args.repeat,
+        baselines=not args.no_baselines,
+        compare_page_bytes=[stream.parse_size(p) for p in args.compare_page_bytes.split(",") if p]
+        if args.compare_page_bytes
+        else [],
+        block_bytes=stream.parse_size(args.block_bytes),
+        congestion=args.congestion,
+        seed=args.seed,
+        timeout=args.timeout,
+    )
+
+    def progress(rep: int, one: dict[str, Any]) -> None:
+        if args.verbose:
+            figures = {k: round(v, 3) for k, v in one.items() if isinstance(v, float) and k.endswith("_per_s")}
+            print(f"repeat {rep + 1}/{cfg.repeat}: {figures}", file=sys.stderr, flush=True)
+
+    return stream.run(cfg, progress)
 
 
 def _wanem(args: argparse.Namespace) -> None:
@@ -113,6 +142,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     handoff.add_argument("--seed", type=int, default=0, help="seed for the token IDs")
     handoff.set_defaults(run=_bench_handoff)
+
+    stream = bench_sub.add_parser(
+        "stream",
+        help="KV streaming throughput between two processes, against iperf3/pyzmq/socket baselines",
+        description="Stream --bytes of KV pages from this process (sender) to a receiver child "
+        "process; pages land in a random permutation of the receiver's pool. Verifies every "
+        "page after timing, and measures the baselines (iperf3 -l 1M with --lanes streams, "
+        "pyzmq PUSH/PULL in 1 MiB messages, one plain socket) on the same path in each "
+        "repetition. Sizes take K/M/G suffixes (powers of 1024). See docs/benchmarks.md.",
+    )
+    stream.add_argument("--json", action="store_true", help="print one JSON object")
+    stream.add_argument(
+        "--lanes", type=int, default=DEFAULT_LANES, help="data lanes and iperf3 streams (default %(default)s)"
+    )
+    stream.add_argument("--bytes", default="1G", help="KV bytes per transfer (default %(default)s)")
+    stream.add_argument("--page-bytes", default="1M", help="page size (default %(default)s)")
+    stream.add_argument(
+        "--compare-page-bytes",
+        metavar="P[,P...]",
+        help="also stream the same bytes in these page sizes, paired in each repetition (e.g. 64K)",
+    )
+    stream.add_argument("--layers", type=int, default=1, help="KV layers the bytes split into (default 1)")
+    stream.add_argument(
+        "--wan", metavar="RTT_MS:RATE_GBIT", help="route every path through wanem, e.g. 30:1 (30 ms RTT, 1 Gbit/s)"
+    )
+    stream.add_argument("--repeat", type=int, default=3, help="repetitions; medians are reported (default 3)")
+    stream.add_argument("--no-baselines", action="store_true", help="measure only pdd_transport")
+    stream.add_argument("--block-bytes", default="1M", help="largest KV_PAGES block (default %(default)s)")
+    stream.add_argument("--congestion", help="TCP congestion control of the lanes (e.g. bbr, cubic)")
+    stream.add_argument("--seed", type=int, default=0, help="seed of the data and the permutations")
+    stream.add_argument("--timeout", type=float, help="bound per transfer in seconds (default from --bytes)")
+    stream.add_argument("-v", "--verbose", action="store_true", help="print each repetition to stderr")
+    stream.set_defaults(run=_bench_stream)
 
     wanem = sub.add_parser(
         "wanem",
