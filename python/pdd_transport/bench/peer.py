@@ -24,6 +24,7 @@ Requests (``cmd``):
 
 from __future__ import annotations
 
+import importlib
 import json
 import socket
 import sys
@@ -104,7 +105,7 @@ class _Receiver:
         got = 0
         with conn:
             conn.settimeout(timeout)
-            view = memoryview(self.sock_buf)
+            view = self.sock_buf.data
             while got < self.sock_bytes:
                 n = conn.recv_into(view[got:], min(self.sock_bytes - got, 1 << 20))
                 if n == 0:
@@ -117,8 +118,7 @@ class _Receiver:
     # -- pyzmq baseline ------------------------------------------------------------
 
     def zmq_listen(self) -> dict[str, Any]:
-        import zmq
-
+        zmq = importlib.import_module("zmq")
         if self.zmq_ctx is None:
             self.zmq_ctx = zmq.Context()
         if self.zmq_pull is not None:
@@ -128,8 +128,7 @@ class _Receiver:
         return {"address": f"127.0.0.1:{port}"}
 
     def zmq_recv(self, messages: int, timeout: float = 60.0) -> dict[str, Any]:
-        import zmq
-
+        zmq = importlib.import_module("zmq")
         pull = self.zmq_pull
         pull.setsockopt(zmq.RCVTIMEO, int(timeout * 1000))
         got = 0

@@ -26,6 +26,7 @@ Throughputs are payload bytes per second, in GB/s (10⁹ bytes).
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -152,7 +153,7 @@ def page_digests(layers: Sequence[np.ndarray[Any, Any]], page_bytes: int, order:
     """BLAKE2b-128 (hex) of pages ``order[0], order[1], ...`` of every layer, layer-major."""
     out: list[str] = []
     for arr in layers:
-        view = memoryview(arr)
+        view = arr.data
         for page in order:
             start = int(page) * page_bytes
             out.append(hashlib.blake2b(view[start : start + page_bytes], digest_size=16).hexdigest())
@@ -255,6 +256,25 @@ def _via_wan(address: str, wan: WanSpec | None) -> Iterator[str]:
         yield em.address_str
 
 
+@contextmanager
+def _perf_window() -> Iterator[None]:
+    """With ``PDD_BENCH_PERF_CTL=FIFO`` (perf record -D -1 --control fifo:FIFO), sample
+    only the timed part of each transfer: setup and verification stay out of the
+    profile. See docs/benchmarks.md."""
+    path = os.environ.get("PDD_BENCH_PERF_CTL")
+    if not path:
+        yield
+        return
+    with open(path, "w", encoding="ascii") as ctl:
+        ctl.write("enable\n")
+        ctl.flush()
+        try:
+            yield
+        finally:
+            ctl.write("disable\n")
+            ctl.flush()
+
+
 def _random_layers(layers: int, nbytes: int, seed: int) -> list[np.ndarray[Any, np.dtype[np.uint8]]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, size=nbytes, dtype=np.uint8) for _ in range(layers)]
@@ -295,33 +315,52 @@ class PddPath:
         peer.request("pdd_wait_peer", slot=slot, timeout=30.0)
         self._request_id = 0
 
-    def run_once(self, rep: int) -> dict[str, Any]:
-        cfg, timeout = self.cfg, self.cfg.transfer_timeout()
+    def prepare(self, rep: int) -> Any:
+        """The receiver zeroes its pool (so stale pages cannot pass) and grants a fresh
+        random permutation of it; returns our OutboundTransfer."""
+        timeout = self.cfg.transfer_timeout()
         self._request_id += 1
         rid = self._request_id
-        # The receiver zeroes its pool (so stale pages cannot pass) and grants a fresh
-        # random permutation of it.
-        self.peer.request("pdd_grant", slot=self.slot, request_id=rid, seed=cfg.seed * 1000 + rep, timeout=timeout)
-        out = self.tx.wait_grant(rid, timeout=30.0)
-        t0 = time.perf_counter()
-        for layer in range(cfg.layers):
-            out.send_layer(layer, self.src_pages, timeout=timeout)
-        out.finish()
-        landed = out.wait(timeout=timeout)
-        seconds = time.perf_counter() - t0
-        # After the clock: every page, checked in the receiver against ours.
-        r = self.peer.request("pdd_digests", slot=self.slot, timeout=timeout)
+        self.peer.request(
+            "pdd_grant", slot=self.slot, request_id=rid, seed=self.cfg.seed * 1000 + rep, timeout=timeout
+        )
+        return self.tx.wait_grant(rid, timeout=30.0)
+
+    def transfer(self, out: Any) -> dict[str, Any]:
+        """The timed part: queue every layer, finish, wait for the receiver's KV_DONE."""
+        cfg, timeout = self.cfg, self.cfg.transfer_timeout()
+        with _perf_window():
+            t0 = time.perf_counter()
+            for layer in range(cfg.layers):
+                out.send_layer(layer, self.src_pages, timeout=timeout)
+            out.finish()
+            landed: int = out.wait(timeout=timeout)
+            seconds = time.perf_counter() - t0
+        return {"seconds": seconds, "gbytes_per_s": landed / seconds / 1e9, "bytes": landed}
+
+    def verify(self, figures: dict[str, Any]) -> dict[str, Any]:
+        """After the clock: every granted page, hashed in the receiver, against ours."""
+        r = self.peer.request("pdd_digests", slot=self.slot, timeout=self.cfg.transfer_timeout())
         digests: list[str] = r["digests"]
         mismatched = sum(a != b for a, b in zip(digests, self.src_digests)) + abs(
             len(digests) - len(self.src_digests)
         )
-        return {
-            "seconds": seconds,
-            "gbytes_per_s": landed / seconds / 1e9,
-            "bytes": landed,
-            "verified": landed == cfg.bytes and mismatched == 0,
+        return figures | {
+            "verified": figures["bytes"] == self.cfg.bytes and mismatched == 0,
             "pages_mismatched": mismatched,
         }
+
+    def run_once(self, rep: int) -> dict[str, Any]:
+        return self.verify(self.transfer(self.prepare(rep)))
+
+
+def _zmq() -> Any:
+    """pyzmq, or None where it is not installed (it is the optional ``bench`` extra;
+    imported by name so that type checking does not need it)."""
+    try:
+        return importlib.import_module("zmq")
+    except ImportError:
+        return None
 
 
 def _free_port() -> int:
@@ -339,7 +378,7 @@ def socket_baseline(peer: Peer, src: np.ndarray[Any, Any], wan: WanSpec | None, 
     with _via_wan(r["address"], wan) as address:
         host, port = address.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=timeout) as s:
-            view = memoryview(src)
+            view = src.data
             peer.send("sock_recv", timeout=timeout)
             t0 = time.perf_counter()
             for off in range(0, nbytes, CHUNK):
@@ -354,9 +393,8 @@ def socket_baseline(peer: Peer, src: np.ndarray[Any, Any], wan: WanSpec | None, 
 def pyzmq_baseline(peer: Peer, src: np.ndarray[Any, Any], wan: WanSpec | None, timeout: float) -> float | None:
     """pyzmq PUSH -> PULL, the same bytes in 1 MiB messages (zero-copy sends). GB/s,
     or None without pyzmq."""
-    try:
-        import zmq
-    except ImportError:
+    zmq = _zmq()
+    if zmq is None:
         return None
     nbytes = src.nbytes
     r = peer.request("zmq_listen")
@@ -367,7 +405,7 @@ def pyzmq_baseline(peer: Peer, src: np.ndarray[Any, Any], wan: WanSpec | None, t
             push.setsockopt(zmq.LINGER, 0)
             push.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
             push.connect(f"tcp://{address}")
-            view = memoryview(src)
+            view = src.data
             messages = (nbytes + CHUNK - 1) // CHUNK
             peer.send("zmq_recv", messages=messages, timeout=timeout)
             t0 = time.perf_counter()
@@ -452,12 +490,7 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
     timeout = cfg.transfer_timeout()
     notes: list[str] = []
     have_iperf3 = shutil.which("iperf3") is not None
-    try:
-        import zmq  # noqa: F401
-
-        have_zmq = True
-    except ImportError:
-        have_zmq = False
+    have_zmq = _zmq() is not None
     if cfg.baselines and not have_iperf3:
         notes.append("iperf3 not installed (scripts/bench-deps.sh installs it): baseline_iperf3 is null")
     if cfg.baselines and not have_zmq:
