@@ -90,6 +90,7 @@ def test_wan_run_goes_through_wanem() -> None:
     "args, message",
     [
         (["--wan", "30"], "RTT_MS:RATE_GBIT"),
+        (["--wan", "30:1:tiny"], "not a size"),
         (["--wan", "30:0"], "RATE_GBIT > 0"),
         (["--bytes", "1000", "--page-bytes", "64K"], "whole number"),
         (["--bytes", "lots"], "not a size"),
@@ -113,6 +114,10 @@ def test_sizes_and_wan_specs() -> None:
             stream.parse_size(bad)
     assert stream.parse_wan("30:1") == stream.WanSpec(30.0, 1.0)
     assert stream.parse_wan("30:1").cap_gbytes_per_s == 0.125
+    assert stream.parse_wan("30:1:2M") == stream.WanSpec(30.0, 1.0, 2 << 20)
+    for bad in ("30", "30:1:2M:4", "x:1", "30:1:1K"):
+        with pytest.raises(InvalidArgument):
+            stream.parse_wan(bad)
 
 
 def test_digests_compare_pages_in_grant_order() -> None:

@@ -165,7 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stream.add_argument("--layers", type=int, default=1, help="KV layers the bytes split into (default 1)")
     stream.add_argument(
-        "--wan", metavar="RTT_MS:RATE_GBIT", help="route every path through wanem, e.g. 30:1 (30 ms RTT, 1 Gbit/s)"
+        "--wan",
+        metavar="RTT_MS:RATE_GBIT[:WINDOW]",
+        help="route every path through wanem, e.g. 30:1 (30 ms RTT, 1 Gbit/s); WINDOW (e.g. 2M) "
+        "emulates that TCP window per connection (wanem buffer WINDOW/2), see docs/benchmarks.md",
     )
     stream.add_argument("--repeat", type=int, default=3, help="repetitions; medians are reported (default 3)")
     stream.add_argument("--no-baselines", action="store_true", help="measure only pdd_transport")

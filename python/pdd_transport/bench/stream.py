@@ -83,10 +83,20 @@ def parse_size(text: str) -> int:
 
 @dataclass(frozen=True)
 class WanSpec:
-    """An emulated line: round-trip delay and a bandwidth cap per direction."""
+    """An emulated line: round-trip delay and a bandwidth cap per direction, and
+    optionally a per-connection TCP window to emulate.
+
+    wanem is a stream proxy: each side's TCP runs over loopback, so a connection's own
+    window never limits it unless the proxy's per-connection buffer does. With
+    ``window_bytes`` W, that buffer is W/2 (only the forward half of the RTT holds data
+    in the proxy; see docs/wanem.md), so one connection gets at most about W / RTT, as
+    a window-limited flow on a real line would. Without it wanem sizes the buffer to
+    the line (2 x rate x delay + 1 MiB): the cap, not the window, is the limit.
+    """
 
     rtt_ms: float
     rate_gbit: float
+    window_bytes: int | None = None
 
     @property
     def cap_gbytes_per_s(self) -> float:
@@ -94,15 +104,23 @@ class WanSpec:
 
 
 def parse_wan(text: str) -> WanSpec:
-    """``"30:1"`` -> 30 ms RTT, 1 Gbit/s cap."""
+    """``"30:1"`` -> 30 ms RTT, 1 Gbit/s cap; ``"30:1:2M"`` also emulates a 2 MiB
+    window per connection."""
     parts = text.split(":")
+    if len(parts) not in (2, 3):
+        raise InvalidArgument(
+            f"--wan takes RTT_MS:RATE_GBIT[:WINDOW] (e.g. 30:1 or 30:1:2M), got {text!r}", "invalid_argument"
+        )
     try:
-        rtt, rate = (float(p) for p in parts)
+        rtt, rate = float(parts[0]), float(parts[1])
     except ValueError:
-        raise InvalidArgument(f"--wan takes RTT_MS:RATE_GBIT (e.g. 30:1), got {text!r}", "invalid_argument") from None
+        raise InvalidArgument(f"--wan takes RTT_MS:RATE_GBIT[:WINDOW] (e.g. 30:1), got {text!r}", "invalid_argument") from None
     if not (rtt >= 0 and rate > 0):
         raise InvalidArgument(f"--wan needs RTT_MS >= 0 and RATE_GBIT > 0, got {text!r}", "invalid_argument")
-    return WanSpec(rtt, rate)
+    window = parse_size(parts[2]) if len(parts) == 3 else None
+    if window is not None and window < 8192:
+        raise InvalidArgument(f"--wan window must be >= 8K, got {parts[2]!r}", "invalid_argument")
+    return WanSpec(rtt, rate, window)
 
 
 @dataclass
@@ -252,7 +270,8 @@ def _via_wan(address: str, wan: WanSpec | None) -> Iterator[str]:
         return
     from pdd_transport.wanem import Wanem
 
-    with Wanem(address, rtt_ms=wan.rtt_ms, rate_gbit=wan.rate_gbit) as em:
+    in_flight = None if wan.window_bytes is None else wan.window_bytes // 2
+    with Wanem(address, rtt_ms=wan.rtt_ms, rate_gbit=wan.rate_gbit, max_in_flight=in_flight) as em:
         yield em.address_str
 
 
@@ -543,6 +562,8 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
     if cfg.wan is not None:
         cap = cfg.wan.cap_gbytes_per_s
         result["wan"] = {"rtt_ms": cfg.wan.rtt_ms, "rate_gbit": cfg.wan.rate_gbit, "cap_gbytes_per_s": cap}
+        if cfg.wan.window_bytes is not None:
+            result["wan"]["window_bytes"] = cfg.wan.window_bytes
         result["ratio_vs_cap"] = _round(_ratio(gbps, cap), 3)
         result["socket_ratio_vs_cap"] = _round(_ratio(med("socket_gbytes_per_s"), cap), 3)
     if others:
