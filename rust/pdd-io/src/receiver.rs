@@ -851,7 +851,7 @@ async fn read_block(
                 });
             }
             for p in &pages {
-                crc = crc32c::crc32c_append(crc, p);
+                crc = lane::crc32c_append(crc, p);
             }
             drop(pages);
             if crc != header.crc {
