@@ -25,10 +25,12 @@ Throughputs are payload bytes per second, in GB/s (10⁹ bytes).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
 import os
+import random
 import re
 import select
 import shutil
@@ -37,7 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -503,6 +505,10 @@ def _round(v: float | None, digits: int = 4) -> float | None:
     return None if v is None else round(v, digits)
 
 
+def _compare_step(into: dict[str, Any], path: PddPath, rep: int) -> None:
+    into.update(page_bytes=path.page_bytes, **path.run_once(rep))
+
+
 def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
     """Run the benchmark; the result is what ``bench stream --json`` prints."""
     cfg.check()
@@ -520,14 +526,24 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
         stack.callback(peer.close)
         main = PddPath(peer, cfg, cfg.page_bytes, 0, stack)
         others = [PddPath(peer, cfg, p, i + 1, stack) for i, p in enumerate(cfg.compare_page_bytes)]
+        flat = main.src[0] if cfg.layers == 1 else np.concatenate(main.src)
+        # Each repetition measures every path once, in a shuffled order, so that a
+        # neighbour's build starting mid-repetition does not always land on the same one.
+        order_rng = random.Random(cfg.seed)
         for rep in range(cfg.repeat):
-            one: dict[str, Any] = main.run_once(rep)
-            one["compare"] = [{"page_bytes": o.page_bytes, **o.run_once(rep)} for o in others]
+            one: dict[str, Any] = {"compare": [{} for _ in others]}
+            steps: list[Callable[[], None]] = [lambda: one.update(main.run_once(rep))]
+            for i, o in enumerate(others):
+                steps.append(functools.partial(_compare_step, one["compare"][i], o, rep))
             if cfg.baselines:
-                flat = main.src[0] if cfg.layers == 1 else np.concatenate(main.src)
-                one["iperf3_gbytes_per_s"] = iperf3_baseline(cfg.bytes, cfg.lanes, cfg.wan, timeout)
-                one["pyzmq_gbytes_per_s"] = pyzmq_baseline(peer, flat, cfg.wan, timeout)
-                one["socket_gbytes_per_s"] = socket_baseline(peer, flat, cfg.wan, timeout)
+                steps += [
+                    lambda: one.update(iperf3_gbytes_per_s=iperf3_baseline(cfg.bytes, cfg.lanes, cfg.wan, timeout)),
+                    lambda: one.update(pyzmq_gbytes_per_s=pyzmq_baseline(peer, flat, cfg.wan, timeout)),
+                    lambda: one.update(socket_gbytes_per_s=socket_baseline(peer, flat, cfg.wan, timeout)),
+                ]
+            order_rng.shuffle(steps)
+            for step in steps:
+                step()
             runs.append(one)
             if progress is not None:
                 progress(rep, one)
