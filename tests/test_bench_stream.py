@@ -47,6 +47,10 @@ def test_small_loopback_run_is_verified_with_baselines() -> None:
     # The plain-socket baseline needs nothing installed; the others are null with a note.
     assert isinstance(result["baseline_socket_gbytes_per_s"], float)
     assert isinstance(result["ratio_vs_socket"], float)
+    # CPU seconds per GB of both processes: some, and not absurd (a GB needs at least
+    # two copies; 60 s of CPU per GB would mean the accounting is broken).
+    for key in ("cpu_s_per_gbyte", "baseline_socket_cpu_s_per_gbyte"):
+        assert isinstance(result[key], float) and 0 < result[key] < 60, (key, result[key])
     notes = result["notes"]
     assert isinstance(notes, list)
     for tool, key in (("iperf3", "baseline_iperf3_gbytes_per_s"), ("pyzmq", "baseline_pyzmq_gbytes_per_s")):

@@ -8,7 +8,7 @@ requests and replies are plain JSON.
 
 Requests (``cmd``):
 
-- ``ping``
+- ``ping``; ``cpu``: this process's CPU seconds so far (every thread) -> ``cpu``
 - ``pdd_open`` (slot, layers, pages, page_bytes, congestion): a KvReceiver over a
   fresh pool, on 127.0.0.1, port 0 -> ``address``
 - ``pdd_wait_peer`` (slot) -> ``peer``
@@ -17,8 +17,8 @@ Requests (``cmd``):
 - ``pdd_digests`` (slot): wait for the transfer, then the digest of every granted
   page in grant order -> ``bytes``, ``digests``
 - ``sock_listen`` (bytes) -> ``address``; ``sock_recv``: accept one connection and
-  ``recv_into`` a buffer until ``bytes`` arrived -> ``bytes``
-- ``zmq_listen`` -> ``address``; ``zmq_recv`` (messages): PULL that many -> ``bytes``
+  ``recv_into`` a buffer until ``bytes`` arrived -> ``bytes``, ``cpu``
+- ``zmq_listen`` -> ``address``; ``zmq_recv`` (messages): PULL that many -> ``bytes``, ``cpu``
 - ``exit``
 """
 
@@ -28,6 +28,7 @@ import importlib
 import json
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +114,7 @@ class _Receiver:
                 got += n
         self.sock_listener.close()
         self.sock_listener = None
-        return {"bytes": got}
+        return {"bytes": got, "cpu": time.process_time()}
 
     # -- pyzmq baseline ------------------------------------------------------------
 
@@ -137,7 +138,7 @@ class _Receiver:
             got += len(frame.buffer)
         pull.close(linger=0)
         self.zmq_pull = None
-        return {"bytes": got}
+        return {"bytes": got, "cpu": time.process_time()}
 
     def close(self) -> None:
         for s in self.slots.values():
@@ -162,6 +163,9 @@ def main() -> int:
             try:
                 if cmd == "ping":
                     reply: dict[str, Any] = {"pong": True}
+                elif cmd == "cpu":
+                    # CPU seconds of this process, every thread (the tokio workers too).
+                    reply = {"cpu": time.process_time()}
                 elif cmd.startswith("_") or not hasattr(receiver, cmd) or cmd == "close":
                     reply = {"error": f"unknown command {cmd!r}"}
                 else:

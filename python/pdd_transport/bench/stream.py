@@ -350,14 +350,17 @@ class PddPath:
     def transfer(self, out: Any) -> dict[str, Any]:
         """The timed part: queue every layer, finish, wait for the receiver's KV_DONE."""
         cfg, timeout = self.cfg, self.cfg.transfer_timeout()
+        child_cpu0 = self.peer.request("cpu")["cpu"]
         with _perf_window():
-            t0 = time.perf_counter()
+            cpu0, t0 = time.process_time(), time.perf_counter()
             for layer in range(cfg.layers):
                 out.send_layer(layer, self.src_pages, timeout=timeout)
             out.finish()
             landed: int = out.wait(timeout=timeout)
-            seconds = time.perf_counter() - t0
-        return {"seconds": seconds, "gbytes_per_s": landed / seconds / 1e9, "bytes": landed}
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        cpu += self.peer.request("cpu")["cpu"] - child_cpu0
+        gbps, cpu_per_gb = _figure(landed, seconds, cpu)
+        return {"seconds": seconds, "gbytes_per_s": gbps, "bytes": landed, "cpu_s_per_gbyte": cpu_per_gb}
 
     def verify(self, figures: dict[str, Any]) -> dict[str, Any]:
         """After the clock: every granted page, hashed in the receiver, against ours."""
@@ -391,29 +394,39 @@ def _free_port() -> int:
         return port
 
 
-def socket_baseline(peer: Peer, src: np.ndarray[Any, Any], wan: WanSpec | None, timeout: float) -> float:
+Figure = tuple[float, float]
+"""A path's (GB/s, CPU seconds per GB): the CPU time both processes used during the
+transfer (user + system, every thread), divided by the gigabytes moved."""
+
+
+def _figure(nbytes: int, seconds: float, cpu_seconds: float) -> Figure:
+    return nbytes / seconds / 1e9, cpu_seconds / (nbytes / 1e9)
+
+
+def socket_baseline(peer: Peer, src: np.ndarray[Any, Any], wan: WanSpec | None, timeout: float) -> Figure:
     """One plain, untuned TCP stream: ``sendall`` of 1 MiB slices, ``recv_into`` the
-    receiver's memory. GB/s."""
+    receiver's memory."""
     nbytes = src.nbytes
     r = peer.request("sock_listen", bytes=nbytes)
     with _via_wan(r["address"], wan) as address:
         host, port = address.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=timeout) as s:
             view = src.data
+            child_cpu0 = peer.request("cpu")["cpu"]
             peer.send("sock_recv", timeout=timeout)
-            t0 = time.perf_counter()
+            cpu0, t0 = time.process_time(), time.perf_counter()
             for off in range(0, nbytes, CHUNK):
                 s.sendall(view[off : off + CHUNK])
             done = peer.reply(timeout)
-            seconds = time.perf_counter() - t0
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     if done["bytes"] != nbytes:
         raise PeerError(f"socket baseline: {done['bytes']} of {nbytes} bytes arrived", "connection_lost")
-    return nbytes / seconds / 1e9
+    return _figure(nbytes, seconds, cpu + done["cpu"] - child_cpu0)
 
 
-def pyzmq_baseline(peer: Peer, src: np.ndarray[Any, Any], wan: WanSpec | None, timeout: float) -> float | None:
-    """pyzmq PUSH -> PULL, the same bytes in 1 MiB messages (zero-copy sends). GB/s,
-    or None without pyzmq."""
+def pyzmq_baseline(peer: Peer, src: np.ndarray[Any, Any], wan: WanSpec | None, timeout: float) -> Figure | None:
+    """pyzmq PUSH -> PULL, the same bytes in 1 MiB messages (zero-copy sends), or None
+    without pyzmq."""
     zmq = _zmq()
     if zmq is None:
         return None
@@ -428,21 +441,22 @@ def pyzmq_baseline(peer: Peer, src: np.ndarray[Any, Any], wan: WanSpec | None, t
             push.connect(f"tcp://{address}")
             view = src.data
             messages = (nbytes + CHUNK - 1) // CHUNK
+            child_cpu0 = peer.request("cpu")["cpu"]
             peer.send("zmq_recv", messages=messages, timeout=timeout)
-            t0 = time.perf_counter()
+            cpu0, t0 = time.process_time(), time.perf_counter()
             for off in range(0, nbytes, CHUNK):
                 push.send(view[off : off + CHUNK], copy=False)
             done = peer.reply(timeout)
-            seconds = time.perf_counter() - t0
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             push.close()
         finally:
             ctx.term()
     if done["bytes"] != nbytes:
         raise PeerError(f"pyzmq baseline: {done['bytes']} of {nbytes} bytes arrived", "connection_lost")
-    return nbytes / seconds / 1e9
+    return _figure(nbytes, seconds, cpu + done["cpu"] - child_cpu0)
 
 
-def iperf3_baseline(nbytes: int, streams: int, wan: WanSpec | None, timeout: float) -> float | None:
+def iperf3_baseline(nbytes: int, streams: int, wan: WanSpec | None, timeout: float) -> Figure | None:
     """``iperf3 -l 1M -P streams -n nbytes`` between two iperf3 processes; GB/s as the
     server counted it, or None without iperf3."""
     exe = shutil.which("iperf3")
@@ -478,8 +492,12 @@ def iperf3_baseline(nbytes: int, streams: int, wan: WanSpec | None, timeout: flo
         report = json.loads(client.stdout)
         if "error" in report:
             raise PeerError(f"iperf3: {report['error']}", "connection_lost")
-        received = report["end"]["sum_received"]
-        return float(received["bytes"]) / float(received["seconds"]) / 1e9
+        end = report["end"]
+        received = end["sum_received"]
+        # iperf3 reports each side's CPU use over the test as a percentage of one CPU.
+        util = end.get("cpu_utilization_percent", {})
+        cpu = (float(util.get("host_total", 0)) + float(util.get("remote_total", 0))) / 100
+        return _figure(int(received["bytes"]), float(received["seconds"]), cpu * float(end["sum_sent"]["seconds"]))
     finally:
         if server.poll() is None:
             server.kill()
@@ -503,6 +521,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def _round(v: float | None, digits: int = 4) -> float | None:
     return None if v is None else round(v, digits)
+
+
+def _baseline_step(into: dict[str, Any], name: str, figure: Figure | None) -> None:
+    into[f"{name}_gbytes_per_s"] = None if figure is None else figure[0]
+    into[f"{name}_cpu_s_per_gbyte"] = None if figure is None else figure[1]
 
 
 def _compare_step(into: dict[str, Any], path: PddPath, rep: int) -> None:
@@ -537,9 +560,9 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
                 steps.append(functools.partial(_compare_step, one["compare"][i], o, rep))
             if cfg.baselines:
                 steps += [
-                    lambda: one.update(iperf3_gbytes_per_s=iperf3_baseline(cfg.bytes, cfg.lanes, cfg.wan, timeout)),
-                    lambda: one.update(pyzmq_gbytes_per_s=pyzmq_baseline(peer, flat, cfg.wan, timeout)),
-                    lambda: one.update(socket_gbytes_per_s=socket_baseline(peer, flat, cfg.wan, timeout)),
+                    lambda: _baseline_step(one, "iperf3", iperf3_baseline(cfg.bytes, cfg.lanes, cfg.wan, timeout)),
+                    lambda: _baseline_step(one, "pyzmq", pyzmq_baseline(peer, flat, cfg.wan, timeout)),
+                    lambda: _baseline_step(one, "socket", socket_baseline(peer, flat, cfg.wan, timeout)),
                 ]
             order_rng.shuffle(steps)
             for step in steps:
@@ -574,6 +597,12 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
         "ratio_vs_iperf3": _round(paired("iperf3_gbytes_per_s"), 3),
         "ratio_vs_pyzmq": _round(paired("pyzmq_gbytes_per_s"), 3),
         "ratio_vs_socket": _round(paired("socket_gbytes_per_s"), 3),
+        # CPU seconds (both processes, every thread) per GB moved: what each path costs,
+        # which the shared cores' scheduling noise disturbs far less than GB/s.
+        "cpu_s_per_gbyte": _round(med("cpu_s_per_gbyte")),
+        "baseline_iperf3_cpu_s_per_gbyte": _round(med("iperf3_cpu_s_per_gbyte")),
+        "baseline_pyzmq_cpu_s_per_gbyte": _round(med("pyzmq_cpu_s_per_gbyte")),
+        "baseline_socket_cpu_s_per_gbyte": _round(med("socket_cpu_s_per_gbyte")),
     }
     if cfg.wan is not None:
         cap = cfg.wan.cap_gbytes_per_s
