@@ -203,7 +203,11 @@ class Peer:
         )
         self._buf = b""
         self._timeout = timeout
-        self.request("ping", timeout=30.0)
+        try:
+            self.request("ping", timeout=30.0)
+        except BaseException:
+            self.close()
+            raise
 
     def send(self, cmd: str, **args: Any) -> None:
         """Send a request without waiting for its reply (read it with :meth:`reply`)."""
@@ -448,9 +452,9 @@ def pyzmq_baseline(peer: Peer, src: np.ndarray[Any, Any], wan: WanSpec | None, t
                 push.send(view[off : off + CHUNK], copy=False)
             done = peer.reply(timeout)
             seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-            push.close()
         finally:
-            ctx.term()
+            # Closes the PUSH socket too (term() alone would wait for it forever).
+            ctx.destroy(linger=0)
     if done["bytes"] != nbytes:
         raise PeerError(f"pyzmq baseline: {done['bytes']} of {nbytes} bytes arrived", "connection_lost")
     return _figure(nbytes, seconds, cpu + done["cpu"] - child_cpu0)
