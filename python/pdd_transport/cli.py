@@ -57,6 +57,7 @@ def _bench_stream(args: argparse.Namespace) -> dict[str, Any]:
         if args.compare_page_bytes
         else [],
         block_bytes=stream.parse_size(args.block_bytes),
+        socket_buffer=0 if args.socket_buffer in ("0", "auto") else stream.parse_size(args.socket_buffer),
         congestion=args.congestion,
         seed=args.seed,
         timeout=args.timeout,
@@ -173,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     stream.add_argument("--repeat", type=int, default=3, help="repetitions; medians are reported (default 3)")
     stream.add_argument("--no-baselines", action="store_true", help="measure only pdd_transport")
     stream.add_argument("--block-bytes", default="1M", help="largest KV_PAGES block (default %(default)s)")
+    stream.add_argument(
+        "--socket-buffer",
+        default="8M",
+        help="SO_SNDBUF/SO_RCVBUF the lanes ask for; 0 or auto: kernel autotuning (default %(default)s)",
+    )
     stream.add_argument("--congestion", help="TCP congestion control of the lanes (e.g. bbr, cubic)")
     stream.add_argument("--seed", type=int, default=0, help="seed of the data and the permutations")
     stream.add_argument("--timeout", type=float, help="bound per transfer in seconds (default from --bytes)")

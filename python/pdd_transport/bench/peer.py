@@ -9,7 +9,7 @@ requests and replies are plain JSON.
 Requests (``cmd``):
 
 - ``ping``; ``cpu``: this process's CPU seconds so far (every thread) -> ``cpu``
-- ``pdd_open`` (slot, layers, pages, page_bytes, congestion): a KvReceiver over a
+- ``pdd_open`` (slot, layers, pages, page_bytes, socket_buffer, congestion): a KvReceiver over a
   fresh pool, on 127.0.0.1, port 0 -> ``address``
 - ``pdd_wait_peer`` (slot) -> ``peer``
 - ``pdd_grant`` (slot, request_id, seed): zero the pool, grant a random permutation
@@ -60,11 +60,17 @@ class _Receiver:
     # -- our transport -------------------------------------------------------------
 
     def pdd_open(
-        self, slot: int, layers: int, pages: int, page_bytes: int, congestion: str | None = None
+        self,
+        slot: int,
+        layers: int,
+        pages: int,
+        page_bytes: int,
+        socket_buffer: int = 8 << 20,
+        congestion: str | None = None,
     ) -> dict[str, Any]:
         arrays = [np.zeros(pages * page_bytes, dtype=np.uint8) for _ in range(layers)]
         pool = kv.pool_from_buffers(arrays, page_bytes)
-        rx = kv.KvReceiver(pool, "127.0.0.1:0", congestion=congestion)
+        rx = kv.KvReceiver(pool, "127.0.0.1:0", socket_buffer=socket_buffer, congestion=congestion)
         self.slots[slot] = _Slot(arrays, page_bytes, pages, rx)
         host, port = rx.address
         return {"address": f"{host}:{port}"}

@@ -139,6 +139,7 @@ class StreamConfig:
     baselines: bool = True
     compare_page_bytes: list[int] = field(default_factory=list)
     block_bytes: int = MiB
+    socket_buffer: int = 8 * MiB
     congestion: str | None = None
     seed: int = 0
     timeout: float | None = None
@@ -326,6 +327,7 @@ class PddPath:
             layers=cfg.layers,
             pages=self.pages,
             page_bytes=page_bytes,
+            socket_buffer=cfg.socket_buffer,
             congestion=cfg.congestion,
         )
         address = stack.enter_context(_via_wan(r["address"], cfg.wan))
@@ -335,6 +337,7 @@ class PddPath:
             address,
             lanes=cfg.lanes,
             block_bytes=cfg.block_bytes,
+            socket_buffer=cfg.socket_buffer,
             congestion=cfg.congestion,
         )
         stack.callback(self.tx.close)
@@ -592,6 +595,7 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
         "layers": cfg.layers,
         "pages_per_layer": main.pages,
         "block_bytes": cfg.block_bytes,
+        "socket_buffer": cfg.socket_buffer,
         "shuffled": True,
         "verified": all(r["verified"] and all(c["verified"] for c in r["compare"]) for r in runs),
         "repeat": cfg.repeat,
