@@ -505,6 +505,10 @@ def iperf3_baseline(nbytes: int, streams: int, wan: WanSpec | None, timeout: flo
         # iperf3 reports each side's CPU use over the test as a percentage of one CPU.
         util = end.get("cpu_utilization_percent", {})
         cpu = (float(util.get("host_total", 0)) + float(util.get("remote_total", 0))) / 100
+        if int(received["bytes"]) <= 0 or float(received["seconds"]) <= 0:
+            # Seen through a delayed line with a transfer far shorter than iperf3's
+            # accounting: the server ends the test before counting anything.
+            return None
         return _figure(int(received["bytes"]), float(received["seconds"]), cpu * float(end["sum_sent"]["seconds"]))
     finally:
         if server.poll() is None:
@@ -640,5 +644,7 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
     ]
     if not cfg.baselines:
         notes.append("baselines skipped (--no-baselines)")
+    elif have_iperf3 and result["baseline_iperf3_gbytes_per_s"] is None:
+        notes.append("iperf3 counted no received bytes (transfer too short for its accounting): baseline_iperf3 is null")
     result["notes"] = notes
     return result
