@@ -1,7 +1,7 @@
 """The ``pdd-transport`` command.
 
-Subcommands: ``bench handoff`` and ``wanem`` today; ``demo`` and more benchmarks arrive
-with the features they exercise.
+Subcommands: ``bench handoff``, ``bench stream`` and ``wanem`` today; ``demo`` and more
+benchmarks arrive with the features they exercise.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pdd_transport import __version__, wire
+from pdd_transport.bench.stream import DEFAULT_LANES
 from pdd_transport.errors import InvalidArgument, PddError
 from pdd_transport.model_shapes import DEFAULT_SHAPE, PRESETS, ModelShape
 from pdd_transport.wanem import Wanem
@@ -443,6 +444,35 @@ def _bench_wan(
     }
 
 
+def _bench_stream(args: argparse.Namespace) -> dict[str, Any]:
+    from pdd_transport.bench import stream
+
+    cfg = stream.StreamConfig(
+        bytes=stream.parse_size(args.bytes),
+        page_bytes=stream.parse_size(args.page_bytes),
+        lanes=args.lanes,
+        layers=args.layers,
+        wan=None if args.wan is None else stream.parse_wan(args.wan),
+        repeat=args.repeat,
+        baselines=not args.no_baselines,
+        compare_page_bytes=[stream.parse_size(p) for p in args.compare_page_bytes.split(",") if p]
+        if args.compare_page_bytes
+        else [],
+        block_bytes=stream.parse_size(args.block_bytes),
+        socket_buffer=0 if args.socket_buffer in ("0", "auto") else stream.parse_size(args.socket_buffer),
+        congestion=args.congestion,
+        seed=args.seed,
+        timeout=args.timeout,
+    )
+
+    def progress(rep: int, one: dict[str, Any]) -> None:
+        if args.verbose:
+            figures = {k: round(v, 3) for k, v in one.items() if isinstance(v, float) and k.endswith("_per_s")}
+            print(f"repeat {rep + 1}/{cfg.repeat}: {figures}", file=sys.stderr, flush=True)
+
+    return stream.run(cfg, progress)
+
+
 def _wanem(args: argparse.Namespace) -> None:
     """Run the WAN emulator in the foreground until Ctrl-C, SIGTERM or ``--duration``."""
     wan = Wanem(
@@ -579,6 +609,47 @@ def build_parser() -> argparse.ArgumentParser:
     radix.add_argument("--leaves", type=int, default=20_000, help="leaves for the eviction test (default 20000)")
     radix.add_argument("--seed", type=int, default=0)
     radix.set_defaults(run=_bench_radix)
+
+    stream = bench_sub.add_parser(
+        "stream",
+        help="KV streaming throughput between two processes, against iperf3/pyzmq/socket baselines",
+        description="Stream --bytes of KV pages from this process (sender) to a receiver child "
+        "process; pages land in a random permutation of the receiver's pool. Verifies every "
+        "page after timing, and measures the baselines (iperf3 -l 1M with --lanes streams, "
+        "pyzmq PUSH/PULL in 1 MiB messages, one plain socket) on the same path in each "
+        "repetition. Sizes take K/M/G suffixes (powers of 1024). See docs/benchmarks.md.",
+    )
+    stream.add_argument("--json", action="store_true", help="print one JSON object")
+    stream.add_argument(
+        "--lanes", type=int, default=DEFAULT_LANES, help="data lanes and iperf3 streams (default %(default)s)"
+    )
+    stream.add_argument("--bytes", default="1G", help="KV bytes per transfer (default %(default)s)")
+    stream.add_argument("--page-bytes", default="1M", help="page size (default %(default)s)")
+    stream.add_argument(
+        "--compare-page-bytes",
+        metavar="P[,P...]",
+        help="also stream the same bytes in these page sizes, paired in each repetition (e.g. 64K)",
+    )
+    stream.add_argument("--layers", type=int, default=1, help="KV layers the bytes split into (default 1)")
+    stream.add_argument(
+        "--wan",
+        metavar="RTT_MS:RATE_GBIT[:WINDOW]",
+        help="route every path through wanem, e.g. 30:1 (30 ms RTT, 1 Gbit/s); WINDOW (e.g. 2M) "
+        "emulates that TCP window per connection (wanem buffer WINDOW/2), see docs/benchmarks.md",
+    )
+    stream.add_argument("--repeat", type=int, default=3, help="repetitions; medians are reported (default 3)")
+    stream.add_argument("--no-baselines", action="store_true", help="measure only pdd_transport")
+    stream.add_argument("--block-bytes", default="1M", help="largest KV_PAGES block (default %(default)s)")
+    stream.add_argument(
+        "--socket-buffer",
+        default="8M",
+        help="SO_SNDBUF/SO_RCVBUF the lanes ask for; 0 or auto: kernel autotuning (default %(default)s)",
+    )
+    stream.add_argument("--congestion", help="TCP congestion control of the lanes (e.g. bbr, cubic)")
+    stream.add_argument("--seed", type=int, default=0, help="seed of the data and the permutations")
+    stream.add_argument("--timeout", type=float, help="bound per transfer in seconds (default from --bytes)")
+    stream.add_argument("-v", "--verbose", action="store_true", help="print each repetition to stderr")
+    stream.set_defaults(run=_bench_stream)
 
     wanem = sub.add_parser(
         "wanem",

@@ -957,13 +957,21 @@ async fn read_block(
         detail: format!("data lane: {e}"),
     };
     let mut head = [0u8; HEADER_LEN + KV_PAGES_FIXED_LEN];
-    if stream.read(&mut head[..1]).await.map_err(lost)? == 0 {
+    // One read usually brings the frame header and the block's fixed fields together
+    // (a KV_PAGES frame is never shorter, so this never reads into the next frame);
+    // 0 bytes is a clean EOF between blocks. The header is checked as soon as it is
+    // complete, before waiting for more.
+    let mut got = stream.read(&mut head).await.map_err(lost)?;
+    if got == 0 {
         return Ok(false);
     }
-    stream
-        .read_exact(&mut head[1..HEADER_LEN])
-        .await
-        .map_err(lost)?;
+    if got < HEADER_LEN {
+        stream
+            .read_exact(&mut head[got..HEADER_LEN])
+            .await
+            .map_err(lost)?;
+        got = HEADER_LEN;
+    }
     let mut header_bytes = [0u8; HEADER_LEN];
     header_bytes.copy_from_slice(&head[..HEADER_LEN]);
     let header = FrameHeader::parse(&header_bytes, max_payload)?;
@@ -974,10 +982,7 @@ async fn read_block(
             detail: "only KV_PAGES travels on a data lane".into(),
         });
     }
-    stream
-        .read_exact(&mut head[HEADER_LEN..])
-        .await
-        .map_err(lost)?;
+    stream.read_exact(&mut head[got..]).await.map_err(lost)?;
     let mut fixed = [0u8; KV_PAGES_FIXED_LEN];
     fixed.copy_from_slice(&head[HEADER_LEN..]);
     let block = KvBlock::parse(&fixed, header.payload_len)?;
@@ -1015,7 +1020,7 @@ async fn read_block(
                 });
             }
             for p in &pages {
-                crc = crc32c::crc32c_append(crc, p);
+                crc = lane::crc32c_append(crc, p);
             }
             drop(pages);
             if crc != header.crc {

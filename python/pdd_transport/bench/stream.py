@@ -1,0 +1,650 @@
+"""``pdd-transport bench stream``: KV streaming throughput between two processes.
+
+This process is the sender (the prefill side). It starts the receiver (the decode
+side) as a child process, ``python -m pdd_transport.bench.peer``, and steers it with
+JSON lines over the child's stdin/stdout (one request, one reply; never pickle). Per
+repetition it:
+
+1. has the receiver grant a random permutation of its pool pages (pages land
+   shuffled), then times ``send_layer`` of every layer, ``finish`` and ``wait`` (the
+   receiver confirmed that every page landed and passed its CRC32C);
+2. after the clock stopped, compares a BLAKE2b digest of every granted page, computed
+   in the receiver, with the digest of the source page it came from (``verified``);
+3. measures the baselines on the same path, in the same repetition: ``iperf3 -l 1M``
+   with as many parallel streams as lanes, pyzmq PUSH/PULL in 1 MiB messages, and a
+   plain socket (``sendall`` / ``recv_into``, one stream, untuned), each between two
+   processes;
+
+and reports medians over the repetitions, the ratios of paired measurements (same
+repetition), and every repetition's figures. With ``--wan RTT_MS:RATE_GBIT`` every
+path (ours and each baseline's) goes through :class:`~pdd_transport.wanem.Wanem`,
+one emulator per path, run in this process.
+
+Throughputs are payload bytes per second, in GB/s (10⁹ bytes).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import json
+import os
+import random
+import re
+import select
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pdd_transport.errors import DeadlineExceeded, InvalidArgument, TransportError
+
+__all__ = [
+    "DEFAULT_LANES",
+    "StreamConfig",
+    "WanSpec",
+    "page_digests",
+    "parse_size",
+    "parse_wan",
+    "run",
+]
+
+MiB = 1 << 20
+
+DEFAULT_LANES = 4
+"""Data lanes when ``--lanes`` is not given (the same as ``KvSender``'s). Chosen by
+measurement, see ``docs/benchmarks.md``: on loopback (CPU-bound) 2, 4 and 8 lanes are
+within noise of each other; through 30 ms / 1 Gbit/s with a 2 MiB window per
+connection one lane gets 0.48 of the cap, two 0.94, four 0.97, eight no more."""
+
+CHUNK = MiB
+"""Message / write size of the baselines (iperf3 ``-l 1M``, pyzmq messages, sendall)."""
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``"1G"``, ``"64K"``, ``"1MiB"``, ``"4096"`` -> bytes (K, M, G, T are powers of 1024)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise InvalidArgument(f"not a size: {text!r} (e.g. 4096, 64K, 1M, 1G)", "invalid_argument")
+    number, unit = float(m.group(1)), m.group(2).lower()
+    value = number * (1 << (10 * " kmgt".index(unit))) if unit else number
+    if value != int(value) or value < 1:
+        raise InvalidArgument(f"size {text!r} is not a positive whole number of bytes", "invalid_argument")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class WanSpec:
+    """An emulated line: round-trip delay and a bandwidth cap per direction, and
+    optionally a per-connection TCP window to emulate.
+
+    wanem is a stream proxy: each side's TCP runs over loopback, so a connection's own
+    window never limits it unless the proxy's per-connection buffer does. With
+    ``window_bytes`` W, that buffer is W/2 (only the forward half of the RTT holds data
+    in the proxy; see docs/wanem.md), so one connection gets at most about W / RTT, as
+    a window-limited flow on a real line would. Without it wanem sizes the buffer to
+    the line (2 x rate x delay + 1 MiB): the cap, not the window, is the limit.
+    """
+
+    rtt_ms: float
+    rate_gbit: float
+    window_bytes: int | None = None
+
+    @property
+    def cap_gbytes_per_s(self) -> float:
+        return self.rate_gbit / 8
+
+
+def parse_wan(text: str) -> WanSpec:
+    """``"30:1"`` -> 30 ms RTT, 1 Gbit/s cap; ``"30:1:2M"`` also emulates a 2 MiB
+    window per connection."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3):
+        raise InvalidArgument(
+            f"--wan takes RTT_MS:RATE_GBIT[:WINDOW] (e.g. 30:1 or 30:1:2M), got {text!r}", "invalid_argument"
+        )
+    try:
+        rtt, rate = float(parts[0]), float(parts[1])
+    except ValueError:
+        raise InvalidArgument(f"--wan takes RTT_MS:RATE_GBIT[:WINDOW] (e.g. 30:1), got {text!r}", "invalid_argument") from None
+    if not (rtt >= 0 and rate > 0):
+        raise InvalidArgument(f"--wan needs RTT_MS >= 0 and RATE_GBIT > 0, got {text!r}", "invalid_argument")
+    window = parse_size(parts[2]) if len(parts) == 3 else None
+    if window is not None and window < 8192:
+        raise InvalidArgument(f"--wan window must be >= 8K, got {parts[2]!r}", "invalid_argument")
+    return WanSpec(rtt, rate, window)
+
+
+@dataclass
+class StreamConfig:
+    """What one ``bench stream`` run measures."""
+
+    bytes: int = 1 << 30
+    page_bytes: int = MiB
+    lanes: int = DEFAULT_LANES
+    layers: int = 1
+    wan: WanSpec | None = None
+    repeat: int = 3
+    baselines: bool = True
+    compare_page_bytes: list[int] = field(default_factory=list)
+    block_bytes: int = MiB
+    socket_buffer: int = 8 * MiB
+    congestion: str | None = None
+    seed: int = 0
+    timeout: float | None = None
+
+    def check(self) -> None:
+        def bad(msg: str) -> InvalidArgument:
+            return InvalidArgument(msg, "invalid_argument")
+
+        if self.lanes < 1 or self.lanes > 64:
+            raise bad(f"--lanes must be in 1..64, got {self.lanes}")
+        if self.repeat < 1 or self.repeat > 100:
+            raise bad(f"--repeat must be in 1..100, got {self.repeat}")
+        if self.layers < 1:
+            raise bad(f"--layers must be >= 1, got {self.layers}")
+        for p in (self.page_bytes, *self.compare_page_bytes):
+            if self.bytes % (p * self.layers):
+                raise bad(f"--bytes {self.bytes} is not a whole number of {self.layers} layer(s) of {p}-byte pages")
+            if self.bytes // (p * self.layers) > 1 << 24:
+                raise bad(f"{self.bytes // (p * self.layers)} pages per layer is too many; use larger pages")
+
+    def transfer_timeout(self) -> float:
+        """Bound on any single transfer: generous (10 MB/s) unless given."""
+        if self.timeout is not None:
+            return self.timeout
+        return 30.0 + self.bytes / 10e6
+
+
+# ---------------------------------------------------------------------------------
+# Digests: how both processes check that the receiver's pages equal the sender's.
+
+
+def page_digests(layers: Sequence[np.ndarray[Any, Any]], page_bytes: int, order: Sequence[int]) -> list[str]:
+    """BLAKE2b-128 (hex) of pages ``order[0], order[1], ...`` of every layer, layer-major."""
+    out: list[str] = []
+    for arr in layers:
+        view = arr.data
+        for page in order:
+            start = int(page) * page_bytes
+            out.append(hashlib.blake2b(view[start : start + page_bytes], digest_size=16).hexdigest())
+    return out
+
+
+# ---------------------------------------------------------------------------------
+# The receiving process.
+
+
+class PeerError(TransportError):
+    """The receiving process failed or broke the line protocol."""
+
+
+class Peer:
+    """The receiver child process: one JSON request line in, one JSON reply line out."""
+
+    def __init__(self, timeout: float) -> None:
+        env = dict(os.environ)
+        # The child must print nothing but replies on stdout.
+        env["PYTHONUNBUFFERED"] = "1"
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "pdd_transport.bench.peer"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        self._buf = b""
+        self._timeout = timeout
+        try:
+            self.request("ping", timeout=30.0)
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, cmd: str, **args: Any) -> None:
+        """Send a request without waiting for its reply (read it with :meth:`reply`)."""
+        assert self._proc.stdin is not None
+        line = json.dumps({"cmd": cmd, **args}).encode() + b"\n"
+        try:
+            self._proc.stdin.write(line)
+            self._proc.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            raise PeerError(f"receiver process gone ({exc})", "connection_lost") from None
+
+    def reply(self, timeout: float | None = None) -> dict[str, Any]:
+        """The next reply line, within ``timeout`` seconds."""
+        assert self._proc.stdout is not None
+        fd = self._proc.stdout.fileno()
+        deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded("no reply from the receiver process in time", "deadline_exceeded")
+            ready, _, _ = select.select([fd], [], [], min(left, 1.0))
+            if not ready:
+                continue
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                raise PeerError(f"receiver process exited (rc={self._proc.poll()})", "connection_lost")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        msg: dict[str, Any] = json.loads(line)
+        if "error" in msg:
+            raise PeerError(f"receiver process: {msg['error']}", "connection_lost")
+        return msg
+
+    def request(self, cmd: str, timeout: float | None = None, **args: Any) -> dict[str, Any]:
+        self.send(cmd, **args)
+        return self.reply(timeout)
+
+    def close(self) -> None:
+        """Ask the child to exit; kill it if it does not within 10 s."""
+        try:
+            if self._proc.poll() is None:
+                try:
+                    self.send("exit")
+                except PeerError:
+                    pass
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()
+            self._proc.wait(timeout=10)
+        except (subprocess.TimeoutExpired, OSError):
+            self._proc.kill()
+            self._proc.wait(timeout=10)
+        finally:
+            if self._proc.stdout is not None:
+                self._proc.stdout.close()
+
+
+# ---------------------------------------------------------------------------------
+# Paths: one way of moving the bytes from this process to the peer.
+
+
+@contextmanager
+def _via_wan(address: str, wan: WanSpec | None) -> Iterator[str]:
+    """``address`` itself, or the address of a wanem in front of it."""
+    if wan is None:
+        yield address
+        return
+    from pdd_transport.wanem import Wanem
+
+    in_flight = None if wan.window_bytes is None else wan.window_bytes // 2
+    with Wanem(address, rtt_ms=wan.rtt_ms, rate_gbit=wan.rate_gbit, max_in_flight=in_flight) as em:
+        yield em.address_str
+
+
+@contextmanager
+def _perf_window() -> Iterator[None]:
+    """With ``PDD_BENCH_PERF_CTL=FIFO`` (perf record -D -1 --control fifo:FIFO), sample
+    only the timed part of each transfer: setup and verification stay out of the
+    profile. See docs/benchmarks.md."""
+    path = os.environ.get("PDD_BENCH_PERF_CTL")
+    if not path:
+        yield
+        return
+    with open(path, "w", encoding="ascii") as ctl:
+        ctl.write("enable\n")
+        ctl.flush()
+        try:
+            yield
+        finally:
+            ctl.write("disable\n")
+            ctl.flush()
+
+
+def _random_layers(layers: int, nbytes: int, seed: int) -> list[np.ndarray[Any, np.dtype[np.uint8]]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=nbytes, dtype=np.uint8) for _ in range(layers)]
+
+
+class PddPath:
+    """Our transport: a KvSender here, a KvReceiver (slot ``slot``) in the peer."""
+
+    def __init__(self, peer: Peer, cfg: StreamConfig, page_bytes: int, slot: int, stack: ExitStack) -> None:
+        from pdd_transport import kv
+
+        self.peer, self.cfg, self.page_bytes, self.slot = peer, cfg, page_bytes, slot
+        per_layer = cfg.bytes // cfg.layers
+        self.pages = per_layer // page_bytes
+        self.src = _random_layers(cfg.layers, per_layer, cfg.seed + slot)
+        self.src_pages = np.arange(self.pages, dtype=np.uint32)
+        # Grant page i is filled from source page i; the receiver puts it wherever its
+        # grant says, so the digests to compare are simply those of the source order.
+        self.src_digests = page_digests(self.src, page_bytes, range(self.pages))
+        r = peer.request(
+            "pdd_open",
+            slot=slot,
+            layers=cfg.layers,
+            pages=self.pages,
+            page_bytes=page_bytes,
+            socket_buffer=cfg.socket_buffer,
+            congestion=cfg.congestion,
+        )
+        address = stack.enter_context(_via_wan(r["address"], cfg.wan))
+        self.pool = kv.pool_from_buffers(self.src, page_bytes)
+        self.tx = kv.KvSender(
+            self.pool,
+            address,
+            lanes=cfg.lanes,
+            block_bytes=cfg.block_bytes,
+            socket_buffer=cfg.socket_buffer,
+            congestion=cfg.congestion,
+        )
+        stack.callback(self.tx.close)
+        peer.request("pdd_wait_peer", slot=slot, timeout=30.0)
+        self._request_id = 0
+
+    def prepare(self, rep: int) -> Any:
+        """The receiver zeroes its pool (so stale pages cannot pass) and grants a fresh
+        random permutation of it; returns our OutboundTransfer."""
+        timeout = self.cfg.transfer_timeout()
+        self._request_id += 1
+        rid = self._request_id
+        self.peer.request(
+            "pdd_grant", slot=self.slot, request_id=rid, seed=self.cfg.seed * 1000 + rep, timeout=timeout
+        )
+        return self.tx.wait_grant(rid, timeout=30.0)
+
+    def transfer(self, out: Any) -> dict[str, Any]:
+        """The timed part: queue every layer, finish, wait for the receiver's KV_DONE."""
+        cfg, timeout = self.cfg, self.cfg.transfer_timeout()
+        child_cpu0 = self.peer.request("cpu")["cpu"]
+        with _perf_window():
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            for layer in range(cfg.layers):
+                out.send_layer(layer, self.src_pages, timeout=timeout)
+            out.finish()
+            landed: int = out.wait(timeout=timeout)
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        cpu += self.peer.request("cpu")["cpu"] - child_cpu0
+        gbps, cpu_per_gb = _figure(landed, seconds, cpu)
+        return {"seconds": seconds, "gbytes_per_s": gbps, "bytes": landed, "cpu_s_per_gbyte": cpu_per_gb}
+
+    def verify(self, figures: dict[str, Any]) -> dict[str, Any]:
+        """After the clock: every granted page, hashed in the receiver, against ours."""
+        r = self.peer.request("pdd_digests", slot=self.slot, timeout=self.cfg.transfer_timeout())
+        digests: list[str] = r["digests"]
+        mismatched = sum(a != b for a, b in zip(digests, self.src_digests)) + abs(
+            len(digests) - len(self.src_digests)
+        )
+        return figures | {
+            "verified": figures["bytes"] == self.cfg.bytes and mismatched == 0,
+            "pages_mismatched": mismatched,
+        }
+
+    def run_once(self, rep: int) -> dict[str, Any]:
+        return self.verify(self.transfer(self.prepare(rep)))
+
+
+def _zmq() -> Any:
+    """pyzmq, or None where it is not installed (it is the optional ``bench`` extra;
+    imported by name so that type checking does not need it)."""
+    try:
+        return importlib.import_module("zmq")
+    except ImportError:
+        return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+Figure = tuple[float, float]
+"""A path's (GB/s, CPU seconds per GB): the CPU time both processes used during the
+transfer (user + system, every thread), divided by the gigabytes moved."""
+
+
+def _figure(nbytes: int, seconds: float, cpu_seconds: float) -> Figure:
+    return nbytes / seconds / 1e9, cpu_seconds / (nbytes / 1e9)
+
+
+def socket_baseline(peer: Peer, src: np.ndarray[Any, Any], wan: WanSpec | None, timeout: float) -> Figure:
+    """One plain, untuned TCP stream: ``sendall`` of 1 MiB slices, ``recv_into`` the
+    receiver's memory."""
+    nbytes = src.nbytes
+    r = peer.request("sock_listen", bytes=nbytes)
+    with _via_wan(r["address"], wan) as address:
+        host, port = address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=timeout) as s:
+            view = src.data
+            child_cpu0 = peer.request("cpu")["cpu"]
+            peer.send("sock_recv", timeout=timeout)
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            for off in range(0, nbytes, CHUNK):
+                s.sendall(view[off : off + CHUNK])
+            done = peer.reply(timeout)
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    if done["bytes"] != nbytes:
+        raise PeerError(f"socket baseline: {done['bytes']} of {nbytes} bytes arrived", "connection_lost")
+    return _figure(nbytes, seconds, cpu + done["cpu"] - child_cpu0)
+
+
+def pyzmq_baseline(peer: Peer, src: np.ndarray[Any, Any], wan: WanSpec | None, timeout: float) -> Figure | None:
+    """pyzmq PUSH -> PULL, the same bytes in 1 MiB messages (zero-copy sends), or None
+    without pyzmq."""
+    zmq = _zmq()
+    if zmq is None:
+        return None
+    nbytes = src.nbytes
+    r = peer.request("zmq_listen")
+    with _via_wan(r["address"], wan) as address:
+        ctx = zmq.Context()
+        try:
+            push = ctx.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
+            push.connect(f"tcp://{address}")
+            view = src.data
+            messages = (nbytes + CHUNK - 1) // CHUNK
+            child_cpu0 = peer.request("cpu")["cpu"]
+            peer.send("zmq_recv", messages=messages, timeout=timeout)
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            for off in range(0, nbytes, CHUNK):
+                push.send(view[off : off + CHUNK], copy=False)
+            done = peer.reply(timeout)
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        finally:
+            # Closes the PUSH socket too (term() alone would wait for it forever).
+            ctx.destroy(linger=0)
+    if done["bytes"] != nbytes:
+        raise PeerError(f"pyzmq baseline: {done['bytes']} of {nbytes} bytes arrived", "connection_lost")
+    return _figure(nbytes, seconds, cpu + done["cpu"] - child_cpu0)
+
+
+def iperf3_baseline(nbytes: int, streams: int, wan: WanSpec | None, timeout: float) -> Figure | None:
+    """``iperf3 -l 1M -P streams -n nbytes`` between two iperf3 processes; GB/s as the
+    server counted it, or None without iperf3."""
+    exe = shutil.which("iperf3")
+    if exe is None:
+        return None
+    port = _free_port()
+    server = subprocess.Popen(
+        [exe, "-s", "-1", "-B", "127.0.0.1", "-p", str(port), "--forceflush"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert server.stdout is not None
+        # Wait (bounded) for "Server listening on PORT"; raw reads, as select() cannot
+        # see lines already pulled into a file object's buffer.
+        fd, seen, deadline = server.stdout.fileno(), b"", time.monotonic() + 10
+        while b"listening" not in seen:
+            left = deadline - time.monotonic()
+            ready = select.select([fd], [], [], max(0.0, min(left, 0.5)))[0] if left > 0 else []
+            chunk = os.read(fd, 4096) if ready else b""
+            if left <= 0 or (ready and not chunk):
+                raise PeerError(f"iperf3 server did not start: {seen.decode(errors='replace')!r}", "connection_lost")
+            seen += chunk
+        with _via_wan(f"127.0.0.1:{port}", wan) as address:
+            host, wport = address.rsplit(":", 1)
+            client = subprocess.run(
+                [exe, "-c", host, "-p", wport, "-l", "1M", "-P", str(streams), "-n", str(nbytes), "--json"],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+        report = json.loads(client.stdout)
+        if "error" in report:
+            raise PeerError(f"iperf3: {report['error']}", "connection_lost")
+        end = report["end"]
+        received = end["sum_received"]
+        # iperf3 reports each side's CPU use over the test as a percentage of one CPU.
+        util = end.get("cpu_utilization_percent", {})
+        cpu = (float(util.get("host_total", 0)) + float(util.get("remote_total", 0))) / 100
+        if int(received["bytes"]) <= 0 or float(received["seconds"]) <= 0:
+            # Seen through a delayed line with a transfer far shorter than iperf3's
+            # accounting: the server ends the test before counting anything.
+            return None
+        return _figure(int(received["bytes"]), float(received["seconds"]), cpu * float(end["sum_sent"]["seconds"]))
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.wait(timeout=10)
+        if server.stdout is not None:
+            server.stdout.close()
+
+
+# ---------------------------------------------------------------------------------
+# The run.
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b <= 0 else a / b
+
+
+def _round(v: float | None, digits: int = 4) -> float | None:
+    return None if v is None else round(v, digits)
+
+
+def _baseline_step(into: dict[str, Any], name: str, figure: Figure | None) -> None:
+    into[f"{name}_gbytes_per_s"] = None if figure is None else figure[0]
+    into[f"{name}_cpu_s_per_gbyte"] = None if figure is None else figure[1]
+
+
+def _compare_step(into: dict[str, Any], path: PddPath, rep: int) -> None:
+    into.update(page_bytes=path.page_bytes, **path.run_once(rep))
+
+
+def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
+    """Run the benchmark; the result is what ``bench stream --json`` prints."""
+    cfg.check()
+    timeout = cfg.transfer_timeout()
+    notes: list[str] = []
+    have_iperf3 = shutil.which("iperf3") is not None
+    have_zmq = _zmq() is not None
+    if cfg.baselines and not have_iperf3:
+        notes.append("iperf3 not installed (scripts/bench-deps.sh installs it): baseline_iperf3 is null")
+    if cfg.baselines and not have_zmq:
+        notes.append("pyzmq not installed (pip install 'pdd_transport[bench]'): baseline_pyzmq is null")
+    runs: list[dict[str, Any]] = []
+    with ExitStack() as stack:
+        peer = Peer(timeout)
+        stack.callback(peer.close)
+        main = PddPath(peer, cfg, cfg.page_bytes, 0, stack)
+        others = [PddPath(peer, cfg, p, i + 1, stack) for i, p in enumerate(cfg.compare_page_bytes)]
+        flat = main.src[0] if cfg.layers == 1 else np.concatenate(main.src)
+        # Each repetition measures every path once, in a shuffled order, so that a
+        # neighbour's build starting mid-repetition does not always land on the same one.
+        order_rng = random.Random(cfg.seed)
+        for rep in range(cfg.repeat):
+            one: dict[str, Any] = {"compare": [{} for _ in others]}
+            steps: list[Callable[[], None]] = [lambda: one.update(main.run_once(rep))]
+            for i, o in enumerate(others):
+                steps.append(functools.partial(_compare_step, one["compare"][i], o, rep))
+            if cfg.baselines:
+                steps += [
+                    lambda: _baseline_step(one, "iperf3", iperf3_baseline(cfg.bytes, cfg.lanes, cfg.wan, timeout)),
+                    lambda: _baseline_step(one, "pyzmq", pyzmq_baseline(peer, flat, cfg.wan, timeout)),
+                    lambda: _baseline_step(one, "socket", socket_baseline(peer, flat, cfg.wan, timeout)),
+                ]
+            order_rng.shuffle(steps)
+            for step in steps:
+                step()
+            runs.append(one)
+            if progress is not None:
+                progress(rep, one)
+
+    def med(key: str) -> float | None:
+        return _median([r.get(key) for r in runs])
+
+    def paired(key: str) -> float | None:
+        return _median([_ratio(r["gbytes_per_s"], r.get(key)) for r in runs])
+
+    gbps = med("gbytes_per_s")
+    result: dict[str, Any] = {
+        "bytes": cfg.bytes,
+        "seconds": _round(med("seconds"), 6),
+        "gbytes_per_s": _round(gbps),
+        "lanes": cfg.lanes,
+        "page_bytes": cfg.page_bytes,
+        "layers": cfg.layers,
+        "pages_per_layer": main.pages,
+        "block_bytes": cfg.block_bytes,
+        "socket_buffer": cfg.socket_buffer,
+        "shuffled": True,
+        "verified": all(r["verified"] and all(c["verified"] for c in r["compare"]) for r in runs),
+        "repeat": cfg.repeat,
+        "wan": None,
+        "baseline_iperf3_gbytes_per_s": _round(med("iperf3_gbytes_per_s")),
+        "baseline_pyzmq_gbytes_per_s": _round(med("pyzmq_gbytes_per_s")),
+        "baseline_socket_gbytes_per_s": _round(med("socket_gbytes_per_s")),
+        "ratio_vs_iperf3": _round(paired("iperf3_gbytes_per_s"), 3),
+        "ratio_vs_pyzmq": _round(paired("pyzmq_gbytes_per_s"), 3),
+        "ratio_vs_socket": _round(paired("socket_gbytes_per_s"), 3),
+        # CPU seconds (both processes, every thread) per GB moved: what each path costs,
+        # which the shared cores' scheduling noise disturbs far less than GB/s.
+        "cpu_s_per_gbyte": _round(med("cpu_s_per_gbyte")),
+        "baseline_iperf3_cpu_s_per_gbyte": _round(med("iperf3_cpu_s_per_gbyte")),
+        "baseline_pyzmq_cpu_s_per_gbyte": _round(med("pyzmq_cpu_s_per_gbyte")),
+        "baseline_socket_cpu_s_per_gbyte": _round(med("socket_cpu_s_per_gbyte")),
+    }
+    if cfg.wan is not None:
+        cap = cfg.wan.cap_gbytes_per_s
+        result["wan"] = {"rtt_ms": cfg.wan.rtt_ms, "rate_gbit": cfg.wan.rate_gbit, "cap_gbytes_per_s": cap}
+        if cfg.wan.window_bytes is not None:
+            result["wan"]["window_bytes"] = cfg.wan.window_bytes
+        result["ratio_vs_cap"] = _round(_ratio(gbps, cap), 3)
+        result["socket_ratio_vs_cap"] = _round(_ratio(med("socket_gbytes_per_s"), cap), 3)
+    if others:
+        result["compare"] = [
+            {
+                "page_bytes": o.page_bytes,
+                "gbytes_per_s": _round(_median([r["compare"][i]["gbytes_per_s"] for r in runs])),
+                # Paired with the main figure of the same repetition.
+                "ratio_vs_main": _round(
+                    _median([r["compare"][i]["gbytes_per_s"] / r["gbytes_per_s"] for r in runs]), 3
+                ),
+                "verified": all(r["compare"][i]["verified"] for r in runs),
+            }
+            for i, o in enumerate(others)
+        ]
+    result["runs"] = [
+        {k: (_round(v, 6) if isinstance(v, float) else v) for k, v in r.items() if k != "compare"}
+        | {"compare": [{k: (_round(v, 6) if isinstance(v, float) else v) for k, v in c.items()} for c in r["compare"]]}
+        for r in runs
+    ]
+    if not cfg.baselines:
+        notes.append("baselines skipped (--no-baselines)")
+    elif have_iperf3 and result["baseline_iperf3_gbytes_per_s"] is None:
+        notes.append("iperf3 counted no received bytes (transfer too short for its accounting): baseline_iperf3 is null")
+    result["notes"] = notes
+    return result
