@@ -200,7 +200,7 @@ pub fn verify_reply(
     reply: &PrefixReply,
 ) -> VerifiedPrefix {
     let matched = reply.matched_tokens as usize;
-    if page_size == 0 || matched > tokens.len() || matched % page_size != 0 {
+    if page_size == 0 || matched > tokens.len() || !matched.is_multiple_of(page_size) {
         return VerifiedPrefix {
             matched_tokens: 0,
             hash_ok: false,

@@ -714,7 +714,7 @@ impl RadixCache {
     // ----- internals -----
 
     fn check_insert_args(&self, tokens: &[u32], handles: &[u32]) -> Result<()> {
-        if tokens.len() % self.page_size != 0 {
+        if !tokens.len().is_multiple_of(self.page_size) {
             return Err(Error::RadixMisaligned {
                 tokens: tokens.len(),
                 page_size: self.page_size,
