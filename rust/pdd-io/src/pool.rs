@@ -111,7 +111,7 @@ impl PagePool {
                 r.len()
             ));
         }
-        if len == 0 || len % page_bytes as usize != 0 {
+        if len == 0 || !len.is_multiple_of(page_bytes as usize) {
             return arg(format!("layer buffers of {len} bytes are not a whole number (>= 1) of {page_bytes}-byte pages"));
         }
         let pages = u32::try_from(len / page_bytes as usize)
