@@ -1132,6 +1132,11 @@ impl<M: HandoffMachine> Shared<M> {
     /// Fire machine timers when due.
     async fn run_timers(self: Arc<Self>) {
         loop {
+            // "Scanning": an engine call that arms a deadline after the scan below
+            // (it waits for the router lock the scan holds) and before `armed` is
+            // stored sees u64::MAX and notifies; the permit `notify_one` leaves makes
+            // the `notified` below complete at once, so nothing is missed.
+            self.armed.store(u64::MAX, Ordering::Release);
             let deadline = {
                 let r = lock(&self.router);
                 r.poll_timeout()
@@ -1141,8 +1146,6 @@ impl<M: HandoffMachine> Shared<M> {
             let notified = self.timer_wake.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            // A deadline armed by an engine call between the scan and the store is
-            // caught by the permit left by `notify_one`.
             let sleep = async {
                 match deadline {
                     Some(t) => tokio::time::sleep_until(self.instant_of(t)).await,
