@@ -200,8 +200,8 @@ def run_prefill(cfg: dict[str, Any]) -> None:
             commands.put({"op": "free", "pages": free, "node": held})
 
         threading.Thread(target=finish, daemon=True).start()
-    m = to_md.metrics()
-    emit("metrics", wan_bytes=m["bytes_sent_total"], prefix_mismatches=m["prefix_mismatches_total"],
+    md_metrics = to_md.metrics()
+    emit("metrics", wan_bytes=md_metrics["bytes_sent_total"], prefix_mismatches=md_metrics["prefix_mismatches_total"],
          local_bytes=to_rld.metrics()["bytes_sent_total"] if to_rld else 0)
     to_md.close()
     if to_rld:
