@@ -162,7 +162,7 @@ def run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: bool
             rid = ev["id"]
             first_token.setdefault(rid, at)
             for i, t in enumerate(ev["tokens"]):
-                pos = ev["first_position"] + i - len(by_id[rid].prompt)
+                pos = ev["index"] + i
                 if pos not in outputs[rid]:
                     tokens_by[ev["by"]] += 1
                 outputs[rid][pos] = t

@@ -1,0 +1,95 @@
+"""The engine roles from one process: P, RLD and MD on three threads over loopback,
+both pipelines and the handoff, outputs equal to one monolithic engine's."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from pdd_transport import kv
+from pdd_transport.engine import Engine, EngineConfig, generate
+from pdd_transport.policy import AnomalyPolicy, PipelinePolicy, WanEstimate
+from pdd_transport.roles import Failed, Finished, MainDecodeRole, Output, PrefillRole, RelayDecodeRole
+
+
+def test_roles_run_both_pipelines_and_match_a_monolithic_engine() -> None:
+    cfg = EngineConfig(num_pages=256)
+    md = MainDecodeRole(Engine(cfg))
+    rld = RelayDecodeRole(Engine(cfg), md.handoff_address)
+    p_engine = Engine(cfg)
+    pool = p_engine.kv_pool()
+    to_md = kv.KvSender(pool, md.kv_address, lanes=2, node_id=1)
+    to_rld = kv.KvSender(pool, rld.kv_address, lanes=2, node_id=1)
+    # A budget of 0 ms sends every request with a miss through RLD; a full hit
+    # (nothing missing) still goes P-MD.
+    p = PrefillRole(p_engine, to_md, to_rld, kv_bytes_per_token=cfg.kv_bytes_per_token,
+                    wan=WanEstimate(1.0, 30.0), pipeline_policy=PipelinePolicy(ttft_budget_ms=0.0),
+                    anomaly_policy=AnomalyPolicy.disabled())
+    md.receiver.wait_peer(timeout=10)
+    rld.receiver.wait_peer(timeout=10)
+
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, 1024, size=48).tolist()
+    prompts = [system + rng.integers(0, 1024, size=int(rng.integers(5, 60))).tolist() for _ in range(6)]
+    out_tokens = [int(n) for n in rng.integers(3, 24, size=6)]
+    outputs: dict[int, dict[int, int]] = {i: {} for i in range(1, 7)}
+    finished: set[int] = set()
+    failures: list[Failed] = []
+    stop = threading.Event()
+
+    def decode_loop(role: RelayDecodeRole | MainDecodeRole, admit: list[tuple[int, list[int], int, str]]) -> None:
+        lock = threading.Lock()
+        while not stop.is_set():
+            with lock:
+                while admit:
+                    role.admit(*admit.pop(0))
+            for ev in role.poll():
+                if isinstance(ev, Output):
+                    for i, t in enumerate(ev.tokens):
+                        outputs[ev.request_id][ev.index + i] = t
+                elif isinstance(ev, Finished) and isinstance(role, MainDecodeRole):
+                    finished.add(ev.request_id)
+                elif isinstance(ev, Failed):
+                    failures.append(ev)
+            time.sleep(0.001)
+
+    md_admit: list[tuple[int, list[int], int, str]] = []
+    rld_admit: list[tuple[int, list[int], int, str]] = []
+    threads = [threading.Thread(target=decode_loop, args=(md, md_admit)),
+               threading.Thread(target=decode_loop, args=(rld, rld_admit))]
+    for t in threads:
+        t.start()
+    pipelines = []
+    try:
+        for rid, (prompt, n) in enumerate(zip(prompts, out_tokens), start=1):
+            plan = p.plan(rid, prompt, n)
+            pipelines.append(plan.pipeline)
+            if plan.pipeline in ("p_md", "p_rld_md"):
+                md_admit.append((rid, prompt, n, plan.pipeline))
+            if plan.pipeline in ("p_rld_md", "p_rld"):
+                rld_admit.append((rid, prompt, n, plan.pipeline))
+            prefilled = p.prefill(plan, prompt)
+            assert p.send(prefilled, timeout=30) == []
+            p.release(prefilled)
+            deadline = time.monotonic() + 30
+            while rid not in finished and time.monotonic() < deadline and not failures:
+                time.sleep(0.005)
+            assert rid in finished, failures
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+        to_md.close()
+        to_rld.close()
+        md.close()
+        rld.close()
+    assert not failures
+    assert "p_rld_md" in pipelines
+    reference = Engine(cfg)
+    for rid, (prompt, n) in enumerate(zip(prompts, out_tokens), start=1):
+        got = [outputs[rid][i] for i in sorted(outputs[rid])]
+        assert got == generate(reference, prompt, n), rid
+    # Later prompts share the system prompt, which MD cached from the first.
+    assert md.cache is not None and md.cache.stats()["pages"] > 0
