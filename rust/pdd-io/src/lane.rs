@@ -225,6 +225,56 @@ pub fn abort_for(err: &Error) -> Frame {
     })
 }
 
+/// The writer half of a control lane: sends queued frames as they come and a PING
+/// every `heartbeat` (with the kernel's RTT sampled into `metrics`), until `cancel`
+/// (then it flushes what is queued, an ABORT saying why included, for at most
+/// 200 ms) or the queue closes. `Err` carries why a write failed.
+pub async fn control_writer(
+    mut writer: tokio_util::codec::FramedWrite<
+        tokio::net::tcp::OwnedWriteHalf,
+        crate::codec::WireCodec,
+    >,
+    mut outgoing: tokio::sync::mpsc::UnboundedReceiver<Frame>,
+    cancel: tokio_util::sync::CancellationToken,
+    heartbeat: Duration,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
+    now_ns: fn() -> u64,
+) -> Result<(), String> {
+    use futures_util::SinkExt;
+
+    let mut tick = tokio::time::interval(heartbeat);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut nonce = 0u64;
+    loop {
+        let frame = tokio::select! {
+            _ = cancel.cancelled() => {
+                while let Ok(f) = outgoing.try_recv() {
+                    if writer.feed(&f).await.is_err() {
+                        break;
+                    }
+                }
+                let _ = tokio::time::timeout(Duration::from_millis(200), writer.flush()).await;
+                return Ok(());
+            }
+            f = outgoing.recv() => match f {
+                Some(f) => f,
+                None => return Ok(()),
+            },
+            _ = tick.tick() => {
+                nonce += 1;
+                crate::metrics::Metrics::add(&metrics.pings_sent_total, 1);
+                if let Some(s) = tcp_stats(writer.get_ref().as_ref()) {
+                    crate::metrics::Metrics::set(&metrics.tcp_rtt_us, u64::from(s.rtt_us));
+                }
+                Frame::Ping(pdd_core::wire::Ping { nonce, sent_at_ns: now_ns() })
+            }
+        };
+        if let Err(e) = writer.send(&frame).await {
+            return Err(format!("control lane write: {e}"));
+        }
+    }
+}
+
 /// Kernel TCP statistics of a socket (Linux TCP_INFO): smoothed RTT, its variance,
 /// retransmissions and the congestion window.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -14,14 +14,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures_util::{SinkExt, StreamExt};
+use futures_util::StreamExt;
 use pdd_core::kv::{BlockDisposition, KvBlock, ReceiverState, TransferEvent};
 use pdd_core::prefix::{answer_query, LeaseTable};
 use pdd_core::radix::{hash, RadixCache};
 use pdd_core::time::Timestamp;
 use pdd_core::wire::handshake::LocalHello;
 use pdd_core::wire::{
-    Abort, Frame, FrameHeader, FrameKind, KvDone, KvGrant, Ping, HEADER_LEN, KV_PAGES_FIXED_LEN,
+    Abort, Frame, FrameHeader, FrameKind, KvDone, KvGrant, HEADER_LEN, KV_PAGES_FIXED_LEN,
 };
 use pdd_core::wire::{PrefixQuery, PrefixReply};
 use pdd_core::Error;
@@ -171,7 +171,7 @@ struct Shared {
     events: Mutex<VecDeque<ReceiverEvent>>,
     leases: Mutex<Leases>,
     events_changed: watch::Sender<u64>,
-    metrics: Metrics,
+    metrics: Arc<Metrics>,
     cfg: ReceiverConfig,
     next_generation: AtomicU64,
     cancel: CancellationToken,
@@ -217,7 +217,7 @@ impl KvReceiver {
                 owner: HashMap::new(),
             }),
             events_changed: watch::channel(0).0,
-            metrics: Metrics::default(),
+            metrics: Arc::new(Metrics::default()),
             cfg,
             next_generation: AtomicU64::new(1),
             cancel: CancellationToken::new(),
@@ -689,7 +689,7 @@ async fn control_session(
 ) {
     let session_id = agreed.session_id;
     let generation = shared.next_generation.fetch_add(1, Ordering::Relaxed);
-    let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
+    let (tx, rx) = mpsc::unbounded_channel::<Frame>();
     let cancel = shared.cancel.child_token();
     let death = Arc::new(Mutex::new(None));
     let replaced = lock(&shared.sessions).insert(
@@ -722,42 +722,25 @@ async fn control_session(
         rd,
         WireCodec::new(shared.cfg.hello.max_payload, agreed.peer_max_payload),
     );
-    let mut writer = FramedWrite::new(
+    let writer = FramedWrite::new(
         wr,
         WireCodec::new(shared.cfg.hello.max_payload, agreed.peer_max_payload),
     );
+    let (shared_heartbeat, writer_metrics) = (shared.cfg.heartbeat, shared.metrics.clone());
 
     let writer_cancel = cancel.clone();
-    let writer_shared = shared.clone();
-    let heartbeat = shared.cfg.heartbeat;
     let writer_task = tokio::spawn(async move {
-        let mut tick = tokio::time::interval(heartbeat);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut nonce = 0u64;
-        loop {
-            let frame = tokio::select! {
-                _ = writer_cancel.cancelled() => {
-                    // Flush what is queued (an ABORT saying why) before leaving.
-                    while let Ok(f) = rx.try_recv() {
-                        if writer.feed(&f).await.is_err() { break; }
-                    }
-                    let _ = tokio::time::timeout(Duration::from_millis(200), writer.flush()).await;
-                    break;
-                }
-                f = rx.recv() => match f { Some(f) => f, None => break },
-                _ = tick.tick() => {
-                    nonce += 1;
-                    Metrics::add(&writer_shared.metrics.pings_sent_total, 1);
-                    if let Some(s) = lane::tcp_stats(writer.get_ref().as_ref()) {
-                        Metrics::set(&writer_shared.metrics.tcp_rtt_us, u64::from(s.rtt_us));
-                    }
-                    Frame::Ping(Ping { nonce, sent_at_ns: now_ns() })
-                }
-            };
-            if writer.send(&frame).await.is_err() {
-                writer_cancel.cancel();
-                break;
-            }
+        let outcome = lane::control_writer(
+            writer,
+            rx,
+            writer_cancel.clone(),
+            shared_heartbeat,
+            writer_metrics,
+            now_ns,
+        )
+        .await;
+        if outcome.is_err() {
+            writer_cancel.cancel();
         }
     });
 

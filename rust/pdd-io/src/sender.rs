@@ -14,13 +14,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures_util::{SinkExt, StreamExt};
+use futures_util::StreamExt;
 use pdd_core::kv::{KvBlock, SenderTransfer};
 use pdd_core::prefix::{verify_reply, VerifiedPrefix};
 use pdd_core::wire::handshake::LocalHello;
-use pdd_core::wire::{
-    Frame, FrameHeader, FrameKind, KvGrant, Ping, HEADER_LEN, KV_PAGES_FIXED_LEN,
-};
+use pdd_core::wire::{Frame, FrameHeader, FrameKind, KvGrant, HEADER_LEN, KV_PAGES_FIXED_LEN};
 use pdd_core::wire::{PrefixQuery, PrefixReply};
 use pdd_core::Error;
 use tokio::io::AsyncWriteExt;
@@ -126,7 +124,7 @@ struct Shared {
     grants: Mutex<HashMap<u64, KvGrant>>,
     grants_changed: watch::Sender<u64>,
     outbound: Mutex<HashMap<u64, OutboundEntry>>,
-    metrics: Metrics,
+    metrics: Arc<Metrics>,
     cancel: CancellationToken,
     connected_before: std::sync::atomic::AtomicBool,
     /// PREFIX_QUERY waiting for its reply: query id -> (request, waiter).
@@ -180,7 +178,7 @@ impl KvSender {
             grants: Mutex::new(HashMap::new()),
             grants_changed: watch::channel(0).0,
             outbound: Mutex::new(HashMap::new()),
-            metrics: Metrics::default(),
+            metrics: Arc::new(Metrics::default()),
             cancel: CancellationToken::new(),
             connected_before: false.into(),
             queries: Mutex::new(HashMap::new()),
@@ -421,47 +419,26 @@ async fn control_loop(
     shared: Arc<Shared>,
     conn: Arc<Conn>,
     stream: tokio::net::TcpStream,
-    mut outgoing: mpsc::UnboundedReceiver<Frame>,
+    outgoing: mpsc::UnboundedReceiver<Frame>,
 ) {
     let max = shared.cfg.hello.max_payload;
     let (rd, wr) = stream.into_split();
     let mut reader = FramedRead::new(rd, WireCodec::new(max, conn.peer_max_payload));
-    let mut writer = FramedWrite::new(wr, WireCodec::new(max, conn.peer_max_payload));
+    let writer = FramedWrite::new(wr, WireCodec::new(max, conn.peer_max_payload));
     let writer_conn = conn.clone();
-    let writer_shared = shared.clone();
-    let heartbeat = shared.cfg.heartbeat;
+    let (heartbeat, writer_metrics) = (shared.cfg.heartbeat, shared.metrics.clone());
     let writer = tokio::spawn(async move {
-        let mut tick = tokio::time::interval(heartbeat);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut nonce = 0u64;
-        loop {
-            let frame = tokio::select! {
-                _ = writer_conn.cancel.cancelled() => {
-                    while let Ok(f) = outgoing.try_recv() {
-                        if writer.feed(&f).await.is_err() { break; }
-                    }
-                    let _ = tokio::time::timeout(Duration::from_millis(200), writer.flush()).await;
-                    break;
-                }
-                f = outgoing.recv() => match f { Some(f) => f, None => break },
-                _ = tick.tick() => {
-                    nonce += 1;
-                    Metrics::add(&writer_shared.metrics.pings_sent_total, 1);
-                    if let Some(s) = lane::tcp_stats(writer.get_ref().as_ref()) {
-                        Metrics::set(&writer_shared.metrics.tcp_rtt_us, u64::from(s.rtt_us));
-                    }
-                    Frame::Ping(Ping { nonce, sent_at_ns: now_ns() })
-                }
-            };
-            if let Err(e) = writer.send(&frame).await {
-                kill(
-                    &writer_conn,
-                    Error::ConnectionLost {
-                        detail: format!("control lane write: {e}"),
-                    },
-                );
-                break;
-            }
+        let outcome = lane::control_writer(
+            writer,
+            outgoing,
+            writer_conn.cancel.clone(),
+            heartbeat,
+            writer_metrics,
+            now_ns,
+        )
+        .await;
+        if let Err(detail) = outcome {
+            kill(&writer_conn, Error::ConnectionLost { detail });
         }
     });
     let dead_after = shared.cfg.dead_after;

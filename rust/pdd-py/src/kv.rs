@@ -71,6 +71,28 @@ fn wait_bounded<T: Send>(
     .map_err(|e| PddErr(e).into())
 }
 
+/// `fut` as a Python awaitable on the shared runtime, bounded by `timeout`.
+fn awaitable<'py, T>(
+    py: Python<'py>,
+    timeout: Duration,
+    what: &'static str,
+    fut: impl std::future::Future<Output = Result<T, Error>> + Send + 'static,
+) -> PyResult<Bound<'py, PyAny>>
+where
+    T: for<'a> pyo3::IntoPyObject<'a> + Send + 'static,
+{
+    runtime()?;
+    pyo3_async_runtimes::tokio::future_into_py(py, async move {
+        match tokio::time::timeout(timeout, fut).await {
+            Ok(r) => r.map_err(|e| PddErr(e).into()),
+            Err(_) => Err(PddErr(Error::DeadlineExceeded {
+                what: format!("{what} within {timeout:?}"),
+            })
+            .into()),
+        }
+    })
+}
+
 fn metrics_dict<'py>(py: Python<'py>, m: &Metrics) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     for (name, value, _, _) in m.snapshot() {
@@ -428,17 +450,12 @@ impl InboundTransfer {
     #[pyo3(signature = (timeout = 60.0))]
     fn wait_async<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyAny>> {
         let t = self.inner.clone();
-        let d = seconds(timeout, "timeout")?;
-        runtime()?;
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            match tokio::time::timeout(d, t.wait()).await {
-                Ok(r) => r.map_err(|e| PddErr(e).into()),
-                Err(_) => Err(PddErr(Error::DeadlineExceeded {
-                    what: format!("the transfer within {d:?}"),
-                })
-                .into()),
-            }
-        })
+        awaitable(
+            py,
+            seconds(timeout, "timeout")?,
+            "the transfer",
+            async move { t.wait().await },
+        )
     }
 }
 
@@ -698,16 +715,11 @@ impl OutboundTransfer {
     #[pyo3(signature = (timeout = 60.0))]
     fn wait_async<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyAny>> {
         let t = self.inner.clone();
-        let d = seconds(timeout, "timeout")?;
-        runtime()?;
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            match tokio::time::timeout(d, t.wait()).await {
-                Ok(r) => r.map_err(|e| PddErr(e).into()),
-                Err(_) => Err(PddErr(Error::DeadlineExceeded {
-                    what: format!("confirmation within {d:?}"),
-                })
-                .into()),
-            }
-        })
+        awaitable(
+            py,
+            seconds(timeout, "timeout")?,
+            "the receiver's confirmation",
+            async move { t.wait().await },
+        )
     }
 }
