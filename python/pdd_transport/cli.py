@@ -529,7 +529,11 @@ def _demo(args: argparse.Namespace) -> dict[str, Any]:
     from pdd_transport.demo.run import DemoConfig, print_table, run
     from pdd_transport.demo.workload import WorkloadConfig
 
-    workload = WorkloadConfig(requests=args.requests or (30 if args.quick else 120), seed=args.seed)
+    if args.quick:
+        # A smaller, shorter replay: the same mix of hits, fewer and shorter answers.
+        workload = WorkloadConfig(requests=args.requests or 20, output_tokens=(8, 40), seed=args.seed)
+    else:
+        workload = WorkloadConfig(requests=args.requests or 120, seed=args.seed)
     cfg = DemoConfig(workload=workload, rtt_ms=args.rtt_ms, jitter_ms=args.jitter_ms, wan_gbit=args.rate_gbit,
                      plot=args.plot)
     summary = run(cfg, progress=not args.json)
@@ -558,8 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="P, RLD and MD over an emulated WAN: baseline PD vs PDD")
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    demo.add_argument("--quick", action="store_true", help="a short run (30 requests)")
-    demo.add_argument("--requests", type=int, default=0, help="requests (default 120, 30 with --quick)")
+    demo.add_argument("--quick", action="store_true", help="a short run (20 requests, shorter answers)")
+    demo.add_argument("--requests", type=int, default=0, help="requests (default 120, 20 with --quick)")
     demo.add_argument("--rtt-ms", type=float, default=30.0, help="WAN round trip (default 30)")
     demo.add_argument("--jitter-ms", type=float, default=5.0, help="RTT jitter, +- ms (default 5)")
     demo.add_argument("--rate-gbit", type=float, default=1.0, help="WAN rate cap (default 1 Gbit/s)")

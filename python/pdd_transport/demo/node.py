@@ -166,9 +166,9 @@ def run_decoder(cfg: dict[str, Any], name: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="pdd_transport.demo.node")
     parser.add_argument("--role", choices=["prefill", "relay", "main"], required=True)
-    parser.add_argument("--config", required=True, help="JSON")
+    parser.add_argument("--config", required=True, help="JSON, or - to read it as the first stdin line")
     args = parser.parse_args()
-    cfg = json.loads(args.config)
+    cfg = json.loads(sys.stdin.readline() if args.config == "-" else args.config)
     try:
         if args.role == "prefill":
             run_prefill(cfg)

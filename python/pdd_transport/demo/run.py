@@ -51,10 +51,12 @@ class DemoConfig:
 class Node:
     """A role process and the thread that reads its JSON-line events."""
 
-    def __init__(self, role: str, cfg: dict[str, Any], events: queue.Queue[tuple[str, float, dict[str, Any]]]) -> None:
+    def __init__(self, role: str, events: queue.Queue[tuple[str, float, dict[str, Any]]]) -> None:
+        # Started before its configuration is known (it arrives as the first stdin
+        # line), so that the three processes import torch in parallel.
         self.role = role
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdd_transport.demo.node", "--role", role, "--config", json.dumps(cfg)],
+            [sys.executable, "-m", "pdd_transport.demo.node", "--role", role, "--config", "-"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -73,6 +75,11 @@ class Node:
             else:
                 self.events.put((self.role, time.monotonic(), ev))
         self.events.put((self.role, time.monotonic(), {"event": "exit"}))
+
+    def configure(self, cfg: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cfg) + "\n")
+        self.proc.stdin.flush()
 
     def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
         try:
@@ -115,17 +122,18 @@ def run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: bool
     events: queue.Queue[tuple[str, float, dict[str, Any]]] = queue.Queue()
     max_ctx = max(len(r.prompt) for r in requests) + max(r.output_tokens for r in requests) + cfg.page_tokens
     per_req = -(-max_ctx // cfg.page_tokens)
-    md = Node("main", _node_cfg(cfg, pages=per_req * (cfg.workload.sessions + 12)), events)
+    md = Node("main", events)
+    rld = Node("relay", events) if mode == "pdd" else None
+    prefill = Node("prefill", events)
+    md.configure(_node_cfg(cfg, pages=per_req * (cfg.workload.sessions + 12)))
     md_ready = md.wait_ready()
     one_way = cfg.rtt_ms / 2
     wan_kv = Wanem(md_ready["kv"], delay_ms=one_way, jitter_ms=cfg.jitter_ms / 2, rate_gbit=cfg.wan_gbit, seed=1)
     wan_ho = Wanem(md_ready["handoff"], delay_ms=one_way, jitter_ms=cfg.jitter_ms / 2, seed=2)
     nodes = [md]
-    rld = None
-    if mode == "pdd":
-        rld = Node("relay", _node_cfg(cfg, pages=per_req * 12, md_handoff=wan_ho.address_str, max_eager=cfg.max_eager,
-                                      catch_up_threshold=cfg.catch_up_threshold),
-                   events)
+    if rld is not None:
+        rld.configure(_node_cfg(cfg, pages=per_req * 12, md_handoff=wan_ho.address_str, max_eager=cfg.max_eager,
+                                catch_up_threshold=cfg.catch_up_threshold))
         nodes.append(rld)
         rld_ready = rld.wait_ready()
     p_extra = {
@@ -141,7 +149,7 @@ def run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: bool
         "wan_rtt_ms": cfg.rtt_ms,
         "kv_bytes_per_token": cfg.kv_bytes_per_token,
     }
-    prefill = Node("prefill", _node_cfg(cfg, pages=per_req * (cfg.workload.sessions + 12), **p_extra), events)
+    prefill.configure(_node_cfg(cfg, pages=per_req * (cfg.workload.sessions + 12), **p_extra))
     nodes.append(prefill)
     prefill.wait_ready()
 
