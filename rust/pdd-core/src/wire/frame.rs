@@ -413,7 +413,7 @@ impl Frame {
                 out.put_u32_le(g.deadline_ms);
             }
             Frame::KvPages(p) => {
-                out.put_slice(&kv_pages_fixed(p));
+                out.put_slice(&crate::kv::KvBlock::of(p).to_fixed());
                 out.put_slice(&p.data);
             }
             Frame::KvDone(d) => {
@@ -730,41 +730,10 @@ const EVENT_STORED: u8 = 1;
 const EVENT_REMOVED: u8 = 2;
 const EVENT_CLEARED: u8 = 3;
 
-/// The 24-byte fixed part of a KV_PAGES payload; the I/O crate writes it, then the
-/// page data straight from the sender's buffers.
-pub(crate) fn kv_pages_fixed(p: &KvPages) -> [u8; KV_PAGES_FIXED_LEN] {
-    let mut b = [0u8; KV_PAGES_FIXED_LEN];
-    b[0..8].copy_from_slice(&p.transfer_id.to_le_bytes());
-    b[8..10].copy_from_slice(&p.layer_start.to_le_bytes());
-    b[10..12].copy_from_slice(&p.layer_count.to_le_bytes());
-    b[12..16].copy_from_slice(&p.page_start.to_le_bytes());
-    b[16..20].copy_from_slice(&p.page_count.to_le_bytes());
-    b[20..24].copy_from_slice(&p.page_bytes.to_le_bytes());
-    b
-}
-
 /// Counts >= 1, ranges inside u16/u32, and data length == product, all checked.
 fn check_page_block(p: &KvPages) -> std::result::Result<(), String> {
-    if p.layer_count == 0 || p.page_count == 0 || p.page_bytes == 0 {
-        return Err("layer_count, page_count and page_bytes must be >= 1".into());
-    }
-    if p.layer_start.checked_add(p.layer_count - 1).is_none() {
-        return Err("layer range overflows u16".into());
-    }
-    if p.page_start.checked_add(p.page_count - 1).is_none() {
-        return Err("page range overflows u32".into());
-    }
-    let want = u64::from(p.layer_count)
-        .checked_mul(u64::from(p.page_count))
-        .and_then(|n| n.checked_mul(u64::from(p.page_bytes)));
-    match want {
-        Some(w) if w == p.data.len() as u64 => Ok(()),
-        Some(w) => Err(format!(
-            "{} data bytes, header fields say {w}",
-            p.data.len()
-        )),
-        None => Err("layer_count * page_count * page_bytes overflows".into()),
-    }
+    // One rule for the whole-frame decoder and the receiver's header-first path.
+    crate::kv::KvBlock::of(p).check(p.data.len() as u64)
 }
 
 fn len_u32(n: usize, what: &str) -> Result<u32> {
