@@ -145,8 +145,9 @@ def cdf_plot(
                 _line(img, xq, yy, xq, min(yy + 5, bottom), color, 1)
     _text(img, left, 18, title, black, 3)
     _text(img, (left + right) // 2 - 6 * 2 * len(x_label) // 2, height - 35, x_label, black)
+    # Legend at the lower right, where rising CDFs leave room.
     for i, (label, _, color) in enumerate(series):
-        y = top + 10 + 22 * i
+        y = bottom - 22 * (len(series) - i) - 8
         _line(img, right - 260, y + 7, right - 230, y + 7, color, 4)
         _text(img, right - 220, y, label, black)
     write_png(path, img)
