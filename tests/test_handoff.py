@@ -230,8 +230,14 @@ def test_bad_input_raises_typed_errors_and_changes_nothing() -> None:
         relay.set_load(1.5)
     with pytest.raises(InvalidArgument):
         relay.abort(1, "no_such_reason")
-    with pytest.raises(OverflowError):
+    with pytest.raises(InvalidArgument, match="token_id"):
         relay.offer(1, -1)
+    with pytest.raises(InvalidArgument, match="token_id"):
+        relay.offer(1, 2**32)
+    with pytest.raises(InvalidArgument, match="first_position"):
+        relay.open(3, -5)
+    with pytest.raises(InvalidArgument, match="max_attempts"):
+        HandoffTimers(max_attempts=-1)
     assert relay.state(1) == "decoding"
     relay.offer(1, 7)
     main.open(1, PROMPT)

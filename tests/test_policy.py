@@ -115,6 +115,7 @@ def test_route_filters_first_then_chooses() -> None:
         lambda: HandoffPolicy(one_shot_load=1.2),
         lambda: HandoffPolicy(max_eager_tokens=0),
         lambda: HandoffPolicy(max_eager_tokens=16_001),
+        lambda: HandoffPolicy(level_tokens=-1),
         lambda: choose_pipeline(PipelinePolicy(), WAN, 10, 11, KVB),  # more cached than the prompt
         lambda: choose_pipeline(PipelinePolicy(), WAN, -1, 0, KVB),
         lambda: is_anomaly(AnomalyPolicy(), 10, 0, -5),
@@ -200,9 +201,7 @@ def test_exports() -> None:
     exported = list(_native.__all__)
     start = exported.index(names[0])
     assert exported[start : start + len(names)] == names
-    # A negative count cannot even reach the policy: the binding refuses it as u32.
-    with pytest.raises(OverflowError):
-        HandoffPolicy(level_tokens=-1)
+
 
 
 DOC = (Path(__file__).parent.parent / "docs" / "policies.md").read_text()

@@ -76,23 +76,33 @@ pub struct HandoffPolicy {
     inner: CorePolicy,
 }
 
+/// A count, position or token id given as a Python int: out of `u32` range (negative
+/// included) is an `InvalidArgument` naming the parameter, not an `OverflowError`.
+fn u32_arg(name: &str, value: i64) -> PyResult<u32> {
+    u32::try_from(value)
+        .map_err(|_| invalid(format!("{name} must be in 0..=4294967295, got {value}")))
+}
+
 #[pymethods]
 impl HandoffPolicy {
     #[new]
     #[pyo3(signature = (*, catch_up_threshold_tokens = 64, level_tokens = 8, chunk_tokens = 256, one_shot_load = 0.85, max_eager_tokens = 1024))]
     fn new(
-        catch_up_threshold_tokens: u32,
-        level_tokens: u32,
-        chunk_tokens: u32,
+        catch_up_threshold_tokens: i64,
+        level_tokens: i64,
+        chunk_tokens: i64,
         one_shot_load: f64,
-        max_eager_tokens: u32,
+        max_eager_tokens: i64,
     ) -> PyResult<Self> {
         let inner = CorePolicy {
-            catch_up_threshold_tokens,
-            level_tokens,
-            chunk_tokens,
+            catch_up_threshold_tokens: u32_arg(
+                "catch_up_threshold_tokens",
+                catch_up_threshold_tokens,
+            )?,
+            level_tokens: u32_arg("level_tokens", level_tokens)?,
+            chunk_tokens: u32_arg("chunk_tokens", chunk_tokens)?,
             one_shot_load,
-            max_eager_tokens,
+            max_eager_tokens: u32_arg("max_eager_tokens", max_eager_tokens)?,
         };
         inner.validate().map_err(PddErr)?;
         Ok(HandoffPolicy { inner })
@@ -142,11 +152,12 @@ impl HandoffTimers {
     fn new(
         rto_initial: f64,
         rto_max: f64,
-        max_attempts: u32,
+        max_attempts: i64,
         give_up_after: f64,
         kv_wait_timeout: f64,
         linger: f64,
     ) -> PyResult<Self> {
+        let max_attempts = u32_arg("max_attempts", max_attempts)?;
         let inner = CoreTimers {
             rto_initial: secs("rto_initial", rto_initial)?,
             rto_max: secs("rto_max", rto_max)?,
@@ -1041,7 +1052,8 @@ common_link_methods!(RelayLink, RelayBackend, relay_events, relay_event_to_py, {
 
     /// Start the handoff of `request_id` (non-zero) whose first eager token sits at
     /// `first_position` (the prompt length).
-    fn open(&self, py: Python<'_>, request_id: u64, first_position: u32) -> PyResult<()> {
+    fn open(&self, py: Python<'_>, request_id: u64, first_position: i64) -> PyResult<()> {
+        let first_position = u32_arg("first_position", first_position)?;
         self.op(
             py,
             |l| l.open(request_id, first_position),
@@ -1051,7 +1063,8 @@ common_link_methods!(RelayLink, RelayBackend, relay_events, relay_event_to_py, {
 
     /// Record a token just decoded: "keep_decoding" (stream it, decode on),
     /// "last_token" (stream it, then stop) or "refused" (do not stream it; stop).
-    fn offer(&self, py: Python<'_>, request_id: u64, token_id: u32) -> PyResult<&'static str> {
+    fn offer(&self, py: Python<'_>, request_id: u64, token_id: i64) -> PyResult<&'static str> {
+        let token_id = u32_arg("token_id", token_id)?;
         self.op(
             py,
             |l| l.offer(request_id, token_id),
@@ -1190,7 +1203,8 @@ common_link_methods!(MainLink, MainBackend, main_events, main_event_to_py, {
 
     /// Start the handoff of `request_id` (non-zero) whose handed tokens start at
     /// `first_position` (the prompt length).
-    fn open(&self, py: Python<'_>, request_id: u64, first_position: u32) -> PyResult<()> {
+    fn open(&self, py: Python<'_>, request_id: u64, first_position: i64) -> PyResult<()> {
+        let first_position = u32_arg("first_position", first_position)?;
         self.op(
             py,
             |l| l.open(request_id, first_position),
@@ -1206,9 +1220,10 @@ common_link_methods!(MainLink, MainBackend, main_events, main_event_to_py, {
         &self,
         py: Python<'_>,
         request_id: u64,
-        position: u32,
+        position: i64,
         kv_complete: bool,
     ) -> PyResult<()> {
+        let position = u32_arg("position", position)?;
         self.op(
             py,
             |l| l.report_progress(request_id, position, kv_complete),
