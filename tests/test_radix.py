@@ -4,12 +4,10 @@ events through real CACHE_EVENTS frames, batches, refusals, and the GIL."""
 from __future__ import annotations
 
 import random
-import sys
-import threading
-import time
 
 import numpy as np
 import pytest
+from _gil import count_while_running
 
 from pdd_transport import InvalidArgument, ProtocolError
 from pdd_transport.radix import PrefixMirror, RadixCache, chain_hashes
@@ -158,8 +156,8 @@ def test_batches_match_one_by_one() -> None:
 
 
 def test_long_batches_release_the_gil() -> None:
-    """Same switch-interval method as tests/test_wire.py: with the GIL held through a
-    long batch the counting thread could not run while ``inside`` is set."""
+    """With the GIL held through a long batch, no other thread could run during it
+    (method: tests/_gil.py)."""
     cache = RadixCache(64)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 50000, size=32768, dtype=np.uint32) for _ in range(96)]
@@ -167,25 +165,4 @@ def test_long_batches_release_the_gil() -> None:
     offsets = np.arange(0, len(flat) + 1, 32768)
     hs = np.arange(len(flat) // 64, dtype=np.uint32)
     cache.insert_batch(flat, offsets, hs, np.arange(0, len(hs) + 1, 512))
-    inside, stop, counted = [False], [False], [0]
-
-    def count() -> None:
-        while not stop[0]:
-            if inside[0]:
-                counted[0] += 1
-            time.sleep(0)
-
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(5.0)
-    thread = threading.Thread(target=count)
-    thread.start()
-    try:
-        for _ in range(30):
-            inside[0] = True
-            cache.match_batch(flat, offsets)
-            inside[0] = False
-    finally:
-        stop[0] = True
-        sys.setswitchinterval(old)
-        thread.join(timeout=10)
-    assert counted[0] > 5, counted[0]
+    assert count_while_running(lambda: cache.match_batch(flat, offsets), repeats=30) > 5

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-import threading
-import time
 
 import numpy as np
 import pytest
+from _gil import count_while_running
 
 from pdd_transport import InvalidArgument, PddError, ProtocolError, wire
 
@@ -158,43 +156,20 @@ def test_corrupted_byte_anywhere_is_caught() -> None:
 
 
 def test_large_decode_releases_the_gil() -> None:
-    """While one thread decodes a 64 MiB KV_PAGES frame, another runs Python.
-
-    The switch interval is raised to 5 s, so the main thread only gives up the GIL
-    when it blocks or a native call releases it; the counting thread hands the GIL
-    straight back with ``time.sleep(0)``. With the GIL held through the decode the
-    count while ``inside`` is set is exactly 0; released, the counter runs alongside."""
+    """While one thread decodes a 64 MiB KV_PAGES frame, another runs Python
+    (method: tests/_gil.py)."""
     data = bytes(64 << 20)
     raw = wire.encode_frame(
         {"kind": "KV_PAGES", "transfer_id": 1, "layer_start": 0, "layer_count": 1, "page_start": 0,
          "page_count": 1024, "page_bytes": 65536, "data": data},
         max_payload=wire.HARD_MAX_PAYLOAD,
     )
-    inside = [False]
-    stop = [False]
-    counted = [0]
 
-    def count() -> None:
-        while not stop[0]:
-            if inside[0]:
-                counted[0] += 1
-            time.sleep(0)
+    def decode() -> None:
+        got = wire.decode_frame(raw, max_payload=wire.HARD_MAX_PAYLOAD)
+        assert got is not None and got[1] == len(raw)
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(5.0)
-    thread = threading.Thread(target=count)
-    thread.start()
-    try:
-        for _ in range(5):
-            inside[0] = True
-            got = wire.decode_frame(raw, max_payload=wire.HARD_MAX_PAYLOAD)
-            inside[0] = False
-            assert got is not None and got[1] == len(raw)
-    finally:
-        stop[0] = True
-        sys.setswitchinterval(old)
-        thread.join(timeout=10)
-    assert counted[0] > 5, counted[0]
+    assert count_while_running(decode, repeats=5) > 5
 
 
 def hello(**over: object) -> dict[str, object]:
