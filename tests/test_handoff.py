@@ -333,10 +333,10 @@ def links() -> Iterator[tuple[RelayLink, MainLink]]:
     main.close()
 
 
-def run_md_engine(main: MainLink, requests: int, out: dict[int, list[Handoff]]) -> None:
+def run_md_engine(main: MainLink, requests: int, out: dict[int, list[Handoff]], busy_poll: float = 0.0) -> None:
     finals = 0
     while finals < requests:
-        event = main.next_event(10.0)
+        event = main.next_event(10.0, busy_poll=busy_poll)
         assert event is not None, "MD engine: no event within 10 s"
         assert isinstance(event, Handoff), event
         out.setdefault(event.request_id, []).append(event)
@@ -346,12 +346,13 @@ def run_md_engine(main: MainLink, requests: int, out: dict[int, list[Handoff]]) 
             main.report_progress(event.request_id, event.end_position)
 
 
-def test_links_hand_off_many_requests_over_tcp(links: tuple[RelayLink, MainLink]) -> None:
+@pytest.mark.parametrize("busy_poll", [0.0, 0.002], ids=["md-blocks", "md-busy-polls"])
+def test_links_hand_off_many_requests_over_tcp(links: tuple[RelayLink, MainLink], busy_poll: float) -> None:
     relay, main = links
     assert relay.connected and main.connected
     n = 12
     received: dict[int, list[Handoff]] = {}
-    md = threading.Thread(target=run_md_engine, args=(main, n, received))
+    md = threading.Thread(target=run_md_engine, args=(main, n, received, busy_poll))
     md.start()
     accepted: dict[int, list[int]] = {r: [] for r in range(1, n + 1)}
     for r in accepted:
@@ -392,6 +393,45 @@ def test_links_hand_off_many_requests_over_tcp(links: tuple[RelayLink, MainLink]
     stats = relay.stats()
     assert stats["connects"] >= 2 and stats["frames_sent"] > 0
     assert relay.address == main.address
+    # Only a busy-polling engine thread reads the socket itself.
+    if busy_poll:
+        assert main.stats()["reads_on_caller"] > 0
+    else:
+        assert main.stats()["reads_on_caller"] == 0
+
+
+@pytest.mark.parametrize("bad", [-0.001, 1.5, float("nan"), float("inf")])
+def test_busy_poll_out_of_range_is_invalid(links: tuple[RelayLink, MainLink], bad: float) -> None:
+    relay, main = links
+    pair = HandoffPair()
+    for side in (relay, main, pair.relay, pair.main):
+        with pytest.raises(InvalidArgument, match="busy_poll"):
+            side.next_event(0.01, busy_poll=bad)
+
+
+def test_busy_poll_returns_events_and_gives_up_after_its_timeout(links: tuple[RelayLink, MainLink]) -> None:
+    relay, main = links
+    # Nothing to wait for: a spin longer than the timeout is cut to the timeout.
+    assert main.next_event(0.01, busy_poll=0.5) is None
+    relay.open(1, PROMPT)
+    relay.offer(1, 7)
+    relay.end_of_output(1)
+    main.open(1, PROMPT)
+    main.report_progress(1, PROMPT)
+    event = main.next_event(10.0, busy_poll=0.005)
+    assert isinstance(event, Handoff) and event.final and event.token_ids.tolist() == [7]
+    # RLD hears the ack; the spin falls back to blocking if it comes later.
+    assert isinstance(relay.next_event(10.0, busy_poll=0.001), HandoffFinished)
+    # The in-process pair spins on its queue.
+    pair = HandoffPair(policy=CATCH_UP, timers=FAST)
+    pair.relay.open(2, PROMPT)
+    pair.relay.offer(2, 9)
+    pair.relay.end_of_output(2)
+    pair.main.open(2, PROMPT)
+    pair.main.report_progress(2, PROMPT)
+    pair.deliver()
+    event = pair.main.next_event(1.0, busy_poll=0.001)
+    assert isinstance(event, Handoff) and event.token_ids.tolist() == [9]
 
 
 def test_link_connect_errors_are_typed() -> None:

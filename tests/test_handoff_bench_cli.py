@@ -27,11 +27,47 @@ def test_round_trip_report(topology: str) -> None:
     for key in ("tokens", "frame_bytes", "kv_bytes", "model_shape"):
         assert key in result
     assert result["rtt_rounds"] == 200
-    for key in ("rtt_us_p50", "rtt_us_p99", "baseline_pyzmq_rtt_us_p50", "baseline_pyzmq_rtt_us_p99"):
+    # Default: busy-polling engine threads, and in the same run our blocking wait,
+    # blocking pyzmq (the baseline) and busy-polling pyzmq.
+    assert result["rtt_wait"] == "busy-poll"
+    for key in (
+        "rtt_us_p50",
+        "rtt_us_p99",
+        "blocking_rtt_us_p50",
+        "blocking_rtt_us_p99",
+        "baseline_pyzmq_rtt_us_p50",
+        "baseline_pyzmq_rtt_us_p99",
+        "baseline_pyzmq_poll_rtt_us_p50",
+        "baseline_pyzmq_poll_rtt_us_p99",
+    ):
         value = result[key]
-        assert isinstance(value, float) and value > 0
-    assert "blocks" in str(result["rtt_setup"]) and "blocks" in str(result["baseline_setup"])
+        assert isinstance(value, float) and value > 0, key
+    assert "busy-poll" in str(result["rtt_setup"]) and "blocks" in str(result["baseline_setup"])
+    assert "spinning" in str(result["baseline_poll_setup"])
     assert topology[:-2] in str(result["rtt_setup"])
+    assert result["rtt_p99_over_pyzmq_p99"] == round(
+        float(str(result["rtt_us_p99"])) / float(str(result["baseline_pyzmq_rtt_us_p99"])), 3
+    )
+
+
+def test_blocking_round_trip_report() -> None:
+    result = run("bench", "handoff", "--json", "--rounds", "100", "--busy-poll-us", "0")
+    assert result["rtt_wait"] == "block" and "block" in str(result["rtt_setup"])
+    assert "blocking_rtt_us_p50" not in result and "baseline_pyzmq_poll_rtt_us_p50" not in result
+    assert isinstance(result["rtt_us_p99"], float)
+
+
+def test_bad_busy_poll() -> None:
+    exe = shutil.which("pdd-transport")
+    cmd = [exe] if exe else [sys.executable, "-m", "pdd_transport.cli"]
+    out = subprocess.run(
+        [*cmd, "bench", "handoff", "--rounds", "10", "--busy-poll-us", "-5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 1 and "--busy-poll-us" in out.stderr
 
 
 def test_rounds_zero_keeps_the_size_report_only() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import signal
 import sys
@@ -49,7 +50,15 @@ def _bench_handoff(args: argparse.Namespace) -> dict[str, Any]:
             _bench_wan(token_ids, args.rounds or 1000, rtt_ms, jitter_ms, args.seed, args.topology == "processes")
         )
     elif args.rounds:
-        result.update(_bench_rtt(token_ids, bytes(frame), args.rounds, args.topology == "processes"))
+        if not 0.0 <= args.busy_poll_us <= 1e6:
+            from pdd_transport.errors import InvalidArgument
+
+            raise InvalidArgument(f"--busy-poll-us must be between 0 and 1000000, got {args.busy_poll_us}")
+        result.update(
+            _bench_rtt(
+                token_ids, bytes(frame), args.rounds, args.topology == "processes", args.busy_poll_us / 1e6
+            )
+        )
     return result
 
 
@@ -94,6 +103,8 @@ class _MdEngine:
         self.chunks = threading.Semaphore(0)
         self.finals = threading.Semaphore(0)
         self.failure: list[str] = []
+        # How the engine thread waits: seconds of busy-polling per next_event (0 blocks).
+        self.busy_poll = 0.0
         self.thread = threading.Thread(target=self._engine, name="bench-md", daemon=True)
         self.thread.start()
 
@@ -101,7 +112,7 @@ class _MdEngine:
         from pdd_transport.handoff import Handoff
 
         while True:
-            event = self.md.next_event()
+            event = self.md.next_event(busy_poll=self.busy_poll)
             if event is None:
                 return
             if isinstance(event, Handoff):
@@ -116,8 +127,10 @@ class _MdEngine:
             if not sem.acquire(timeout=60.0) or self.failure:
                 raise RuntimeError(f"bench handoff: {what} did not arrive: {self.failure}")
 
-    def prepare(self, requests: list[int]) -> None:
-        """MD's KV is complete for each request; wait for their Catch-Up chunks."""
+    def prepare(self, requests: list[int], busy_poll: float) -> None:
+        """MD's KV is complete for each request; wait for their Catch-Up chunks. The
+        engine thread waits with ``busy_poll`` from its next call on."""
+        self.busy_poll = busy_poll
         for r in requests:
             self.md.open(r, _PROMPT)
             self.md.report_progress(r, _PROMPT, True)
@@ -138,10 +151,10 @@ def _md_process(conn: Any) -> None:
     engine = _MdEngine()
     conn.send(engine.address)
     while True:
-        cmd, requests = conn.recv()
+        cmd, requests, busy_poll = conn.recv()
         try:
             if cmd == "prepare":
-                engine.prepare(requests)
+                engine.prepare(requests, busy_poll)
             elif cmd == "finals":
                 engine.finals_done(requests)
             else:
@@ -167,16 +180,16 @@ class _MdRemote:
             raise RuntimeError("bench handoff: the MD process did not start")
         self.address: str = self.conn.recv()
 
-    def _call(self, cmd: str, requests: list[int]) -> None:
-        self.conn.send((cmd, requests))
+    def _call(self, cmd: str, requests: list[int], busy_poll: float = 0.0) -> None:
+        self.conn.send((cmd, requests, busy_poll))
         if not self.conn.poll(120.0):
             raise RuntimeError(f"bench handoff: the MD process did not answer {cmd}")
         answer = self.conn.recv()
         if answer != "ok":
             raise RuntimeError(answer)
 
-    def prepare(self, requests: list[int]) -> None:
-        self._call("prepare", requests)
+    def prepare(self, requests: list[int], busy_poll: float) -> None:
+        self._call("prepare", requests, busy_poll)
 
     def finals_done(self, requests: list[int]) -> None:
         self._call("finals", requests)
@@ -220,9 +233,10 @@ class _HandoffBench:
         )
         self.next_request = 1
 
-    def prepare(self, count: int) -> list[int]:
+    def prepare(self, count: int, busy_poll: float = 0.0) -> list[int]:
         """Open ``count`` requests on both sides and bring each to Catch-Up with the
-        bench's tokens pending (outside the measured part)."""
+        bench's tokens pending (outside the measured part). MD's engine thread waits
+        with ``busy_poll`` for this block."""
         rld = self.rld
         requests = list(range(self.next_request, self.next_request + count))
         self.next_request += count
@@ -230,21 +244,21 @@ class _HandoffBench:
             rld.open(r, _PROMPT)
             rld.offer(r, 1)  # the one-token chunk
             rld.offer(r, self.token_ids[0])
-        self.md.prepare(requests)
+        self.md.prepare(requests, busy_poll)
         for r in requests:
             for t in self.token_ids[1:]:
                 if rld.offer(r, t) != "keep_decoding":
                     raise RuntimeError(f"bench handoff: request {r} stopped early ({rld.state(r)})")
         return requests
 
-    def handoff(self, request_id: int) -> int:
+    def handoff(self, request_id: int, busy_poll: float = 0.0) -> int:
         """One measured round; returns its wall time in ns."""
         from pdd_transport.handoff import HandoffFinished
 
         rld = self.rld
         t0 = time.perf_counter_ns()
         rld.end_of_output(request_id)
-        event = rld.next_event(60.0)
+        event = rld.next_event(60.0, busy_poll=busy_poll)
         t1 = time.perf_counter_ns()
         if not isinstance(event, HandoffFinished) or event.request_id != request_id:
             raise RuntimeError(f"bench handoff: expected HandoffFinished({request_id}), got {event!r}")
@@ -261,14 +275,29 @@ class _HandoffBench:
             self.wanem.close()
 
 
-def _zmq_rep_process(conn: Any, reply: bytes) -> None:
+def _zmq_recv(sock: Any, busy_poll: float) -> bytes:
+    """``recv``, spinning on ``recv(NOBLOCK)`` for the first ``busy_poll`` seconds
+    before it blocks: the same wait as our ``next_event(busy_poll=...)``."""
+    import zmq
+
+    if busy_poll > 0:
+        deadline = time.perf_counter() + busy_poll
+        while time.perf_counter() < deadline:
+            try:
+                return bytes(sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                os.sched_yield()  # as ours does: let libzmq's I/O thread have the core
+    return bytes(sock.recv())
+
+
+def _zmq_rep_process(conn: Any, reply: bytes, busy_poll: float = 0.0) -> None:
     import zmq
 
     ctx = zmq.Context()
     rep = ctx.socket(zmq.REP)
     conn.send(rep.bind_to_random_port("tcp://127.0.0.1"))
     while True:
-        msg = rep.recv()
+        msg = _zmq_recv(rep, busy_poll)
         if msg == b"stop":
             rep.send(b"")
             break
@@ -280,25 +309,31 @@ def _zmq_rep_process(conn: Any, reply: bytes) -> None:
 class _ZmqBaseline:
     """pyzmq REQ (calling thread) <-> REP (a child process, or a second thread) over
     tcp://127.0.0.1: the HANDOFF frame's bytes out, the HANDOFF_ACK frame's bytes
-    back. Both block in recv."""
+    back. Both block in recv, or first spin on ``recv(NOBLOCK)`` for ``busy_poll``
+    seconds."""
 
-    def __init__(self, request: bytes, reply: bytes, processes: bool) -> None:
+    def __init__(self, request: bytes, reply: bytes, processes: bool, busy_poll: float = 0.0) -> None:
         import multiprocessing
 
         import zmq
 
         self.request = request
+        self.busy_poll = busy_poll
         self.proc: Any
         if processes:
             ctx = multiprocessing.get_context("spawn")
             conn, child = ctx.Pipe()
-            self.proc = ctx.Process(target=_zmq_rep_process, args=(child, reply), name="bench-rep", daemon=True)
+            self.proc = ctx.Process(
+                target=_zmq_rep_process, args=(child, reply, busy_poll), name="bench-rep", daemon=True
+            )
             self.proc.start()
         else:
             import multiprocessing.connection
 
             conn, child = multiprocessing.Pipe()
-            self.proc = threading.Thread(target=_zmq_rep_process, args=(child, reply), name="bench-rep", daemon=True)
+            self.proc = threading.Thread(
+                target=_zmq_rep_process, args=(child, reply, busy_poll), name="bench-rep", daemon=True
+            )
             self.proc.start()
         if not conn.poll(60.0):
             raise RuntimeError("bench handoff: the pyzmq REP side did not start")
@@ -310,7 +345,7 @@ class _ZmqBaseline:
     def round_trip(self) -> int:
         t0 = time.perf_counter_ns()
         self.req.send(self.request)
-        self.req.recv()
+        _zmq_recv(self.req, self.busy_poll)
         return time.perf_counter_ns() - t0
 
     def close(self) -> None:
@@ -321,56 +356,78 @@ class _ZmqBaseline:
         self.ctx.term()
 
 
-def _bench_rtt(token_ids: list[int], frame: bytes, rounds: int, processes: bool) -> dict[str, Any]:
+def _bench_rtt(token_ids: list[int], frame: bytes, rounds: int, processes: bool, busy_poll: float) -> dict[str, Any]:
+    """HANDOFF -> HANDOFF_ACK round trips through the real stack against pyzmq REQ/REP
+    of the same bytes, in blocks that alternate between the stacks so that all see
+    the same machine noise. With ``busy_poll`` > 0 the headline figures have both
+    engine threads busy-polling, and the run also measures our blocking wait and a
+    busy-polling pyzmq; with 0 only the blocking waits."""
     ack = wire.encode_frame(
         {"kind": "HANDOFF_ACK", "request_id": 1, "acked_seq": 1, "next_position": _PROMPT + 1 + len(token_ids), "final": True}
     )
+    modes = [busy_poll, 0.0] if busy_poll > 0 else [0.0]
     bench = _HandoffBench(token_ids, None, 0, processes)
-    zmq_bench: _ZmqBaseline | None = None
+    zmq_benches: dict[bool, _ZmqBaseline] = {}
     try:
         import zmq  # noqa: F401
 
-        zmq_bench = _ZmqBaseline(frame, bytes(ack), processes)
+        for poll in ([False, True] if busy_poll > 0 else [False]):
+            zmq_benches[poll] = _ZmqBaseline(frame, bytes(ack), processes, busy_poll if poll else 0.0)
     except ImportError:
         pass
-    ours: list[int] = []
-    theirs: list[int] = []
+    ours: dict[float, list[int]] = {m: [] for m in modes}
+    theirs: dict[bool, list[int]] = {p: [] for p in zmq_benches}
     pings: list[int] = []
     try:
-        # Warm-up block, not counted; then blocks alternate between the two stacks so
-        # that both see the same machine noise.
-        warm = bench.prepare(_BLOCK)
-        for r in warm:
-            bench.handoff(r)
-        bench.finish(warm)
+        for mode in modes:  # warm-up blocks, not counted
+            warm = bench.prepare(_BLOCK, mode)
+            for r in warm:
+                bench.handoff(r, mode)
+            bench.finish(warm)
+        for zb in zmq_benches.values():
+            for _ in range(_BLOCK):
+                zb.round_trip()
         done = 0
         while done < rounds:
             n = min(_BLOCK, rounds - done)
-            block = bench.prepare(n)
-            for r in block:
-                ours.append(bench.handoff(r))
-            bench.finish(block)
-            if zmq_bench is not None:
-                theirs.extend(zmq_bench.round_trip() for _ in range(n))
+            for mode in modes:
+                block = bench.prepare(n, mode)
+                for r in block:
+                    ours[mode].append(bench.handoff(r, mode))
+                bench.finish(block)
+            for poll, zb in zmq_benches.items():
+                theirs[poll].extend(zb.round_trip() for _ in range(n))
             t0 = time.perf_counter_ns()
             bench.rld.ping()
             pings.append(time.perf_counter_ns() - t0)
             done += n
     finally:
         bench.close()
-        if zmq_bench is not None:
-            zmq_bench.close()
+        for zb in zmq_benches.values():
+            zb.close()
+    topology = "RLD and MD in two processes" if processes else "RLD and MD in two threads of one process"
+    if busy_poll > 0:
+        wait = (
+            f"both engine threads busy-poll: next_event(busy_poll={busy_poll * 1e6:g} us) spins on "
+            "the calling thread, reading the connection itself, before it would block"
+        )
+    else:
+        wait = "both engine threads block in next_event (GIL released)"
     out: dict[str, Any] = {
         "rtt_rounds": rounds,
-        **_summary_us("rtt_us", ours),
-        "rtt_setup": ("RLD and MD in two processes" if processes else "RLD and MD in two threads of one process")
-        + ", loopback TCP; RLD engine thread: end_of_output (writes the final HANDOFF) then blocks "
-        "in next_event (GIL released) until HandoffFinished; MD engine thread blocks in "
-        "next_event; MD's ack is written by its I/O task",
+        **_summary_us("rtt_us", ours[modes[0]]),
+        "rtt_wait": "busy-poll" if busy_poll > 0 else "block",
+        "rtt_setup": topology
+        + ", loopback TCP; RLD engine thread: end_of_output (writes the final HANDOFF) then "
+        "next_event until HandoffFinished; MD engine thread in next_event; MD's ack is written "
+        "by whichever thread reads the HANDOFF; "
+        + wait,
         **_summary_us("ping_us", pings),
     }
-    if zmq_bench is not None:
-        out.update(_summary_us("baseline_pyzmq_rtt_us", theirs))
+    if busy_poll > 0:
+        out.update(_summary_us("blocking_rtt_us", ours[0.0]))
+    if False in theirs:
+        out.update(_summary_us("baseline_pyzmq_rtt_us", theirs[False]))
         out["baseline_setup"] = (
             "pyzmq REQ (calling thread, blocks in recv) <-> REP ("
             + ("a second process" if processes else "a second thread")
@@ -378,10 +435,21 @@ def _bench_rtt(token_ids: list[int], frame: bytes, rounds: int, processes: bool)
         )
         out["rtt_p99_over_pyzmq_p99"] = round(out["rtt_us_p99"] / out["baseline_pyzmq_rtt_us_p99"], 3)
         out["rtt_p50_over_pyzmq_p50"] = round(out["rtt_us_p50"] / out["baseline_pyzmq_rtt_us_p50"], 3)
+        if busy_poll > 0:
+            out["blocking_rtt_p99_over_pyzmq_p99"] = round(
+                out["blocking_rtt_us_p99"] / out["baseline_pyzmq_rtt_us_p99"], 3
+            )
     else:
         out["baseline_pyzmq_rtt_us_p50"] = None
         out["baseline_pyzmq_rtt_us_p99"] = None
         out["baseline_setup"] = "pyzmq is not installed (pip install pyzmq)"
+    if True in theirs:
+        out.update(_summary_us("baseline_pyzmq_poll_rtt_us", theirs[True]))
+        out["baseline_poll_setup"] = (
+            f"the same pyzmq pair, both sides spinning on recv(NOBLOCK) for up to {busy_poll * 1e6:g} us "
+            "before a blocking recv"
+        )
+        out["rtt_p99_over_pyzmq_poll_p99"] = round(out["rtt_us_p99"] / out["baseline_pyzmq_poll_rtt_us_p99"], 3)
     return out
 
 
@@ -597,6 +665,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("processes", "threads"),
         default="processes",
         help="RLD and MD (and pyzmq REQ and REP) in two processes (default) or two threads of one",
+    )
+    handoff.add_argument(
+        "--busy-poll-us",
+        type=float,
+        default=1000.0,
+        help="how the engine threads wait in the round trips: busy-poll this many microseconds "
+        "per next_event before blocking (default 1000; 0 blocks, and skips the extra "
+        "blocking and polling-pyzmq series)",
     )
     handoff.add_argument(
         "--wan",

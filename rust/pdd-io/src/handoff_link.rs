@@ -805,6 +805,9 @@ pub struct LinkStats {
     pub pings_sent: u64,
     /// Last PING -> PONG round trip, microseconds (0 before the first).
     pub rtt_us: u64,
+    /// Socket reads that brought bytes, done on an engine thread (a busy-polling
+    /// wait or `poll_io`) rather than the I/O task.
+    pub reads_on_caller: u64,
     /// Handoff machines held.
     pub requests: u64,
     /// Whether a connection is up.
@@ -821,10 +824,21 @@ struct Counters {
     frames_dropped_disconnected: AtomicU64,
     pings_sent: AtomicU64,
     rtt_us: AtomicU64,
+    reads_on_caller: AtomicU64,
 }
 
 fn bump(c: &AtomicU64, n: u64) {
     c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// The current connection's receive side. The I/O task and engine threads that
+/// busy-poll share it; whoever holds the lock reads, decodes and routes, so frames
+/// are handled in the order they arrived whichever thread read them.
+struct Rx {
+    /// The connection these bytes belong to (`Conn::generation`).
+    generation: u64,
+    decoder: FrameDecoder,
+    buf: BytesMut,
 }
 
 /// The current connection's send side.
@@ -842,6 +856,22 @@ struct Conn {
 struct Shared<M: HandoffMachine> {
     router: Mutex<Router<M>>,
     conn: Mutex<Conn>,
+    /// Lock order: `rx`, then `router`, then `conn`.
+    rx: Mutex<Rx>,
+    /// When bytes last arrived (ns on the link's clock), by any reader: the
+    /// dead-peer check reads it.
+    last_rx_ns: AtomicU64,
+    /// Engine threads busy-polling now ([`HandoffLink::next_event_busy`]).
+    spinners: AtomicU64,
+    /// Until when (ns on the link's clock) the I/O task leaves reading to the
+    /// engine: a spinner that got its event will likely spin again soon, and each
+    /// needless wake of the I/O task costs a core for a moment.
+    spin_linger_until_ns: AtomicU64,
+    /// The longest spin asked for lately (ns): how often a stepped-back I/O task
+    /// looks again whether the engine still polls.
+    spin_ns: AtomicU64,
+    /// Tells the I/O task that the engine stopped busy-polling.
+    reader_wake: Notify,
     /// The connection task flushes what the socket refused.
     writer_wake: Notify,
     /// The timer task re-reads the earliest deadline.
@@ -1044,46 +1074,50 @@ impl<M: HandoffMachine> Shared<M> {
         generation: u64,
         stop: CancellationToken,
     ) {
-        let mut decoder = FrameDecoder::new(DEFAULT_MAX_PAYLOAD);
-        let mut buf = BytesMut::with_capacity(64 << 10);
-        let mut last_rx = tokio::time::Instant::now();
+        {
+            let mut rx = lock(&self.rx);
+            rx.generation = generation;
+            rx.decoder = FrameDecoder::new(DEFAULT_MAX_PAYLOAD);
+            rx.buf = BytesMut::with_capacity(64 << 10);
+        }
+        self.last_rx_ns
+            .store(self.now().as_nanos(), Ordering::Relaxed);
         let mut heartbeat = tokio::time::interval(self.config.heartbeat_interval);
         heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut want_writable = false;
         let error: Option<Error> = loop {
+            let now = self.now().as_nanos();
+            let linger_until = self.spin_linger_until_ns.load(Ordering::Acquire);
+            let engine_reads = self.spinners.load(Ordering::Acquire) > 0 || now < linger_until;
+            // Looked at again after the linger, and at least every spin length (1 ms
+            // at the least): an engine that stops polling without blocking gets its
+            // socket read by this task again within that.
+            let look_again = Timestamp::from_nanos(
+                linger_until
+                    .max(now.saturating_add(self.spin_ns.load(Ordering::Relaxed).max(1_000_000))),
+            );
             tokio::select! {
                 biased;
                 _ = stop.cancelled() => {
                     let err = lock(&self.conn).last_error.clone();
                     break err;
                 }
-                ready = stream.readable() => {
+                // While an engine thread busy-polls this link it does the reading;
+                // this task steps back (no wake-up per frame) and checks again when
+                // told the spinning stopped, or when the linger runs out.
+                _ = self.reader_wake.notified(), if engine_reads => {}
+                _ = tokio::time::sleep_until(self.instant_of(look_again)), if engine_reads => {}
+                ready = stream.readable(), if !engine_reads => {
                     if let Err(e) = ready {
                         break Some(Error::ConnectionLost { detail: format!("read: {e}") });
                     }
-                    match stream.try_read_buf(&mut buf) {
-                        Ok(0) => break Some(Error::ConnectionLost { detail: "closed by the peer".into() }),
-                        Ok(_) => {
-                            last_rx = tokio::time::Instant::now();
-                            let mut frames = Vec::new();
-                            let failed = loop {
-                                match decoder.decode(&mut buf) {
-                                    Ok(Some(f)) => frames.push(f),
-                                    Ok(None) => break None,
-                                    Err(e) => break Some(e),
-                                }
-                            };
-                            if !frames.is_empty() {
-                                self.handle_frames(frames);
-                            }
-                            if let Some(e) = failed {
-                                // Framing is lost: tell the peer why, then drop the connection.
-                                self.send_control(lane::abort_for(&e));
-                                break Some(e);
-                            }
-                        }
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                        Err(e) => break Some(Error::ConnectionLost { detail: format!("read: {e}") }),
+                    let mut rx = lock(&self.rx);
+                    if rx.generation != generation {
+                        // Replaced by a newer connection, whose bytes `rx` now holds.
+                        break None;
+                    }
+                    if let Err(e) = self.read_available(&mut rx, &stream) {
+                        break Some(e);
                     }
                 }
                 _ = self.writer_wake.notified(), if !want_writable => {
@@ -1096,12 +1130,15 @@ impl<M: HandoffMachine> Shared<M> {
                     want_writable = self.flush_current(&stream);
                 }
                 _ = heartbeat.tick() => {
-                    if last_rx.elapsed() >= self.config.dead_after {
+                    let silent = Duration::from_nanos(
+                        self.now().as_nanos().saturating_sub(self.last_rx_ns.load(Ordering::Relaxed)),
+                    );
+                    if silent >= self.config.dead_after {
                         bump(&self.counters.dead_peer, 1);
                         break Some(Error::DeadlineExceeded {
                             what: format!(
                                 "peer silent for {} ms (dead_after)",
-                                last_rx.elapsed().as_millis()
+                                silent.as_millis()
                             ),
                         });
                     }
@@ -1111,6 +1148,86 @@ impl<M: HandoffMachine> Shared<M> {
         };
         // Dropping the stream closes it; a reset peer sees our FIN or RST.
         self.uninstall(generation, error);
+    }
+
+    /// One non-blocking read of the connection into `rx`, then decode and route every
+    /// complete frame. `Ok(true)` when bytes came, `Ok(false)` when none were waiting.
+    /// An error means the connection is lost (closed, reset, or its framing broken;
+    /// the peer has been sent an ABORT saying why in the last case).
+    fn read_available(&self, rx: &mut Rx, stream: &TcpStream) -> Result<bool> {
+        match stream.try_read_buf(&mut rx.buf) {
+            Ok(0) => Err(Error::ConnectionLost {
+                detail: "closed by the peer".into(),
+            }),
+            Ok(_) => {
+                self.last_rx_ns
+                    .store(self.now().as_nanos(), Ordering::Relaxed);
+                let mut frames = Vec::new();
+                let failed = loop {
+                    let Rx { decoder, buf, .. } = &mut *rx;
+                    match decoder.decode(buf) {
+                        Ok(Some(f)) => frames.push(f),
+                        Ok(None) => break None,
+                        Err(e) => break Some(e),
+                    }
+                };
+                if !frames.is_empty() {
+                    self.handle_frames(frames);
+                }
+                if let Some(e) = failed {
+                    // Framing is lost: tell the peer why, then drop the connection.
+                    self.send_control(lane::abort_for(&e));
+                    return Err(e);
+                }
+                Ok(true)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(false),
+            Err(e) => Err(Error::ConnectionLost {
+                detail: format!("read: {e}"),
+            }),
+        }
+    }
+
+    /// Read and route what the current connection has waiting, on the calling
+    /// thread, without blocking: a thread that waits for an event this way does not
+    /// need the I/O task to be woken first. Skipped (false) while another thread is
+    /// reading. An error ends the connection the way the I/O task would.
+    fn poll_io(&self) -> bool {
+        let (stream, generation) = {
+            let conn = lock(&self.conn);
+            match &conn.stream {
+                Some(s) => (Arc::clone(s), conn.generation),
+                None => return false,
+            }
+        };
+        let mut rx = match self.rx.try_lock() {
+            Ok(rx) => rx,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return false,
+        };
+        // Until the I/O task has set up this connection's decoder, leave it alone.
+        if rx.generation != generation {
+            return false;
+        }
+        match self.read_available(&mut rx, &stream) {
+            Ok(progress) => {
+                if progress {
+                    bump(&self.counters.reads_on_caller, 1);
+                }
+                progress
+            }
+            Err(e) => {
+                drop(rx);
+                let mut conn = lock(&self.conn);
+                if conn.generation == generation {
+                    conn.last_error = Some(e);
+                    if let Some(stop) = &conn.stop {
+                        stop.cancel();
+                    }
+                }
+                false
+            }
+        }
     }
 
     fn flush_current(&self, stream: &TcpStream) -> bool {
@@ -1179,6 +1296,7 @@ impl<M: HandoffMachine> Shared<M> {
             frames_rejected: rs.frames_rejected,
             pings_sent: get(&c.pings_sent),
             rtt_us: get(&c.rtt_us),
+            reads_on_caller: get(&c.reads_on_caller),
             requests,
             connected: *self.connected.borrow(),
         }
@@ -1223,6 +1341,16 @@ impl<M: HandoffMachine> HandoffLink<M> {
                 stop: None,
                 last_error: None,
             }),
+            rx: Mutex::new(Rx {
+                generation: 0,
+                decoder: FrameDecoder::new(DEFAULT_MAX_PAYLOAD),
+                buf: BytesMut::new(),
+            }),
+            last_rx_ns: AtomicU64::new(0),
+            spinners: AtomicU64::new(0),
+            spin_linger_until_ns: AtomicU64::new(0),
+            spin_ns: AtomicU64::new(0),
+            reader_wake: Notify::new(),
             writer_wake: Notify::new(),
             timer_wake: Notify::new(),
             armed: AtomicU64::new(u64::MAX),
@@ -1278,6 +1406,8 @@ impl<M: HandoffMachine> HandoffLink<M> {
     /// Send a PING and wait for its PONG: the connection's round trip through both
     /// links' I/O tasks (no machine involved).
     pub async fn ping(&self, timeout: Duration) -> Result<Duration> {
+        // The PONG must be read while the caller waits for it.
+        self.resume_io();
         if !self.is_connected() {
             return Err(Error::ConnectionLost {
                 detail: "not connected".into(),
@@ -1314,6 +1444,68 @@ impl<M: HandoffMachine> HandoffLink<M> {
     /// Engine events, in order.
     pub fn events(&self) -> &EventQueue<LinkEvent<M::Event>> {
         &self.shared.events
+    }
+
+    /// Read and route whatever the connection has waiting, on this thread and
+    /// without blocking (the I/O task does the same when it is woken). Engines that
+    /// poll from their decode loop call this, directly or through
+    /// [`HandoffLink::next_event_busy`], so that a frame is handled without waiting
+    /// for the I/O task to be scheduled. Returns whether bytes were read.
+    pub fn poll_io(&self) -> bool {
+        self.shared.poll_io()
+    }
+
+    /// Busy-poll for up to `spin`: take the next event, reading the socket on this
+    /// thread between looks. `None` if nothing came within `spin` (the caller then
+    /// blocks in [`EventQueue::pop_blocking`] as usual). Burns a core while it spins;
+    /// it saves the wake-ups of the I/O task and of this thread, which on a VM that
+    /// halts idle cores cost tens of microseconds each.
+    ///
+    /// While a thread spins, and for `spin` after it got its event (it will likely
+    /// spin again), the I/O task stays off the socket rather than being woken for
+    /// every frame; a spin that ends without an event, or [`HandoffLink::resume_io`],
+    /// hands reading back to it at once.
+    pub fn next_event_busy(&self, spin: Duration) -> Option<LinkEvent<M::Event>> {
+        let shared = &self.shared;
+        let start = Instant::now();
+        let spin_ns = u64::try_from(spin.as_nanos()).unwrap_or(u64::MAX);
+        shared.spin_ns.store(spin_ns, Ordering::Relaxed);
+        shared.spinners.fetch_add(1, Ordering::AcqRel);
+        let got = loop {
+            if let Some(ev) = shared.events.try_pop() {
+                break Some(ev);
+            }
+            if !shared.poll_io() {
+                if shared.events.is_closed() || start.elapsed() >= spin {
+                    break shared.events.try_pop();
+                }
+                // Let a thread that shares this core run (the peer's engine thread
+                // or an I/O thread, where there are fewer cores than threads): a
+                // pure spin would hold it off until the scheduler's slice ends.
+                std::thread::yield_now();
+            }
+        };
+        if got.is_some() {
+            let until = shared.now().as_nanos().saturating_add(spin_ns);
+            shared
+                .spin_linger_until_ns
+                .fetch_max(until, Ordering::AcqRel);
+        }
+        if shared.spinners.fetch_sub(1, Ordering::AcqRel) == 1 && got.is_none() {
+            // Nothing came: this thread is about to block, so the I/O task reads.
+            shared.spin_linger_until_ns.store(0, Ordering::Release);
+            shared.reader_wake.notify_one();
+        }
+        got
+    }
+
+    /// Hand reading back to the I/O task now (the engine is about to block without
+    /// spinning, or stops polling): ends the linger of
+    /// [`HandoffLink::next_event_busy`]. Cheap when there is none.
+    pub fn resume_io(&self) {
+        if self.shared.spin_linger_until_ns.swap(0, Ordering::AcqRel) != 0 {
+            self.shared.reader_wake.notify_one();
+        }
     }
 
     /// Counters.

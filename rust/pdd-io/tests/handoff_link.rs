@@ -92,22 +92,42 @@ struct MdRecord {
 /// Drive `n` requests through the pair: RLD decodes `pre` tokens before MD's KV is
 /// complete, then keeps decoding (yielding between tokens) until told to stop; MD
 /// extends every handoff and reports progress. Returns (RLD tokens, MD record).
+/// How MD's engine waits for events.
+#[derive(Clone, Copy, PartialEq)]
+enum MdWait {
+    /// An async task awaiting the queue.
+    Await,
+    /// A thread that busy-polls (reading the socket itself) for a while, then blocks.
+    BusyPoll,
+}
+
 async fn run_requests(
     rld: Arc<RelayLink>,
     md: Arc<MainLink>,
     n: u64,
     chaos: Option<(Arc<RelayLink>, Arc<MainLink>)>,
+    md_wait: MdWait,
 ) -> (HashMap<u64, Vec<u32>>, HashMap<u64, MdRecord>) {
     let records: Arc<Mutex<HashMap<u64, MdRecord>>> = Arc::default();
 
-    // MD engine: one task draining every event of the link.
+    // MD engine: one task (or thread) draining every event of the link.
     let md_engine = {
         let md = Arc::clone(&md);
         let records = Arc::clone(&records);
-        tokio::spawn(async move {
+        let rt = tokio::runtime::Handle::current();
+        tokio::task::spawn_blocking(move || {
             let mut done = 0;
             while done < n {
-                let Some(LinkEvent { request_id, event }) = md.events().pop().await else {
+                let next = match md_wait {
+                    MdWait::Await => rt.block_on(md.events().pop()),
+                    MdWait::BusyPoll => {
+                        md.next_event_busy(Duration::from_millis(2)).or_else(|| {
+                            md.resume_io();
+                            md.events().pop_blocking(Some(Duration::from_secs(30)))
+                        })
+                    }
+                };
+                let Some(LinkEvent { request_id, event }) = next else {
                     break;
                 };
                 let mut recs = records.lock().unwrap();
@@ -241,12 +261,84 @@ fn check_exactly_once(rld: &HashMap<u64, Vec<u32>>, md: &HashMap<u64, MdRecord>,
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_requests_hand_off_exactly_once() {
     let (rld, md) = pair(config()).await;
-    let (rld_tokens, records) = run_requests(Arc::clone(&rld), Arc::clone(&md), 60, None).await;
+    let (rld_tokens, records) =
+        run_requests(Arc::clone(&rld), Arc::clone(&md), 60, None, MdWait::Await).await;
     check_exactly_once(&rld_tokens, &records, 60);
     let s = rld.stats();
     assert_eq!(s.connects, 1);
     assert_eq!(s.frames_unroutable, 0);
     assert!(s.frames_sent > 0 && s.frames_received > 0);
+    assert_eq!(md.stats().reads_on_caller, 0, "nobody busy-polled");
+    rld.close();
+    md.close();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_polling_md_engine_reads_itself_and_loses_nothing_across_resets() {
+    let (rld, md) = pair(config()).await;
+    let chaos = Some((Arc::clone(&rld), Arc::clone(&md)));
+    let (rld_tokens, records) = run_requests(
+        Arc::clone(&rld),
+        Arc::clone(&md),
+        40,
+        chaos,
+        MdWait::BusyPoll,
+    )
+    .await;
+    check_exactly_once(&rld_tokens, &records, 40);
+    let s = md.stats();
+    assert!(
+        s.reads_on_caller > 0,
+        "the engine thread read the socket: {s:?}"
+    );
+    assert!(rld.stats().connects >= 2, "reconnected: {:?}", rld.stats());
+    rld.close();
+    md.close();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_busy_poll_the_io_task_reads_again_when_the_engine_stops_polling() {
+    let (rld, md) = pair(config()).await;
+    // RLD catches up with 1-token chunks; MD busy-polls for each chunk, then stops
+    // polling altogether: the final HANDOFF must still be read and acked by MD's I/O
+    // task (after the spin's linger), or RLD never hears Finished.
+    rld.open(1, PROMPT).unwrap();
+    md.open(1, PROMPT).unwrap();
+    for i in 0..40 {
+        assert_eq!(
+            rld.offer(1, token(1, i)).unwrap(),
+            RelayDecision::KeepDecoding
+        );
+    }
+    md.report_progress(1, PROMPT, true).unwrap();
+    let md2 = Arc::clone(&md);
+    let got = tokio::task::spawn_blocking(move || {
+        let mut chunks = 0;
+        let start = std::time::Instant::now();
+        while chunks < 1 && start.elapsed() < Duration::from_secs(10) {
+            if let Some(ev) = md2.next_event_busy(Duration::from_millis(50)) {
+                assert!(
+                    matches!(ev.event, MainEvent::Handoff { .. }),
+                    "{:?}",
+                    ev.event
+                );
+                chunks += 1;
+            }
+        }
+        chunks
+    });
+    assert_eq!(bounded(15, "a chunk", got).await.unwrap(), 1);
+    rld.end_of_output(1).unwrap();
+    loop {
+        let ev = bounded(10, "Finished without MD polling", rld.events().pop())
+            .await
+            .unwrap();
+        match ev.event {
+            RelayEvent::Finished => break,
+            RelayEvent::StopDecoding => {}
+            RelayEvent::Failed(e) => panic!("failed: {e}"),
+        }
+    }
     rld.close();
     md.close();
 }
@@ -255,7 +347,8 @@ async fn many_requests_hand_off_exactly_once() {
 async fn connection_resets_mid_handoff_lose_and_duplicate_nothing() {
     let (rld, md) = pair(config()).await;
     let chaos = Some((Arc::clone(&rld), Arc::clone(&md)));
-    let (rld_tokens, records) = run_requests(Arc::clone(&rld), Arc::clone(&md), 40, chaos).await;
+    let (rld_tokens, records) =
+        run_requests(Arc::clone(&rld), Arc::clone(&md), 40, chaos, MdWait::Await).await;
     check_exactly_once(&rld_tokens, &records, 40);
     let s = rld.stats();
     assert!(s.connects >= 2, "reconnected: {s:?}");

@@ -65,6 +65,21 @@ fn opt_secs(name: &str, value: Option<f64>) -> PyResult<Option<Duration>> {
 /// Longest single wait with the GIL released before checking for Ctrl-C.
 const SIGNAL_SLICE: Duration = Duration::from_millis(100);
 
+/// Longest busy-poll one `next_event` call may ask for: a spin is for the next few
+/// round trips, not a substitute for blocking.
+const MAX_BUSY_POLL: Duration = Duration::from_secs(1);
+
+fn busy_poll_arg(value: f64) -> PyResult<Duration> {
+    let d = secs("busy_poll", value)?;
+    if d > MAX_BUSY_POLL {
+        return Err(invalid(format!(
+            "busy_poll must be <= {} s (it burns a core while it lasts), got {value}",
+            MAX_BUSY_POLL.as_secs()
+        )));
+    }
+    Ok(d)
+}
+
 // ---------------------------------------------------------------------------------
 // Policy and timers.
 // ---------------------------------------------------------------------------------
@@ -765,6 +780,7 @@ fn stats_dict<'py>(
         ("frames_rejected", s.frames_rejected),
         ("pings_sent", s.pings_sent),
         ("rtt_us", s.rtt_us),
+        ("reads_on_caller", s.reads_on_caller),
     ] {
         d.set_item(k, v)?;
     }
@@ -816,17 +832,60 @@ macro_rules! common_link_methods {
 
             /// The next event, waiting at most `timeout` seconds (forever with
             /// None) with the GIL released. None on timeout or once closed.
-            #[pyo3(signature = (timeout = None))]
-            fn next_event(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<Py<PyAny>>> {
-                match wait_event(py, self.queue(), timeout)? {
+            ///
+            /// With `busy_poll` > 0 (seconds, at most 1), the first `busy_poll` of
+            /// the wait spins on this thread, reading the connection itself, before
+            /// it blocks: it saves the wake-ups of the I/O thread and of this one
+            /// (tens of microseconds each where idle cores sleep deeply) at the cost
+            /// of a busy core while it spins. See docs/handoff.md, "Polling".
+            #[pyo3(signature = (timeout = None, *, busy_poll = 0.0))]
+            fn next_event(&self, py: Python<'_>, timeout: Option<f64>, busy_poll: f64) -> PyResult<Option<Py<PyAny>>> {
+                let total = opt_secs("timeout", timeout)?;
+                let spin = busy_poll_arg(busy_poll)?;
+                let spin = total.map_or(spin, |t| spin.min(t));
+                let started = std::time::Instant::now();
+                if !spin.is_zero() {
+                    let ev = py.detach(|| match &self.backend {
+                        $backend::Link(l) => l.next_event_busy(spin),
+                        $backend::Pair(p) => {
+                            let queue = &p.$events;
+                            loop {
+                                if let Some(ev) = queue.try_pop() {
+                                    break Some(ev);
+                                }
+                                if queue.is_closed() || started.elapsed() >= spin {
+                                    break None;
+                                }
+                                std::hint::spin_loop();
+                            }
+                        }
+                    });
+                    if let Some(ev) = ev {
+                        return Ok(Some($to_py(py, ev)?));
+                    }
+                }
+                if let $backend::Link(l) = &self.backend {
+                    // About to block: the I/O thread reads from here on.
+                    l.resume_io();
+                }
+                let left = total.map(|t| t.saturating_sub(started.elapsed()).as_secs_f64());
+                match wait_event(py, self.queue(), left)? {
                     Some(ev) => Ok(Some($to_py(py, ev)?)),
                     None => Ok(None),
                 }
             }
 
-            /// Every event queued now, without waiting.
+            /// Every event queued now, without waiting. On a connected link this
+            /// first reads and routes whatever the connection has waiting, on this
+            /// thread, so an engine that polls from its decode loop does not wait
+            /// for the I/O thread to be scheduled.
             fn poll_events(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
-                let events = py.detach(|| self.queue().drain());
+                let events = py.detach(|| {
+                    if let $backend::Link(l) = &self.backend {
+                        l.poll_io();
+                    }
+                    self.queue().drain()
+                });
                 events.into_iter().map(|ev| $to_py(py, ev)).collect()
             }
 
@@ -834,6 +893,9 @@ macro_rules! common_link_methods {
             fn next_event_async<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
                 runtime()?;
                 let backend = self.backend.clone();
+                if let $backend::Link(l) = &backend {
+                    l.resume_io();
+                }
                 pyo3_async_runtimes::tokio::future_into_py(py, async move {
                     let queue = match &backend {
                         $backend::Link(l) => l.events(),
