@@ -236,6 +236,13 @@ def test_bad_input_raises_typed_errors_and_changes_nothing() -> None:
         relay.offer(1, 2**32)
     with pytest.raises(InvalidArgument, match="first_position"):
         relay.open(3, -5)
+    for bad_id in (-1, 2**64):
+        with pytest.raises(InvalidArgument, match="request_id"):
+            relay.open(bad_id, PROMPT)
+        with pytest.raises(InvalidArgument, match="request_id"):
+            main.state(bad_id)
+    with pytest.raises(TypeError):
+        relay.open("1", PROMPT)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="max_attempts"):
         HandoffTimers(max_attempts=-1)
     assert relay.state(1) == "decoding"

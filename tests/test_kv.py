@@ -84,6 +84,11 @@ def test_bad_input_is_refused_and_leaves_state_intact(
         rx.grant(1, [0], layers=LAYERS + 1)
     with pytest.raises(InvalidArgument, match="seconds"):
         rx.grant(1, [0], deadline_s=-1)
+    for bad_id in (-1, 2**64):
+        with pytest.raises(InvalidArgument, match="request_id"):
+            rx.grant(bad_id, [0])
+        with pytest.raises(InvalidArgument, match="request_id"):
+            tx.wait_grant(bad_id, timeout=0.1)
     rx.grant(1, [0, 1])
     with pytest.raises(InvalidArgument) as busy:
         rx.grant(2, [1])

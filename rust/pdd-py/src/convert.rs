@@ -40,3 +40,27 @@ pub fn u32s_from_py(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Vec<u32>> {
 fn to_u32(t: i64, field: &str) -> PyResult<u32> {
     u32::try_from(t).map_err(|_| invalid(format!("{field}: {t} is outside 0..=4294967295")))
 }
+
+/// A request id from Python: an int in `0..=2^64-1`. One out of that range (negative
+/// included) is an `InvalidArgument` naming the parameter, as for every other
+/// argument, rather than the `OverflowError` of the plain `u64` conversion; a
+/// non-int stays a `TypeError`.
+#[derive(Clone, Copy, Debug)]
+pub struct RequestId(pub u64);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for RequestId {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match obj.extract::<u64>() {
+            Ok(v) => Ok(RequestId(v)),
+            Err(e) if e.is_instance_of::<pyo3::exceptions::PyOverflowError>(obj.py()) => {
+                Err(invalid(format!(
+                    "request_id must be in 0..=18446744073709551615, got {}",
+                    obj.str().map(|s| s.to_string()).unwrap_or_default()
+                )))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}

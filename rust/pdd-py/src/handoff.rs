@@ -29,6 +29,7 @@ use pdd_io::wanem::{Jitter, LinkProfile, Wanem, WanemConfig, WanemHandle};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
+use crate::convert::RequestId;
 use crate::errors::{invalid, PddErr};
 use crate::runtime::{block_on, runtime};
 
@@ -809,7 +810,8 @@ macro_rules! common_link_methods {
             /// Abort a request locally: the peer gets ABORT with `reason` (a name of
             /// `wire.ABORT_REASONS`). False if its handoff had already ended.
             #[pyo3(signature = (request_id, reason = "cancelled", message = ""))]
-            fn abort(&self, py: Python<'_>, request_id: u64, reason: &str, message: &str) -> PyResult<bool> {
+            fn abort(&self, py: Python<'_>, request_id: RequestId, reason: &str, message: &str) -> PyResult<bool> {
+                let request_id = request_id.0;
                 let reason = abort_reason(reason)?;
                 let done = py.detach(|| match &self.backend {
                     $backend::Link(l) => l.abort(request_id, reason, message),
@@ -823,7 +825,8 @@ macro_rules! common_link_methods {
             /// Drop a request's handoff state now, whatever its state (the engine is
             /// done with it). Ended handoffs are otherwise dropped after
             /// `timers.linger`. Returns whether there was one.
-            fn forget(&self, py: Python<'_>, request_id: u64) -> bool {
+            fn forget(&self, py: Python<'_>, request_id: RequestId) -> bool {
+                let request_id = request_id.0;
                 py.detach(|| match &self.backend {
                     $backend::Link(l) => l.forget(request_id),
                     $backend::Pair(p) => Self::pair_op(p, |r, _, _| r.forget(request_id)),
@@ -1114,7 +1117,8 @@ common_link_methods!(RelayLink, RelayBackend, relay_events, relay_event_to_py, {
 
     /// Start the handoff of `request_id` (non-zero) whose first eager token sits at
     /// `first_position` (the prompt length).
-    fn open(&self, py: Python<'_>, request_id: u64, first_position: i64) -> PyResult<()> {
+    fn open(&self, py: Python<'_>, request_id: RequestId, first_position: i64) -> PyResult<()> {
+        let request_id = request_id.0;
         let first_position = u32_arg("first_position", first_position)?;
         self.op(
             py,
@@ -1125,7 +1129,13 @@ common_link_methods!(RelayLink, RelayBackend, relay_events, relay_event_to_py, {
 
     /// Record a token just decoded: "keep_decoding" (stream it, decode on),
     /// "last_token" (stream it, then stop) or "refused" (do not stream it; stop).
-    fn offer(&self, py: Python<'_>, request_id: u64, token_id: i64) -> PyResult<&'static str> {
+    fn offer(
+        &self,
+        py: Python<'_>,
+        request_id: RequestId,
+        token_id: i64,
+    ) -> PyResult<&'static str> {
+        let request_id = request_id.0;
         let token_id = u32_arg("token_id", token_id)?;
         self.op(
             py,
@@ -1136,7 +1146,8 @@ common_link_methods!(RelayLink, RelayBackend, relay_events, relay_event_to_py, {
     }
 
     /// The sequence ended on RLD (EOS, stop string, length): hand everything final.
-    fn end_of_output(&self, py: Python<'_>, request_id: u64) -> PyResult<()> {
+    fn end_of_output(&self, py: Python<'_>, request_id: RequestId) -> PyResult<()> {
+        let request_id = request_id.0;
         self.op(
             py,
             |l| l.end_of_output(request_id),
@@ -1156,17 +1167,20 @@ common_link_methods!(RelayLink, RelayBackend, relay_events, relay_event_to_py, {
 
     /// The state of a request's handoff: "decoding", "stopped", "catching_up",
     /// "final_sent", "finished", "aborted" or "failed".
-    fn state(&self, py: Python<'_>, request_id: u64) -> PyResult<&'static str> {
+    fn state(&self, py: Python<'_>, request_id: RequestId) -> PyResult<&'static str> {
+        let request_id = request_id.0;
         self.read(py, request_id, |m| m.state().name())
     }
 
     /// Whether the engine should keep decoding the request.
-    fn is_decoding(&self, py: Python<'_>, request_id: u64) -> PyResult<bool> {
+    fn is_decoding(&self, py: Python<'_>, request_id: RequestId) -> PyResult<bool> {
+        let request_id = request_id.0;
         self.read(py, request_id, |m| m.is_decoding())
     }
 
     /// "one_shot" or "catch_up" once MD's KV is complete, else None.
-    fn mode(&self, py: Python<'_>, request_id: u64) -> PyResult<Option<&'static str>> {
+    fn mode(&self, py: Python<'_>, request_id: RequestId) -> PyResult<Option<&'static str>> {
+        let request_id = request_id.0;
         self.read(py, request_id, |m| m.mode().map(|m| m.name()))
     }
 });
@@ -1265,7 +1279,8 @@ common_link_methods!(MainLink, MainBackend, main_events, main_event_to_py, {
 
     /// Start the handoff of `request_id` (non-zero) whose handed tokens start at
     /// `first_position` (the prompt length).
-    fn open(&self, py: Python<'_>, request_id: u64, first_position: i64) -> PyResult<()> {
+    fn open(&self, py: Python<'_>, request_id: RequestId, first_position: i64) -> PyResult<()> {
+        let request_id = request_id.0;
         let first_position = u32_arg("first_position", first_position)?;
         self.op(
             py,
@@ -1281,10 +1296,11 @@ common_link_methods!(MainLink, MainBackend, main_events, main_event_to_py, {
     fn report_progress(
         &self,
         py: Python<'_>,
-        request_id: u64,
+        request_id: RequestId,
         position: i64,
         kv_complete: bool,
     ) -> PyResult<()> {
+        let request_id = request_id.0;
         let position = u32_arg("position", position)?;
         self.op(
             py,
@@ -1295,12 +1311,14 @@ common_link_methods!(MainLink, MainBackend, main_events, main_event_to_py, {
 
     /// The state of a request's handoff: "awaiting_kv", "receiving", "owned",
     /// "closed", "aborted" or "failed".
-    fn state(&self, py: Python<'_>, request_id: u64) -> PyResult<&'static str> {
+    fn state(&self, py: Python<'_>, request_id: RequestId) -> PyResult<&'static str> {
+        let request_id = request_id.0;
         self.read(py, request_id, |m| m.state().name())
     }
 
     /// Position after the last token delivered.
-    fn next_position(&self, py: Python<'_>, request_id: u64) -> PyResult<u32> {
+    fn next_position(&self, py: Python<'_>, request_id: RequestId) -> PyResult<u32> {
+        let request_id = request_id.0;
         self.read(py, request_id, |m| m.next_position())
     }
 });

@@ -20,7 +20,7 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyDict;
 
-use crate::convert::u32s_from_py;
+use crate::convert::{u32s_from_py, RequestId};
 use crate::errors::{invalid, PddErr};
 use crate::radix::RadixCache;
 use crate::runtime::{block_on, runtime};
@@ -253,12 +253,13 @@ impl KvReceiver {
     #[pyo3(signature = (request_id, pages, *, layers = None, peer = None, deadline_s = None))]
     fn grant(
         &self,
-        request_id: u64,
+        request_id: RequestId,
         pages: &Bound<'_, PyAny>,
         layers: Option<u16>,
         peer: Option<u64>,
         deadline_s: Option<f64>,
     ) -> PyResult<InboundTransfer> {
+        let request_id = request_id.0;
         let pages = u32s_from_py(pages, "pages")?;
         let deadline = deadline_s.map(|d| seconds(d, "deadline_s")).transpose()?;
         // grant() spawns its deadline timer: it must run inside the runtime.
@@ -536,9 +537,10 @@ impl KvSender {
     fn wait_grant(
         &self,
         py: Python<'_>,
-        request_id: u64,
+        request_id: RequestId,
         timeout: f64,
     ) -> PyResult<OutboundTransfer> {
+        let request_id = request_id.0;
         let tx = self.inner.clone();
         let t = wait_bounded(py, seconds(timeout, "timeout")?, "the grant", async move {
             tx.wait_grant(request_id).await
@@ -555,13 +557,14 @@ impl KvSender {
     fn query_prefix<'py>(
         &self,
         py: Python<'py>,
-        request_id: u64,
+        request_id: RequestId,
         tokens: &Bound<'py, PyAny>,
         namespace: u64,
         page_size: u16,
         lease_s: f64,
         timeout: f64,
     ) -> PyResult<Bound<'py, PyDict>> {
+        let request_id = request_id.0;
         let tokens = u32s_from_py(tokens, "tokens")?;
         if !lease_s.is_finite() || lease_s < 0.0 {
             return Err(invalid(format!("lease_s must be >= 0, got {lease_s}")));
