@@ -6,6 +6,7 @@ here asserts on timing."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections.abc import Iterator
 
@@ -400,6 +401,13 @@ def test_links_hand_off_many_requests_over_tcp(links: tuple[RelayLink, MainLink]
     stats = relay.stats()
     assert stats["connects"] >= 2 and stats["frames_sent"] > 0
     assert relay.address == main.address
+    text = main.prometheus("md0")
+    # Heartbeats keep arriving: the text's count is a snapshot at most the later one.
+    found = re.search(r'pdd_transport_handoff_frames_received_total\{endpoint="md0"\} (\d+)\n', text)
+    assert found and 0 < int(found.group(1)) <= main.stats()["frames_received"]
+    assert "# TYPE pdd_transport_handoff_connected gauge" in text
+    with pytest.raises(InvalidArgument, match="prometheus"):
+        HandoffPair().relay.prometheus()
     # Only a busy-polling engine thread reads the socket itself.
     if busy_poll:
         assert main.stats()["reads_on_caller"] > 0

@@ -814,6 +814,93 @@ pub struct LinkStats {
     pub connected: bool,
 }
 
+impl LinkStats {
+    /// `(name, value, kind, help)` for every figure, in a fixed order.
+    pub fn snapshot(&self) -> Vec<(&'static str, u64, &'static str, &'static str)> {
+        vec![
+            (
+                "connects_total",
+                self.connects,
+                "counter",
+                "handoff connections established",
+            ),
+            (
+                "connections_lost_total",
+                self.connections_lost,
+                "counter",
+                "handoff connections lost",
+            ),
+            (
+                "dead_peer_total",
+                self.dead_peer,
+                "counter",
+                "handoff connections dropped for a silent peer",
+            ),
+            (
+                "frames_sent_total",
+                self.frames_sent,
+                "counter",
+                "handoff-lane frames written",
+            ),
+            (
+                "frames_received_total",
+                self.frames_received,
+                "counter",
+                "handoff-lane frames received",
+            ),
+            (
+                "frames_dropped_disconnected_total",
+                self.frames_dropped_disconnected,
+                "counter",
+                "handoff frames dropped while disconnected (re-sent on reconnect)",
+            ),
+            (
+                "frames_unroutable_total",
+                self.frames_unroutable,
+                "counter",
+                "frames for a request this side does not hold",
+            ),
+            (
+                "frames_rejected_total",
+                self.frames_rejected,
+                "counter",
+                "frames a handoff machine rejected",
+            ),
+            (
+                "pings_sent_total",
+                self.pings_sent,
+                "counter",
+                "handoff-lane PINGs sent",
+            ),
+            (
+                "reads_on_caller_total",
+                self.reads_on_caller,
+                "counter",
+                "socket reads done on an engine thread",
+            ),
+            (
+                "rtt_us",
+                self.rtt_us,
+                "gauge",
+                "last handoff-lane PING round trip in microseconds",
+            ),
+            ("requests", self.requests, "gauge", "handoff machines held"),
+            (
+                "connected",
+                u64::from(self.connected),
+                "gauge",
+                "1 while a handoff connection is up",
+            ),
+        ]
+    }
+
+    /// Prometheus text exposition, every figure prefixed `pdd_transport_handoff_` and
+    /// labelled with `endpoint`.
+    pub fn prometheus(&self, endpoint: &str) -> String {
+        crate::metrics::prometheus_text("pdd_transport_handoff_", endpoint, self.snapshot())
+    }
+}
+
 #[derive(Default)]
 struct Counters {
     connects: AtomicU64,

@@ -78,15 +78,25 @@ impl Metrics {
     /// Prometheus text exposition, every metric prefixed `pdd_transport_` and labelled
     /// with `endpoint`.
     pub fn prometheus(&self, endpoint: &str) -> String {
-        let mut out = String::new();
-        let label = endpoint.replace('\\', "\\\\").replace('"', "\\\"");
-        for (name, value, kind, help) in self.snapshot() {
-            let _ = writeln!(out, "# HELP pdd_transport_{name} {help}");
-            let _ = writeln!(out, "# TYPE pdd_transport_{name} {kind}");
-            let _ = writeln!(out, "pdd_transport_{name}{{endpoint=\"{label}\"}} {value}");
-        }
-        out
+        prometheus_text("pdd_transport_", endpoint, self.snapshot())
     }
+}
+
+/// Prometheus text exposition of `(name, value, kind, help)` metrics, each named
+/// `{prefix}{name}` and labelled with `endpoint` (escaped).
+pub fn prometheus_text(
+    prefix: &str,
+    endpoint: &str,
+    metrics: impl IntoIterator<Item = (&'static str, u64, &'static str, &'static str)>,
+) -> String {
+    let mut out = String::new();
+    let label = endpoint.replace('\\', "\\\\").replace('"', "\\\"");
+    for (name, value, kind, help) in metrics {
+        let _ = writeln!(out, "# HELP {prefix}{name} {help}");
+        let _ = writeln!(out, "# TYPE {prefix}{name} {kind}");
+        let _ = writeln!(out, "{prefix}{name}{{endpoint=\"{label}\"}} {value}");
+    }
+    out
 }
 
 #[cfg(test)]

@@ -976,6 +976,17 @@ macro_rules! common_link_methods {
                 }
             }
 
+            /// The link's counters as Prometheus text, each named
+            /// `pdd_transport_handoff_*` and labelled `endpoint` (see docs/handoff.md).
+            /// An in-process pair side has no connection: InvalidArgument.
+            #[pyo3(signature = (endpoint = "handoff"))]
+            fn prometheus(&self, endpoint: &str) -> PyResult<String> {
+                match &self.backend {
+                    $backend::Link(l) => Ok(l.stats().prometheus(endpoint)),
+                    $backend::Pair(_) => Err(pair_only("prometheus")),
+                }
+            }
+
             /// Drop the connection as a network reset would (the link reconnects).
             /// On a pair side: lose the frames in flight and reconnect both sides.
             fn drop_connection(&self, py: Python<'_>) {
