@@ -126,6 +126,17 @@ def test_wrong_types_are_type_errors() -> None:
         wire.encode_handoff(1, 0, 0, np.zeros(3, dtype=np.float32))
 
 
+def test_encode_handoff_out_of_range_ints_are_invalid_argument() -> None:
+    for args, needle in [
+        ((-1, 0, 0), "request_id"),
+        ((2**64, 0, 0), "request_id"),
+        ((1, -1, 0), "seq"),
+        ((1, 0, 2**32), "first_position"),
+    ]:
+        with pytest.raises(InvalidArgument, match=needle):
+            wire.encode_handoff(*args, [1, 2])
+
+
 def test_payload_limits_are_enforced_both_ways() -> None:
     big = {"kind": "KV_PAGES", "transfer_id": 1, "layer_start": 0, "layer_count": 1, "page_start": 0,
            "page_count": 1, "page_bytes": 100_000, "data": bytes(100_000)}

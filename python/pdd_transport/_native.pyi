@@ -86,7 +86,8 @@ def encode_handoff(
     token_ids: _TokenIds,
     final_: bool = False,
 ) -> bytes:
-    """Encode a HANDOFF frame straight from a token array."""
+    """Encode a HANDOFF frame straight from a token array. Ints out of their field's
+    range (request_id: u64; seq, first_position, token ids: u32) raise InvalidArgument."""
 
 def negotiate_hello(
     role: str,

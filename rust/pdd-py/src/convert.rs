@@ -37,7 +37,7 @@ pub fn u32s_from_py(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Vec<u32>> {
     values.into_iter().map(|t| to_u32(t, field)).collect()
 }
 
-fn to_u32(t: i64, field: &str) -> PyResult<u32> {
+pub fn to_u32(t: i64, field: &str) -> PyResult<u32> {
     u32::try_from(t).map_err(|_| invalid(format!("{field}: {t} is outside 0..=4294967295")))
 }
 
