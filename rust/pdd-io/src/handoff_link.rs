@@ -954,7 +954,7 @@ struct Shared<M: HandoffMachine> {
     /// engine: a spinner that got its event will likely spin again soon, and each
     /// needless wake of the I/O task costs a core for a moment.
     spin_linger_until_ns: AtomicU64,
-    /// The longest spin asked for lately (ns): how often a stepped-back I/O task
+    /// The spin length last asked for (ns): how often a stepped-back I/O task
     /// looks again whether the engine still polls.
     spin_ns: AtomicU64,
     /// Tells the I/O task that the engine stopped busy-polling.
