@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     exe = shutil.which("pdd-transport")
@@ -30,3 +32,23 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert summary["baseline"]["tokens_by_rld"] == 0
     assert set(summary["pdd"]["pipelines"]) <= {"p_md", "p_rld_md", "p_rld"}
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_table_keeps_long_cells_apart(capsys: pytest.CaptureFixture[str]) -> None:
+    from pdd_transport.demo.run import print_table
+
+    def side(pipelines: dict[str, int], modes: dict[str, int]) -> dict[str, object]:
+        return {
+            "ttft_p50_s": 0.1, "ttft_p90_s": 0.5, "ttft_p99_s": 0.9, "wan_bytes": 10**9,
+            "pipelines": pipelines, "handoffs_by_mode": modes, "tokens_by_rld": 2316,
+            "tokens_by_md": 7947, "completed": 120, "errors": 0,
+        }
+
+    summary = {
+        "baseline": side({"p_md": 120}, {}),
+        "pdd": side({"p_md": 92, "p_rld": 3, "p_rld_md": 25}, {"one_shot": 16, "catch_up": 8}),
+        "full_kv_bytes": 8 * 10**9, "greedy_equal": True, "plot": "x.png",
+    }
+    print_table(summary)
+    line = next(li for li in capsys.readouterr().out.splitlines() if li.strip().startswith("pipelines"))
+    assert "p_md 120  " in line and line.endswith("p_md 92, p_rld 3, p_rld_md 25")

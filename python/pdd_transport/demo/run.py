@@ -317,11 +317,14 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
 
 def print_table(summary: dict[str, Any]) -> None:
     b, p = summary["baseline"], summary["pdd"]
+    rows: list[tuple[str, str, str]] = []
 
     def row(name: str, fb: str, fp: str) -> None:
-        print(f"  {name:<28}{fb:>18}{fp:>18}")
+        rows.append((name, fb, fp))
 
-    print()
+    def counts(d: dict[str, int]) -> str:
+        return ", ".join(f"{k} {v}" for k, v in d.items()) or "-"
+
     row("", "baseline PD", "PDD")
     row("TTFT p50 (s)", f"{b['ttft_p50_s']:.3f}", f"{p['ttft_p50_s']:.3f}")
     row("TTFT p90 (s)", f"{b['ttft_p90_s']:.3f}", f"{p['ttft_p90_s']:.3f}")
@@ -329,11 +332,17 @@ def print_table(summary: dict[str, Any]) -> None:
     full = summary["full_kv_bytes"]
     row("WAN KV bytes (MB)", f"{b['wan_bytes'] / 1e6:.1f}", f"{p['wan_bytes'] / 1e6:.1f}")
     row("  share of full KV", f"{b['wan_bytes'] / full:.1%}", f"{p['wan_bytes'] / full:.1%}")
-    row("pipelines", json.dumps(b["pipelines"]), json.dumps(p["pipelines"]))
-    row("handoffs by mode", "-", json.dumps(p["handoffs_by_mode"]))
+    row("pipelines", counts(b["pipelines"]), counts(p["pipelines"]))
+    row("handoffs by mode", "-", counts(p["handoffs_by_mode"]))
     row("tokens decoded by RLD", str(b["tokens_by_rld"]), str(p["tokens_by_rld"]))
     row("tokens decoded by MD", str(b["tokens_by_md"]), str(p["tokens_by_md"]))
     row("completed / errors", f"{b['completed']} / {b['errors']}", f"{p['completed']} / {p['errors']}")
+    # Columns as wide as their widest cell, two spaces apart: the counts can be long.
+    wb = max(len(r[1]) for r in rows) + 2
+    wp = max(len(r[2]) for r in rows) + 2
+    print()
+    for name, fb, fp in rows:
+        print(f"  {name:<24}{fb:>{wb}}{fp:>{wp}}")
     print(f"\n  full prompt KV of the workload: {full / 1e6:.1f} MB")
     print(f"  greedy output equals one monolithic engine's: {summary['greedy_equal']}")
     print(f"  TTFT p90, PDD / baseline: {p['ttft_p90_s'] / b['ttft_p90_s']:.2f}")
