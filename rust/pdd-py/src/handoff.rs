@@ -859,7 +859,9 @@ macro_rules! common_link_methods {
                                 if queue.is_closed() || started.elapsed() >= spin {
                                     break None;
                                 }
-                                std::hint::spin_loop();
+                                // As the link's spin does: let the thread that
+                                // delivers (or a peer) have this core.
+                                std::thread::yield_now();
                             }
                         }
                     });
