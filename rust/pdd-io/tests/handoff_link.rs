@@ -274,29 +274,6 @@ async fn many_requests_hand_off_exactly_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_busy_polling_md_engine_reads_itself_and_loses_nothing_across_resets() {
-    let (rld, md) = pair(config()).await;
-    let chaos = Some((Arc::clone(&rld), Arc::clone(&md)));
-    let (rld_tokens, records) = run_requests(
-        Arc::clone(&rld),
-        Arc::clone(&md),
-        40,
-        chaos,
-        MdWait::BusyPoll,
-    )
-    .await;
-    check_exactly_once(&rld_tokens, &records, 40);
-    let s = md.stats();
-    assert!(
-        s.reads_on_caller > 0,
-        "the engine thread read the socket: {s:?}"
-    );
-    assert!(rld.stats().connects >= 2, "reconnected: {:?}", rld.stats());
-    rld.close();
-    md.close();
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_busy_poll_the_io_task_reads_again_when_the_engine_stops_polling() {
     let (rld, md) = pair(config()).await;
     // RLD catches up with 1-token chunks; MD busy-polls for each chunk, then stops
@@ -343,16 +320,35 @@ async fn after_a_busy_poll_the_io_task_reads_again_when_the_engine_stops_polling
     md.close();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn connection_resets_mid_handoff_lose_and_duplicate_nothing() {
+/// 40 requests with six connection drops mid-handoff: exactly once, in order, and the
+/// link reconnected. Returns the links for checks of the MD wait mode.
+async fn resets_lose_and_duplicate_nothing(md_wait: MdWait) -> (Arc<RelayLink>, Arc<MainLink>) {
     let (rld, md) = pair(config()).await;
     let chaos = Some((Arc::clone(&rld), Arc::clone(&md)));
     let (rld_tokens, records) =
-        run_requests(Arc::clone(&rld), Arc::clone(&md), 40, chaos, MdWait::Await).await;
+        run_requests(Arc::clone(&rld), Arc::clone(&md), 40, chaos, md_wait).await;
     check_exactly_once(&rld_tokens, &records, 40);
     let s = rld.stats();
     assert!(s.connects >= 2, "reconnected: {s:?}");
     assert!(s.connections_lost >= 1, "{s:?}");
+    (rld, md)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_resets_mid_handoff_lose_and_duplicate_nothing() {
+    resets_lose_and_duplicate_nothing(MdWait::Await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_polling_md_engine_reads_itself_and_loses_nothing_across_resets() {
+    let (rld, md) = resets_lose_and_duplicate_nothing(MdWait::BusyPoll).await;
+    let s = md.stats();
+    assert!(
+        s.reads_on_caller > 0,
+        "the engine thread read the socket: {s:?}"
+    );
+    rld.close();
+    md.close();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
