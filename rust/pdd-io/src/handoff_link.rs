@@ -1792,9 +1792,18 @@ impl HandoffLink<MainSide> {
                 let shared = Arc::clone(&shared);
                 let local = local.clone();
                 tokio::spawn(async move {
-                    let agreed = lane::accept(&mut stream, &local, shared.config.connect_timeout)
-                        .await
-                        .and_then(|a| check_capability(&a).map(|_| a));
+                    // A peer without the capability hears why (an ABORT in place of
+                    // our HELLO) instead of a HELLO and then a close.
+                    let timeout = shared.config.connect_timeout;
+                    let agreed = match lane::read_hello(&mut stream, &local, timeout).await {
+                        Ok(a) => {
+                            let admitted = check_capability(&a);
+                            lane::answer_hello(&mut stream, &local, &a, admitted, timeout)
+                                .await
+                                .map(|()| a)
+                        }
+                        Err(e) => Err(e),
+                    };
                     match agreed {
                         Ok(agreed) => {
                             let stream = Arc::new(stream);

@@ -163,8 +163,25 @@ pub async fn connect(
 }
 
 /// Accept side of the HELLO exchange, within `timeout`: read the peer's HELLO,
-/// negotiate, answer HELLO or ABORT.
+/// negotiate, answer HELLO or ABORT. [`read_hello`] then [`answer_hello`] with nothing
+/// to decide in between.
 pub async fn accept(
+    stream: &mut TcpStream,
+    local: &LocalHello,
+    timeout: Duration,
+) -> Result<Negotiated, Error> {
+    let agreed = read_hello(stream, local, timeout).await?;
+    answer_hello(stream, local, &agreed, Ok(()), timeout).await?;
+    Ok(agreed)
+}
+
+/// First half of the accept side, within `timeout`: read the peer's HELLO and
+/// negotiate. A HELLO we cannot agree with (or another frame) is answered with an
+/// ABORT here; an agreeable one is not answered yet: the caller admits the lane (its
+/// session exists, the peer has the capability) and then calls [`answer_hello`]. A
+/// connector must never get a HELLO reply for a lane the acceptor is not ready to
+/// serve: it starts using the lane as soon as the reply arrives.
+pub async fn read_hello(
     stream: &mut TcpStream,
     local: &LocalHello,
     timeout: Duration,
@@ -185,30 +202,58 @@ pub async fn accept(
             return Err(err);
         };
         match negotiate(local, &peer) {
-            Ok(agreed) => {
-                write_frame(
-                    stream,
-                    &Frame::Hello(local.reply(&agreed)),
-                    agreed.peer_max_payload,
-                )
-                .await?;
-                if agreed.lane > 0 {
-                    let _ = stream.set_nodelay(false);
-                }
-                Ok(agreed)
-            }
+            Ok(agreed) => Ok(agreed),
             Err(err) => {
                 let _ = write_frame(stream, &abort_for(&err), local.max_payload).await;
                 Err(err)
             }
         }
     };
-    match tokio::time::timeout(timeout, exchange).await {
-        Ok(r) => r,
-        Err(_) => Err(Error::DeadlineExceeded {
-            what: "HELLO from a connecting peer".into(),
-        }),
-    }
+    within(timeout, "HELLO from a connecting peer", exchange).await
+}
+
+/// Second half of the accept side, within `timeout`: answer a negotiated HELLO with
+/// our HELLO when `admitted` is `Ok`, else with an ABORT saying why (and return that
+/// error).
+pub async fn answer_hello(
+    stream: &mut TcpStream,
+    local: &LocalHello,
+    agreed: &Negotiated,
+    admitted: Result<(), Error>,
+    timeout: Duration,
+) -> Result<(), Error> {
+    let exchange = async {
+        match admitted {
+            Ok(()) => {
+                write_frame(
+                    stream,
+                    &Frame::Hello(local.reply(agreed)),
+                    agreed.peer_max_payload,
+                )
+                .await?;
+                if agreed.lane > 0 {
+                    let _ = stream.set_nodelay(false);
+                }
+                Ok(())
+            }
+            Err(err) => {
+                let _ = write_frame(stream, &abort_for(&err), agreed.peer_max_payload).await;
+                Err(err)
+            }
+        }
+    };
+    within(timeout, "answering a connecting peer's HELLO", exchange).await
+}
+
+/// `step`, or `DeadlineExceeded { what }` once `timeout` passed.
+async fn within<T>(
+    timeout: Duration,
+    what: &str,
+    step: impl std::future::Future<Output = Result<T, Error>>,
+) -> Result<T, Error> {
+    tokio::time::timeout(timeout, step)
+        .await
+        .unwrap_or_else(|_| Err(Error::DeadlineExceeded { what: what.into() }))
 }
 
 /// The ABORT that tells a peer why we are closing (connection-wide).

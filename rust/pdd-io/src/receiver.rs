@@ -660,9 +660,10 @@ fn fail_session_transfers(
 
 async fn handle_connection(shared: Arc<Shared>, mut stream: TcpStream, peer_addr: SocketAddr) {
     lane::tune(&stream, &shared.cfg.tuning, true);
+    // Not answered yet: each kind of lane answers once it is ready to be used.
     let agreed = tokio::select! {
         _ = shared.cancel.cancelled() => return,
-        r = lane::accept(&mut stream, &shared.cfg.hello, shared.cfg.hello_timeout) => match r {
+        r = lane::read_hello(&mut stream, &shared.cfg.hello, shared.cfg.hello_timeout) => match r {
             Ok(a) => a,
             Err(_) => return,
         },
@@ -683,7 +684,7 @@ fn now_ns() -> u64 {
 
 async fn control_session(
     shared: Arc<Shared>,
-    stream: TcpStream,
+    mut stream: TcpStream,
     agreed: pdd_core::wire::handshake::Negotiated,
     peer_addr: SocketAddr,
 ) {
@@ -716,6 +717,17 @@ async fn control_session(
         lock(&shared.sessions).len() as u64,
     );
     shared.sessions_changed.send_modify(|n| *n += 1);
+
+    // Only now that the session is registered: the sender opens its data lanes as soon
+    // as this reply arrives, and a data lane is admitted only into a known session.
+    let answered = tokio::select! {
+        _ = cancel.cancelled() => Err(Error::Cancelled { detail: "session closed".into() }),
+        r = lane::answer_hello(&mut stream, &shared.cfg.hello, &agreed, Ok(()), shared.cfg.hello_timeout) => r,
+    };
+    if let Err(e) = answered {
+        end_session(&shared, session_id, generation, &e);
+        return;
+    }
 
     let (rd, wr) = stream.into_split();
     let mut reader = FramedRead::new(
@@ -843,6 +855,12 @@ async fn control_session(
     };
     cancel.cancel();
     let _ = writer_task.await;
+    end_session(&shared, session_id, generation, &end_reason);
+}
+
+/// Unregister session generation `generation` (unless a reconnect replaced it) and
+/// fail what it had in flight with `end_reason`.
+fn end_session(shared: &Arc<Shared>, session_id: u64, generation: u64, end_reason: &Error) {
     {
         let mut sessions = lock(&shared.sessions);
         if sessions
@@ -857,9 +875,9 @@ async fn control_session(
         Metrics::add(&shared.metrics.sessions_lost_total, 1);
     }
     shared.sessions_changed.send_modify(|n| *n += 1);
-    fail_session_transfers(&shared, session_id, generation, &end_reason, None);
+    fail_session_transfers(shared, session_id, generation, end_reason, None);
     // Leases pinned for a peer that is gone would only delay eviction.
-    release_leases(&shared, |_, owner| owner == (session_id, generation));
+    release_leases(shared, |_, owner| owner == (session_id, generation));
 }
 
 /// Calls `finish_block` exactly once for a block begun on a data lane, also when the
@@ -899,11 +917,23 @@ async fn data_lane(
     let session = lock(&shared.sessions)
         .get(&agreed.session_id)
         .map(|s| (s.cancel.clone(), s.control.clone(), s.death.clone()));
-    let Some((cancel, control, death)) = session else {
-        let e = Error::ConnectionLost {
-            detail: "data lane for a session with no control lane".into(),
-        };
-        let _ = lane::write_frame(&mut stream, &lane::abort_for(&e), agreed.peer_max_payload).await;
+    // The control lane registers its session before answering its HELLO, so a sender
+    // that waited for that answer always finds its session here.
+    let admitted = match &session {
+        Some(_) => Ok(()),
+        None => Err(Error::ConnectionLost {
+            detail: format!(
+                "data lane {} for session {} which has no control lane",
+                agreed.lane, agreed.session_id
+            ),
+        }),
+    };
+    let hello = &shared.cfg.hello;
+    let answered = tokio::select! {
+        _ = shared.cancel.cancelled() => return,
+        r = lane::answer_hello(&mut stream, hello, &agreed, admitted, shared.cfg.hello_timeout) => r,
+    };
+    let (Ok(()), Some((cancel, control, death))) = (answered, session) else {
         return;
     };
     let max_payload = shared.cfg.hello.max_payload;

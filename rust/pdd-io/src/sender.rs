@@ -407,6 +407,10 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
     Ok(conn)
 }
 
+/// How long a data lane that failed waits for the control lane to report the
+/// receiver's reason before its own error ends the session.
+const PEER_REASON_GRACE: Duration = Duration::from_millis(250);
+
 fn kill(conn: &Conn, error: Error) {
     let mut death = lock(&conn.death);
     if death.is_none() {
@@ -546,6 +550,12 @@ async fn lane_writer(
             j = jobs.recv() => match j { Some(j) => j, None => return },
         };
         if let Err(e) = write_block(&shared.pool, &mut wr, &job).await {
+            // A receiver that ends the session closes its data lanes and says why on
+            // the control lane; a write here can fail (EPIPE, reset) before that
+            // ABORT is read. Give the control lane a moment so the engine gets the
+            // receiver's reason rather than a bare "broken pipe". If the control lane
+            // is healthy and says nothing, the lane's own error stands.
+            let _ = tokio::time::timeout(PEER_REASON_GRACE, conn.cancel.cancelled()).await;
             kill(&conn, e);
             return;
         }

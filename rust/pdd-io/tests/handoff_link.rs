@@ -11,6 +11,7 @@ use pdd_core::handoff::{HandoffPolicy, HandoffTimers, MainEvent, RelayDecision, 
 use pdd_core::time::Timestamp;
 use pdd_core::wire::handshake::LocalHello;
 use pdd_core::wire::{capability, Frame, Role};
+use pdd_core::Error;
 use pdd_io::handoff_link::{
     LinkConfig, LinkEvent, MainLink, MainRouter, Outbox, RelayLink, RelayRouter,
 };
@@ -414,6 +415,30 @@ async fn wrong_credential_is_refused_and_reported() {
     assert_eq!(err.reason(), "deadline_exceeded");
     let last = rld.last_error().expect("the refusal is kept");
     assert_eq!(last.reason(), "peer_aborted", "{last}");
+    assert!(!md.is_connected());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_without_the_handoff_capability_is_refused_at_hello() {
+    let rt = tokio::runtime::Handle::current();
+    let md = MainLink::listen(&rt, any_port(), config()).unwrap();
+    // A relay-decode that offers KV streaming only: MD says why instead of answering
+    // HELLO and then closing.
+    let local = LocalHello::new(Role::RelayDecode, capability::KV_STREAM);
+    let err = lane::connect(
+        md.local_addr().unwrap(),
+        &local,
+        7,
+        0,
+        &lane::SocketTuning::default(),
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap_err();
+    match &err {
+        Error::PeerAborted { message, .. } => assert!(message.contains("handoff capability")),
+        other => panic!("expected an ABORT in place of HELLO, got {other:?}"),
+    }
     assert!(!md.is_connected());
 }
 

@@ -593,3 +593,128 @@ mod prefix_handshake {
         );
     }
 }
+
+/// The race behind a rare "broken pipe" in CI: a sender opens its data lanes as soon
+/// as the control lane's HELLO reply arrives. The receiver used to reply before it
+/// registered the session, so a quick data lane could find no session, be closed,
+/// and the sender only learned it at its first block write. Now the session exists
+/// before the reply, and a data lane that has no session is refused at HELLO.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_lane_right_after_its_control_lane_is_always_admitted() {
+    let rx = receiver(|_| {}).await;
+    let hello = LocalHello::new(Role::Prefill, capability::KV_STREAM);
+    let tuning = SocketTuning::default();
+    let mut lanes = Vec::new();
+    for session in 1..=100u64 {
+        let (control, _) = lane::connect(rx.local_addr(), &hello, session, 0, &tuning, BOUND)
+            .await
+            .unwrap();
+        let data = lane::connect(rx.local_addr(), &hello, session, 1, &tuning, BOUND).await;
+        let (data, _) = data.unwrap_or_else(|e| panic!("session {session}: {e:?}"));
+        lanes.push((session, control, data));
+    }
+    bounded(rx.wait_peer(Some(100))).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // An admitted data lane hears nothing from the receiver: no ABORT, no close.
+    for (session, _control, data) in &lanes {
+        let mut byte = [0u8; 1];
+        match data.try_read(&mut byte) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            other => panic!("session {session}: data lane got {other:?} after HELLO"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_lane_without_a_session_is_refused_at_hello() {
+    let rx = receiver(|_| {}).await;
+    let hello = LocalHello::new(Role::Prefill, capability::KV_STREAM);
+    let err = lane::connect(
+        rx.local_addr(),
+        &hello,
+        99,
+        1,
+        &SocketTuning::default(),
+        BOUND,
+    )
+    .await
+    .unwrap_err();
+    match &err {
+        Error::PeerAborted { message, .. } => {
+            assert!(message.contains("no control lane"), "{err:?}")
+        }
+        other => panic!("expected an ABORT in place of HELLO, got {other:?}"),
+    }
+    // The refusal changed nothing: a proper session still works.
+    let tx = KvSender::connect(pattern_pool(3), sender_cfg(rx.local_addr(), 2))
+        .await
+        .unwrap();
+    bounded(rx.wait_peer(None)).await;
+    transfer(&rx, &tx, 1, &[0, 1], &[2, 3]).await.unwrap();
+}
+
+/// A receiver that ends the session resets its data lanes and then says why on the
+/// control lane: the sender reports the receiver's reason, not the reset it hit first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_reports_the_receivers_reason_over_its_own_write_error() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut cfg = sender_cfg(listener.local_addr().unwrap(), 1);
+    cfg.max_block_bytes = PAGE;
+    let connecting = tokio::spawn(KvSender::connect(pattern_pool(4), cfg));
+    // A scripted receiver, lane by lane.
+    let hello = LocalHello::new(Role::MainDecode, capability::KV_STREAM);
+    let (mut control, _) = bounded(listener.accept()).await.unwrap();
+    bounded(lane::accept(&mut control, &hello, BOUND))
+        .await
+        .unwrap();
+    let (mut data, _) = bounded(listener.accept()).await.unwrap();
+    bounded(lane::accept(&mut data, &hello, BOUND))
+        .await
+        .unwrap();
+    let tx = bounded(connecting).await.unwrap().unwrap();
+    let grant = pdd_core::wire::KvGrant {
+        transfer_id: 5,
+        request_id: 8,
+        layer_count: 2,
+        page_count: 4,
+        page_bytes: PAGE,
+        deadline_ms: 0,
+    };
+    lane::write_frame(
+        &mut control,
+        &pdd_core::wire::Frame::KvGrant(grant),
+        1 << 20,
+    )
+    .await
+    .unwrap();
+    let out = bounded(tx.wait_grant(8)).await.unwrap();
+    let pages = [0, 1, 2, 3];
+    out.send_layer(0, 0, &pages).await.unwrap();
+    for _ in 0..4 {
+        bounded(lane::read_frame_exact(&mut data, 1 << 24))
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    // Reset the data lane (SO_LINGER 0), let the sender's next write hit the reset,
+    // and only then send the ABORT.
+    socket2::SockRef::from(&data)
+        .set_linger(Some(Duration::ZERO))
+        .unwrap();
+    drop(data);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let _ = out.send_layer(1, 1, &pages).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let why = Error::GrantViolation {
+        transfer_id: 5,
+        detail: "scripted".into(),
+    };
+    lane::write_frame(&mut control, &lane::abort_for(&why), 1 << 20)
+        .await
+        .unwrap();
+    let err = bounded(out.wait()).await.unwrap_err();
+    assert!(
+        matches!(&err, Error::PeerAborted { reason, .. } if reason.name() == "grant_violation"),
+        "{err:?}"
+    );
+}
