@@ -655,6 +655,28 @@ impl<T> EventQueue<T> {
         self.len() == 0
     }
 
+    /// Busy-poll for up to `spin` on this thread: take the next event, calling
+    /// `between` after each empty look (it may deliver events, e.g. by reading a
+    /// socket; it returns whether it made progress). `None` if nothing came within
+    /// `spin` or the queue closed.
+    pub fn pop_spinning(&self, spin: Duration, mut between: impl FnMut() -> bool) -> Option<T> {
+        let start = Instant::now();
+        loop {
+            if let Some(item) = self.try_pop() {
+                return Some(item);
+            }
+            if !between() {
+                if self.is_closed() || start.elapsed() >= spin {
+                    return self.try_pop();
+                }
+                // Let a thread that shares this core run (the peer's engine thread
+                // or an I/O thread, where there are fewer cores than threads): a
+                // pure spin would hold it off until the scheduler's slice ends.
+                std::thread::yield_now();
+            }
+        }
+    }
+
     /// Wait at most `timeout` (forever with `None`) for the next event. `None` on
     /// timeout, or once closed and empty.
     pub fn pop_blocking(&self, timeout: Option<Duration>) -> Option<T> {
@@ -1554,24 +1576,10 @@ impl<M: HandoffMachine> HandoffLink<M> {
     /// hands reading back to it at once.
     pub fn next_event_busy(&self, spin: Duration) -> Option<LinkEvent<M::Event>> {
         let shared = &self.shared;
-        let start = Instant::now();
         let spin_ns = u64::try_from(spin.as_nanos()).unwrap_or(u64::MAX);
         shared.spin_ns.store(spin_ns, Ordering::Relaxed);
         shared.spinners.fetch_add(1, Ordering::AcqRel);
-        let got = loop {
-            if let Some(ev) = shared.events.try_pop() {
-                break Some(ev);
-            }
-            if !shared.poll_io() {
-                if shared.events.is_closed() || start.elapsed() >= spin {
-                    break shared.events.try_pop();
-                }
-                // Let a thread that shares this core run (the peer's engine thread
-                // or an I/O thread, where there are fewer cores than threads): a
-                // pure spin would hold it off until the scheduler's slice ends.
-                std::thread::yield_now();
-            }
-        };
+        let got = shared.events.pop_spinning(spin, || shared.poll_io());
         if got.is_some() {
             let until = shared.now().as_nanos().saturating_add(spin_ns);
             shared
@@ -1795,15 +1803,13 @@ impl HandoffLink<MainSide> {
                     // A peer without the capability hears why (an ABORT in place of
                     // our HELLO) instead of a HELLO and then a close.
                     let timeout = shared.config.connect_timeout;
-                    let agreed = match lane::read_hello(&mut stream, &local, timeout).await {
-                        Ok(a) => {
-                            let admitted = check_capability(&a);
-                            lane::answer_hello(&mut stream, &local, &a, admitted, timeout)
-                                .await
-                                .map(|()| a)
-                        }
-                        Err(e) => Err(e),
-                    };
+                    let agreed = async {
+                        let a = lane::read_hello(&mut stream, &local, timeout).await?;
+                        let admitted = check_capability(&a);
+                        lane::answer_hello(&mut stream, &local, &a, admitted, timeout).await?;
+                        Ok::<_, Error>(a)
+                    }
+                    .await;
                     match agreed {
                         Ok(agreed) => {
                             let stream = Arc::new(stream);

@@ -850,20 +850,8 @@ macro_rules! common_link_methods {
                 if !spin.is_zero() {
                     let ev = py.detach(|| match &self.backend {
                         $backend::Link(l) => l.next_event_busy(spin),
-                        $backend::Pair(p) => {
-                            let queue = &p.$events;
-                            loop {
-                                if let Some(ev) = queue.try_pop() {
-                                    break Some(ev);
-                                }
-                                if queue.is_closed() || started.elapsed() >= spin {
-                                    break None;
-                                }
-                                // As the link's spin does: let the thread that
-                                // delivers (or a peer) have this core.
-                                std::thread::yield_now();
-                            }
-                        }
+                        // In-process: events come from the other side's calls.
+                        $backend::Pair(p) => p.$events.pop_spinning(spin, || false),
                     });
                     if let Some(ev) = ev {
                         return Ok(Some($to_py(py, ev)?));
