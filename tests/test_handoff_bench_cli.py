@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -90,3 +91,31 @@ def test_bad_wan_spec() -> None:
     cmd = [exe] if exe else [sys.executable, "-m", "pdd_transport.cli"]
     out = subprocess.run([*cmd, "bench", "handoff", "--wan", "5:x"], capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 1 and "RTT_MS:JITTER_MS" in out.stderr
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (an orphan's reaper may be slow)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_killed_bench_leaves_no_pyzmq_rep_process_behind() -> None:
+    # The bench is killed (a test's timeout, Ctrl-\\) right after starting its pyzmq
+    # REP child: the child must notice and stop by itself instead of blocking forever.
+    script = (
+        "import os, signal\n"
+        "from pdd_transport.cli import _ZmqBaseline\n"
+        "b = _ZmqBaseline(b'request', b'reply', True, 0.0)\n"
+        "print(b.proc.pid, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == -9, out.stderr
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 20
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(pid), f"pyzmq REP process {pid} outlived its bench"

@@ -290,20 +290,52 @@ def _zmq_recv(sock: Any, busy_poll: float) -> bytes:
     return bytes(sock.recv())
 
 
+_REP_LOOK_MS = 1000
+"""How often an idle pyzmq REP side looks whether the bench is still there."""
+
+_REP_IDLE_LIMIT_S = 300.0
+"""An REP side that got no request for this long stops by itself."""
+
+_REQ_TIMEOUT_MS = 60_000
+"""Bound on one pyzmq reply (the REP side is gone or stuck past it)."""
+
+
+def _bench_gone(conn: Any) -> bool:
+    """Whether the bench process closed its end of the set-up pipe (it never writes on
+    it after the set-up, so anything readable there is the end of the pipe)."""
+    try:
+        return bool(conn.poll(0))
+    except (EOFError, OSError):
+        return True
+
+
 def _zmq_rep_process(conn: Any, reply: bytes, busy_poll: float = 0.0) -> None:
+    """The pyzmq REP side: answers ``reply`` to each request until ``stop``, or by
+    itself once the bench is gone (killed: its pipe closed) or after
+    ``_REP_IDLE_LIMIT_S`` without a request, so that no REP outlives its bench."""
     import zmq
 
     ctx = zmq.Context()
     rep = ctx.socket(zmq.REP)
-    conn.send(rep.bind_to_random_port("tcp://127.0.0.1"))
-    while True:
-        msg = _zmq_recv(rep, busy_poll)
-        if msg == b"stop":
-            rep.send(b"")
-            break
-        rep.send(reply)
-    rep.close(linger=0)
-    ctx.term()
+    rep.setsockopt(zmq.RCVTIMEO, _REP_LOOK_MS)
+    try:
+        conn.send(rep.bind_to_random_port("tcp://127.0.0.1"))
+        last_request = time.monotonic()
+        while True:
+            try:
+                msg = _zmq_recv(rep, busy_poll)
+            except zmq.Again:
+                if _bench_gone(conn) or time.monotonic() - last_request > _REP_IDLE_LIMIT_S:
+                    break
+                continue
+            last_request = time.monotonic()
+            if msg == b"stop":
+                rep.send(b"")
+                break
+            rep.send(reply)
+    finally:
+        rep.close(linger=0)
+        ctx.term()
 
 
 class _ZmqBaseline:
@@ -340,17 +372,30 @@ class _ZmqBaseline:
         port = conn.recv()
         self.ctx = zmq.Context()
         self.req = self.ctx.socket(zmq.REQ)
+        self.req.setsockopt(zmq.RCVTIMEO, _REQ_TIMEOUT_MS)
         self.req.connect(f"tcp://127.0.0.1:{port}")
+        self._conn = conn  # held open: the REP side stops once it closes
 
     def round_trip(self) -> int:
+        import zmq
+
         t0 = time.perf_counter_ns()
         self.req.send(self.request)
-        _zmq_recv(self.req, self.busy_poll)
+        try:
+            _zmq_recv(self.req, self.busy_poll)
+        except zmq.Again:
+            raise RuntimeError(f"bench handoff: the pyzmq REP side did not answer in {_REQ_TIMEOUT_MS} ms") from None
         return time.perf_counter_ns() - t0
 
     def close(self) -> None:
-        self.req.send(b"stop")
-        self.req.recv()
+        import zmq
+
+        try:
+            self.req.send(b"stop")
+            self.req.recv()
+        except zmq.ZMQError:
+            pass  # the REP side is gone already; it also stops when the pipe closes
+        self._conn.close()
         self.proc.join(timeout=10.0)
         self.req.close(linger=0)
         self.ctx.term()
