@@ -450,11 +450,17 @@ def test_busy_poll_returns_events_and_gives_up_after_its_timeout(links: tuple[Re
 
 
 def test_link_connect_errors_are_typed() -> None:
-    main = MainLink.listen("127.0.0.1:0", expected_credential=b"secret")
+    main = MainLink.listen("127.0.0.1:0", secret=b"secret")
     try:
         with pytest.raises(DeadlineExceeded) as exc:
-            RelayLink.connect(main.address, credential=b"wrong", connect_timeout=0.5)
+            RelayLink.connect(main.address, secret=b"wrong", connect_timeout=0.5)
         assert "auth" in str(exc.value) or "abort" in str(exc.value)
+        # The right secret connects.
+        relay = RelayLink.connect(main.address, secret=b"secret", connect_timeout=5.0)
+        relay.close()
+        with pytest.raises(InvalidArgument, match="without authentication"):
+            MainLink.listen("0.0.0.0:0")
+        MainLink.listen("0.0.0.0:0", insecure=True).close()
         with pytest.raises(InvalidArgument):
             RelayLink.connect("not an address")
         with pytest.raises(InvalidArgument):

@@ -54,7 +54,8 @@ def _examples() -> list[tuple[dict[str, Any], bytes]]:
 
 
 def _to_native(frame: dict[str, Any]) -> dict[str, Any]:
-    return {k: base64.b64decode(v) if k in {"credential", "data"} else v for k, v in frame.items()}
+    binary = {"auth", "data", "proof"} | ({"nonce"} if frame["kind"] == "AUTH" else set())
+    return {k: base64.b64decode(v) if k in binary else v for k, v in frame.items()}
 
 
 def test_kind_table_matches_code() -> None:
@@ -85,7 +86,8 @@ def test_header_layout_matches_encoded_bytes() -> None:
 SAMPLES: dict[str, dict[str, Any]] = {
     "HELLO": {"kind": "HELLO", "min_version": 1, "max_version": 3, "role": "main_decode", "lane": 2,
               "session_id": 0xABCDEF0123456789, "capabilities": 0b1011, "max_payload": 1 << 20,
-              "credential": b"token"},
+              "auth": bytes(range(32)), "resume": True},
+    "AUTH": {"kind": "AUTH", "nonce": bytes(range(32)), "proof": bytes(range(100, 132))},
     "KV_GRANT": {"kind": "KV_GRANT", "transfer_id": 11, "request_id": 12, "layer_count": 61,
                  "page_count": 1000, "page_bytes": 36864, "deadline_ms": 30000},
     "KV_PAGES": {"kind": "KV_PAGES", "transfer_id": 11, "layer_start": 3, "layer_count": 2,
@@ -116,7 +118,7 @@ def test_payload_layout_matches_code(kind: str) -> None:
     payload = encoded[wire.HEADER_LEN :]
     documented = [r[2] for r in rows]
     # Field order: the decoder's dict keys (insertion order = wire order), flags aside.
-    keys = [k for k in decoded if k not in {"kind", "final", "kv_complete"}]
+    keys = [k for k in decoded if k not in {"kind", "final", "kv_complete", "resume"}]
     assert [f for f in documented if f in decoded] == keys
     # Every fixed-offset integer field reads back its value from the payload.
     expected_offset = 0

@@ -16,7 +16,9 @@ def ping(nonce: int = 1) -> bytes:
 
 FRAMES = [
     {"kind": "HELLO", "min_version": 1, "max_version": 2, "role": "prefill", "lane": 3,
-     "session_id": 2**64 - 1, "capabilities": 15, "max_payload": 1 << 30, "credential": b"\x00" * 512},
+     "session_id": 2**64 - 1, "capabilities": 15, "max_payload": 1 << 30, "auth": b"\x00" * 512,
+     "resume": True},
+    {"kind": "AUTH", "nonce": bytes(range(32)), "proof": b"\xff" * 32},
     {"kind": "KV_GRANT", "transfer_id": 1, "request_id": 2, "layer_count": 65535, "page_count": 2**32 - 1,
      "page_bytes": 1, "deadline_ms": 0},
     {"kind": "KV_PAGES", "transfer_id": 1, "layer_start": 65534, "layer_count": 2, "page_start": 0,
@@ -100,9 +102,10 @@ def test_hundred_token_handoff_fits_512_bytes() -> None:
         ({"kind": "KV_PAGES", "transfer_id": 1, "layer_start": 0, "layer_count": 1, "page_start": 0,
           "page_count": 2, "page_bytes": 4, "data": b"1234"}, "data bytes"),
         ({"kind": "HELLO", "min_version": 2, "max_version": 1, "role": "prefill", "lane": 0, "session_id": 0,
-          "capabilities": 0, "max_payload": 1 << 20, "credential": b""}, "version range"),
+          "capabilities": 0, "max_payload": 1 << 20, "auth": b"", "resume": False}, "version range"),
         ({"kind": "HELLO", "min_version": 1, "max_version": 1, "role": "boss", "lane": 0, "session_id": 0,
-          "capabilities": 0, "max_payload": 1 << 20, "credential": b""}, "unknown role"),
+          "capabilities": 0, "max_payload": 1 << 20, "auth": b"", "resume": False}, "unknown role"),
+        ({"kind": "AUTH", "nonce": b"short", "proof": b"\x00" * 32}, "expected 32 bytes"),
         ({"kind": "PREFIX_QUERY", "query_id": 1, "request_id": 2, "namespace": 0, "page_size": 0,
           "lease_ms": 0, "tokens": []}, "page_size"),
     ],
@@ -185,30 +188,36 @@ def test_large_decode_releases_the_gil() -> None:
 
 def hello(**over: object) -> dict[str, object]:
     base: dict[str, object] = {
-        "kind": "HELLO", "min_version": 1, "max_version": 1, "role": "relay_decode", "lane": 0,
-        "session_id": 99, "capabilities": 0b11, "max_payload": 1 << 20, "credential": b"k",
+        "kind": "HELLO", "min_version": 2, "max_version": 2, "role": "relay_decode", "lane": 0,
+        "session_id": 99, "capabilities": 0b11, "max_payload": 1 << 20, "auth": b"n" * 32, "resume": False,
     }
     base.update(over)
     return base
 
 
 def test_negotiate_hello_agrees_and_replies() -> None:
-    agreed = wire.negotiate_hello(
-        "main_decode", hello(max_version=4, lane=2), capabilities=0b110, expected_credential=b"k"
-    )
-    assert agreed["version"] == 1
+    agreed = wire.negotiate_hello("main_decode", hello(max_version=4, lane=2, resume=True), capabilities=0b110)
+    assert agreed["version"] == 2
     assert agreed["capabilities"] == 0b10
-    assert (agreed["peer_role"], agreed["session_id"], agreed["lane"]) == ("relay_decode", 99, 2)
+    assert (agreed["peer_role"], agreed["session_id"], agreed["lane"], agreed["resume"]) == (
+        "relay_decode", 99, 2, True)
     reply = agreed["reply"]
-    assert (reply["role"], reply["min_version"], reply["max_version"]) == ("main_decode", 1, 1)
+    assert (reply["role"], reply["min_version"], reply["max_version"]) == ("main_decode", 2, 2)
+    # The reply carries no secret and no nonce: the AUTH exchange proved both sides.
+    assert reply["auth"] == b""
+
     assert wire.decode_frame(wire.encode_frame(reply)) is not None
 
 
 @pytest.mark.parametrize(
     ("kwargs", "peer", "reason", "abort"),
     [
-        ({}, hello(min_version=2, max_version=3), "version_mismatch", "unsupported_version"),
-        ({"expected_credential": b"other"}, hello(), "auth_failed", "auth_failed"),
+        ({}, hello(min_version=3, max_version=3), "version_mismatch", "unsupported_version"),
+        # A v1 peer, with its plain-text credential, is refused by version first.
+        ({"accepted_roles": ["prefill"]}, hello(min_version=1, max_version=1, auth=b"k"), "version_mismatch",
+         "unsupported_version"),
+        ({}, hello(auth=b"k"), "auth_failed", "auth_failed"),
+        ({}, hello(lane=1), "auth_failed", "auth_failed"),
         ({"accepted_roles": ["prefill"]}, hello(), "role_refused", "auth_failed"),
     ],
 )

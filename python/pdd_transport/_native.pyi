@@ -94,13 +94,12 @@ def negotiate_hello(
     peer_hello: dict[str, Any],
     *,
     capabilities: int = 0,
-    credential: bytes | None = None,
-    expected_credential: bytes | None = None,
     accepted_roles: Sequence[str] | None = None,
     max_payload: int = 16777216,
 ) -> dict[str, Any]:
-    """Check a peer's HELLO against our settings; return the agreed parameters and,
-    under ``"reply"``, the HELLO to answer with. Raises ``TransportError``."""
+    """Check a peer's HELLO against our settings (versions first, then role, then
+    its 32-byte nonce); return the agreed parameters and, under ``"reply"``, the
+    HELLO to answer with once AUTH succeeded. Raises ``TransportError``."""
 
 @final
 class FrameDecoder:
@@ -162,8 +161,8 @@ class KvReceiver:
         listen: str = "127.0.0.1:0",
         *,
         role: str = "main_decode",
-        credential: bytes | None = None,
-        expected_credential: bytes | None = None,
+        secret: bytes | None = None,
+        insecure: bool = False,
         heartbeat_s: float = 1.0,
         dead_after_s: float = 5.0,
         hello_timeout_s: float = 5.0,
@@ -225,7 +224,7 @@ class KvSender:
         lanes: int = 4,
         node_id: int | None = None,
         role: str = "prefill",
-        credential: bytes | None = None,
+        secret: bytes | None = None,
         heartbeat_s: float = 1.0,
         dead_after_s: float = 5.0,
         connect_timeout_s: float = 5.0,
@@ -617,7 +616,7 @@ class RelayLink:
         heartbeat_interval: float = 1.0,
         dead_after: float = 5.0,
         connect_timeout: float = 5.0,
-        credential: bytes | None = None,
+        secret: bytes | None = None,
         wait: bool = True,
     ) -> RelayLink: ...
     def open(self, request_id: int, first_position: int) -> None: ...
@@ -663,8 +662,8 @@ class MainLink:
         heartbeat_interval: float = 1.0,
         dead_after: float = 5.0,
         connect_timeout: float = 5.0,
-        credential: bytes | None = None,
-        expected_credential: bytes | None = None,
+        secret: bytes | None = None,
+        insecure: bool = False,
     ) -> MainLink: ...
     def open(self, request_id: int, first_position: int) -> None: ...
     def report_progress(self, request_id: int, position: int, kv_complete: bool = True) -> None: ...

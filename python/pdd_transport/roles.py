@@ -30,6 +30,8 @@ from pdd_transport.engine import Engine, PageTable, greedy
 from pdd_transport.errors import PddError
 from pdd_transport.policy import AnomalyPolicy, PipelinePolicy, WanEstimate, route
 from pdd_transport.radix import RadixCache
+from pdd_transport.security import NONE as NO_SECURITY
+from pdd_transport.security import Security
 
 __all__ = [
     "Failed",
@@ -228,11 +230,13 @@ class _DecodeRole:
     """What RelayDecode and MainDecode share: a receiver over the engine's pool, page
     ownership, and one batched decode step."""
 
-    def __init__(self, engine: Engine, listen: str, role: str, cache: RadixCache | None) -> None:
+    def __init__(self, engine: Engine, listen: str, role: str, cache: RadixCache | None,
+                 security: Security) -> None:
         self.engine = engine
         self.page_tokens = engine.config.page_tokens
         self.cache = cache
-        self.receiver = kv.KvReceiver(engine.kv_pool(), listen, prefix_cache=cache, role=role)
+        self.receiver = kv.KvReceiver(engine.kv_pool(), listen, prefix_cache=cache, role=role,
+                                      secret=security.secret, insecure=security.insecure)
         self.requests: dict[int, _Request] = {}
         self.leases: dict[int, int] = {}
         self.decoded_tokens = 0
@@ -336,11 +340,11 @@ class RelayDecodeRole(_DecodeRole):
     and hands the token IDs to MainDecode once MainDecode holds the prompt KV."""
 
     def __init__(self, engine: Engine, main_handoff: str, *, listen: str = "127.0.0.1:0",
-                 policy: Any = None) -> None:
+                 policy: Any = None, security: Security = NO_SECURITY) -> None:
         from pdd_transport.handoff import RelayLink
 
-        super().__init__(engine, listen, "relay_decode", None)
-        self.link = RelayLink.connect(main_handoff, policy=policy)
+        super().__init__(engine, listen, "relay_decode", None, security)
+        self.link = RelayLink.connect(main_handoff, policy=policy, secret=security.secret)
         self.modes: dict[str, int] = {}
 
     def poll(self) -> list[Event]:
@@ -403,11 +407,12 @@ class MainDecodeRole(_DecodeRole):
     reports its KV complete, extend-decodes the handed-off tokens in one step per
     handoff, then continues decoding."""
 
-    def __init__(self, engine: Engine, *, listen: str = "127.0.0.1:0", listen_handoff: str = "127.0.0.1:0") -> None:
+    def __init__(self, engine: Engine, *, listen: str = "127.0.0.1:0", listen_handoff: str = "127.0.0.1:0",
+                 security: Security = NO_SECURITY) -> None:
         from pdd_transport.handoff import MainLink
 
-        super().__init__(engine, listen, "main_decode", RadixCache(engine.config.page_tokens))
-        self.link = MainLink.listen(listen_handoff)
+        super().__init__(engine, listen, "main_decode", RadixCache(engine.config.page_tokens), security)
+        self.link = MainLink.listen(listen_handoff, secret=security.secret, insecure=security.insecure)
 
     @property
     def handoff_address(self) -> str:

@@ -43,7 +43,7 @@ def handoff(tokens: list[int], final: bool = False) -> bytearray:
 def hello() -> bytearray:
     return enc(
         kind="HELLO", min_version=1, max_version=1, role="prefill", lane=0, session_id=1,
-        capabilities=1, max_payload=1 << 20, credential=b"tok",
+        capabilities=1, max_payload=1 << 20, auth=b"tok", resume=False,
     )
 
 
@@ -93,7 +93,7 @@ def cases() -> dict[str, tuple[bytes, str, str]]:
     f = hello(); f[16 + 23:16 + 27] = struct.pack("<I", 100)
     add("hello_tiny_max_payload", seal(f), "invalid_field", "max_payload below 64 KiB")
     f = hello(); f[16 + 27:16 + 29] = struct.pack("<H", 60000)
-    add("hello_credential_len_huge", seal(f), "invalid_field", "credential_len 60000 > 512")
+    add("hello_auth_len_huge", seal(f), "invalid_field", "auth_len 60000 > 512")
     f = handoff([5, 6, 7]); f[16 + 16 + 4] = 33
     add("tokens_width_33", seal(f), "invalid_field", "token width 33")
     # IDs 1, 2, 3 packed by hand at width 4 (0x321 little-endian): valid bits, but 2 bits suffice.

@@ -19,6 +19,7 @@ import traceback
 from typing import Any
 
 from pdd_transport import kv
+from pdd_transport.security import Security
 from pdd_transport.engine import Engine, EngineConfig
 from pdd_transport.roles import (
     Event,
@@ -47,6 +48,10 @@ def make_engine(cfg: dict[str, Any]) -> Engine:
     return Engine(ec, wire_page_bytes=int(cfg["wire_page_bytes"]))
 
 
+def security(cfg: dict[str, Any]) -> Security:
+    return Security(secret=bytes.fromhex(cfg["secret_hex"]))
+
+
 def read_commands(commands: queue.Queue[dict[str, Any]]) -> None:
     for line in sys.stdin:
         line = line.strip()
@@ -60,8 +65,9 @@ def run_prefill(cfg: dict[str, Any]) -> None:
 
     engine = make_engine(cfg)
     pool = engine.kv_pool()
-    to_md = kv.KvSender(pool, cfg["md_kv"], lanes=int(cfg["lanes"]), node_id=1, dead_after_s=10.0)
-    to_rld = kv.KvSender(pool, cfg["rld_kv"], lanes=2, node_id=1) if cfg.get("rld_kv") else None
+    secret = security(cfg).secret
+    to_md = kv.KvSender(pool, cfg["md_kv"], lanes=int(cfg["lanes"]), node_id=1, dead_after_s=10.0, secret=secret)
+    to_rld = kv.KvSender(pool, cfg["rld_kv"], lanes=2, node_id=1, secret=secret) if cfg.get("rld_kv") else None
     role = PrefillRole(
         engine,
         to_md,
@@ -124,11 +130,11 @@ def run_decoder(cfg: dict[str, Any], name: str) -> None:
         threshold = int(cfg["catch_up_threshold"])
         policy = HandoffPolicy(catch_up_threshold_tokens=threshold, level_tokens=max(1, threshold // 4),
                                chunk_tokens=threshold, max_eager_tokens=int(cfg["max_eager"]))
-        role = RelayDecodeRole(engine, cfg["md_handoff"], policy=policy)
+        role = RelayDecodeRole(engine, cfg["md_handoff"], policy=policy, security=security(cfg))
         emit("ready", kv=role.kv_address)
         takes = ("p_rld_md", "p_rld")
     else:
-        role = MainDecodeRole(engine)
+        role = MainDecodeRole(engine, security=security(cfg))
         emit("ready", kv=role.kv_address, handoff=role.handoff_address)
         takes = ("p_md", "p_rld_md")
     commands: queue.Queue[dict[str, Any]] = queue.Queue()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import queue
+import secrets
 import subprocess
 import sys
 import threading
@@ -114,7 +115,13 @@ def _node_cfg(cfg: DemoConfig, pages: int, **extra: Any) -> dict[str, Any]:
     real = EngineConfig(page_tokens=cfg.page_tokens).page_bytes
     layers = EngineConfig().num_layers
     wire = max(real, cfg.kv_bytes_per_token * cfg.page_tokens // layers // 4 * 4)
-    return {"pages": pages, "page_tokens": cfg.page_tokens, "wire_page_bytes": wire, **extra}
+    # Every node of a run proves the same secret on every lane (made fresh per run,
+    # handed over on the node's stdin, never on its command line).
+    return {"pages": pages, "page_tokens": cfg.page_tokens, "wire_page_bytes": wire,
+            "secret_hex": _RUN_SECRET, **extra}
+
+
+_RUN_SECRET = secrets.token_hex(32)
 
 
 def run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: bool) -> dict[str, Any]:

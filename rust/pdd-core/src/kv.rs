@@ -158,6 +158,9 @@ const PAGE_LANDED: u8 = 2;
 #[derive(Debug)]
 struct Inbound {
     grant: KvGrant,
+    /// The session the transfer was granted to: blocks and KV_DONE from any other
+    /// session are refused as if the transfer did not exist.
+    owner: u64,
     /// Pool page of each grant page.
     dest_pages: Vec<u32>,
     /// Per (layer, grant page), layer-major: pending, in flight, landed.
@@ -193,10 +196,11 @@ pub struct ReceiverState {
     live: HashMap<u64, Inbound>,
     /// Ended transfers that still have blocks landing: their pages stay held (so no
     /// new grant can hand them out while a lane still writes them) until the last
-    /// in-flight block finishes. Value: (pool pages, blocks in flight).
-    draining: HashMap<u64, (Vec<u32>, u32)>,
-    /// Transfers that ended recently: late blocks for them are drained, not fatal.
-    recently_ended: VecDeque<u64>,
+    /// in-flight block finishes. Value: (pool pages, blocks in flight, owner).
+    draining: HashMap<u64, (Vec<u32>, u32, u64)>,
+    /// Transfers that ended recently, with their owners: late blocks for them from
+    /// their owner are drained, not fatal.
+    recently_ended: VecDeque<(u64, u64)>,
     next_transfer_id: u64,
 }
 
@@ -242,9 +246,9 @@ impl ReceiverState {
         self.live.len()
     }
 
-    /// Grant pool pages `dest_pages` (in grant order) on layers `0..layer_count` for a
-    /// new transfer of `request_id`. Fails, changing nothing, if a page is out of the
-    /// pool, repeated, or held by another live grant.
+    /// [`ReceiverState::grant_to`] owner 0 with the next sequential transfer id: for
+    /// simulations and tests with one peer. A receiver facing a network grants with
+    /// `grant_to`, naming the session and an unguessable id.
     pub fn grant(
         &mut self,
         request_id: u64,
@@ -252,6 +256,40 @@ impl ReceiverState {
         layer_count: u16,
         deadline_ms: u32,
     ) -> Result<KvGrant> {
+        let id = self.next_transfer_id;
+        let grant = self.grant_to(0, id, request_id, dest_pages, layer_count, deadline_ms)?;
+        self.next_transfer_id += 1;
+        Ok(grant)
+    }
+
+    /// Whether `transfer_id` is live, draining or recently ended (and so may not name
+    /// a new grant).
+    pub fn id_in_use(&self, transfer_id: u64) -> bool {
+        transfer_id == 0
+            || self.live.contains_key(&transfer_id)
+            || self.draining.contains_key(&transfer_id)
+            || self.recently_ended.iter().any(|&(id, _)| id == transfer_id)
+    }
+
+    /// Grant pool pages `dest_pages` (in grant order) on layers `0..layer_count` for a
+    /// new transfer `transfer_id` of `request_id`, to session `owner`: only blocks
+    /// and KV_DONE that arrive from that session count for it. Fails, changing
+    /// nothing, if a page is out of the pool, repeated, or held by another live
+    /// grant, or if `transfer_id` is 0 or in use ([`ReceiverState::id_in_use`]).
+    pub fn grant_to(
+        &mut self,
+        owner: u64,
+        transfer_id: u64,
+        request_id: u64,
+        dest_pages: &[u32],
+        layer_count: u16,
+        deadline_ms: u32,
+    ) -> Result<KvGrant> {
+        if self.id_in_use(transfer_id) {
+            return Err(Error::InvalidArgument(format!(
+                "transfer id {transfer_id} is 0 or in use"
+            )));
+        }
         if dest_pages.is_empty() {
             return Err(Error::InvalidArgument(
                 "a grant needs at least one page".into(),
@@ -285,8 +323,6 @@ impl ReceiverState {
                 });
             }
         }
-        let transfer_id = self.next_transfer_id;
-        self.next_transfer_id += 1;
         for &p in dest_pages {
             self.page_owner[p as usize] = transfer_id;
         }
@@ -303,6 +339,7 @@ impl ReceiverState {
             transfer_id,
             Inbound {
                 grant: grant.clone(),
+                owner,
                 dest_pages: dest_pages.to_vec(),
                 page_state: vec![PAGE_PENDING; total],
                 landed_per_layer: vec![0; usize::from(layer_count)],
@@ -319,19 +356,31 @@ impl ReceiverState {
     /// A block header arrived: where may its data go? Marks its pages in flight, so
     /// no other lane may write them until [`ReceiverState::finish_block`].
     ///
+    /// `owner` is the session the block arrived on. A block for a transfer granted
+    /// to another session is an `UnknownTransfer` of this one, exactly as if no such
+    /// transfer existed, and changes nothing.
+    ///
     /// Errors (the connection must be aborted with `grant_violation`): unknown
     /// transfer, block outside the grant, wrong page size, pages already landed or in
     /// flight.
-    pub fn begin_block(&mut self, block: &KvBlock) -> Result<BlockDisposition> {
-        let Some(t) = self.live.get_mut(&block.transfer_id) else {
-            if self.draining.contains_key(&block.transfer_id)
-                || self.recently_ended.contains(&block.transfer_id)
+    pub fn begin_block(&mut self, owner: u64, block: &KvBlock) -> Result<BlockDisposition> {
+        let unknown = Error::UnknownTransfer {
+            transfer_id: block.transfer_id,
+        };
+        let Some(t) = self
+            .live
+            .get_mut(&block.transfer_id)
+            .filter(|t| t.owner == owner)
+        else {
+            if self
+                .draining
+                .get(&block.transfer_id)
+                .is_some_and(|d| d.2 == owner)
+                || self.recently_ended.contains(&(block.transfer_id, owner))
             {
                 return Ok(BlockDisposition::Drain);
             }
-            return Err(Error::UnknownTransfer {
-                transfer_id: block.transfer_id,
-            });
+            return Err(unknown);
         };
         let violation = |detail: String| Error::GrantViolation {
             transfer_id: block.transfer_id,
@@ -387,10 +436,10 @@ impl ReceiverState {
     /// then the transfer's pages stay held.
     pub fn finish_block(&mut self, block: &KvBlock, outcome: Result<()>) -> Vec<TransferEvent> {
         let Some(t) = self.live.get_mut(&block.transfer_id) else {
-            if let Some((_, in_flight)) = self.draining.get_mut(&block.transfer_id) {
+            if let Some((_, in_flight, _)) = self.draining.get_mut(&block.transfer_id) {
                 *in_flight -= 1;
                 if *in_flight == 0 {
-                    if let Some((pages, _)) = self.draining.remove(&block.transfer_id) {
+                    if let Some((pages, _, _)) = self.draining.remove(&block.transfer_id) {
                         self.release_pages(block.transfer_id, &pages);
                     }
                 }
@@ -425,10 +474,16 @@ impl ReceiverState {
         events
     }
 
-    /// The sender's KV_DONE arrived (it may overtake data still on other lanes).
-    pub fn sender_done(&mut self, done: &KvDone) -> Result<Vec<TransferEvent>> {
-        let Some(t) = self.live.get_mut(&done.transfer_id) else {
-            if self.recently_ended.contains(&done.transfer_id) {
+    /// The sender's KV_DONE arrived on session `owner` (it may overtake data still
+    /// on other lanes). From any session but the grant's, it is an
+    /// `UnknownTransfer` and changes nothing.
+    pub fn sender_done(&mut self, owner: u64, done: &KvDone) -> Result<Vec<TransferEvent>> {
+        let Some(t) = self
+            .live
+            .get_mut(&done.transfer_id)
+            .filter(|t| t.owner == owner)
+        else {
+            if self.recently_ended.contains(&(done.transfer_id, owner)) {
                 return Ok(Vec::new());
             }
             return Err(Error::UnknownTransfer {
@@ -526,14 +581,14 @@ impl ReceiverState {
         };
         if t.in_flight > 0 {
             self.draining
-                .insert(transfer_id, (t.dest_pages.clone(), t.in_flight));
+                .insert(transfer_id, (t.dest_pages.clone(), t.in_flight, t.owner));
         } else {
             self.release_pages(transfer_id, &t.dest_pages);
         }
         if self.recently_ended.len() == RECENTLY_ENDED {
             self.recently_ended.pop_front();
         }
-        self.recently_ended.push_back(transfer_id);
+        self.recently_ended.push_back((transfer_id, t.owner));
         let request_id = t.grant.request_id;
         vec![match error {
             None => TransferEvent::Complete {
@@ -655,7 +710,7 @@ mod tests {
     use super::*;
 
     fn land(rx: &mut ReceiverState, b: &KvBlock) -> Vec<TransferEvent> {
-        match rx.begin_block(b).unwrap() {
+        match rx.begin_block(0, b).unwrap() {
             BlockDisposition::Land(_) => rx.finish_block(b, Ok(())),
             BlockDisposition::Drain => panic!("unexpected drain"),
         }
@@ -669,7 +724,7 @@ mod tests {
         let mut events = Vec::new();
         for layer in 0..3 {
             for b in tx.send_layer(layer, 16).unwrap() {
-                let Ok(BlockDisposition::Land(target)) = rx.begin_block(&b) else {
+                let Ok(BlockDisposition::Land(target)) = rx.begin_block(0, &b) else {
                     panic!()
                 };
                 assert!(target
@@ -682,7 +737,7 @@ mod tests {
         assert_eq!(events.len(), 3);
         let done = tx.finish().unwrap();
         assert_eq!(done.chunk_count, 6);
-        let ev = rx.sender_done(&done).unwrap();
+        let ev = rx.sender_done(0, &done).unwrap();
         assert_eq!(
             ev,
             vec![TransferEvent::Complete {
@@ -702,7 +757,46 @@ mod tests {
             page_count: 1,
             page_bytes: 8,
         };
-        assert_eq!(rx.begin_block(&late).unwrap(), BlockDisposition::Drain);
+        assert_eq!(rx.begin_block(0, &late).unwrap(), BlockDisposition::Drain);
+    }
+
+    #[test]
+    fn another_session_can_neither_fill_nor_finish_a_grant() {
+        let mut rx = ReceiverState::new(1, 4, 8).unwrap();
+        let (victim, intruder) = (11, 22);
+        let grant = rx.grant_to(victim, 0xDEAD_BEEF, 1, &[0, 1], 1, 0).unwrap();
+        let mut tx = SenderTransfer::new(grant.clone());
+        let blocks = tx.send_layer(0, 16).unwrap();
+        let done = tx.finish().unwrap();
+        // The intruder names the right transfer id: refused as unknown, nothing moves.
+        assert_eq!(
+            rx.begin_block(intruder, &blocks[0]).unwrap_err().reason(),
+            "unknown_transfer"
+        );
+        assert_eq!(
+            rx.sender_done(intruder, &done).unwrap_err().reason(),
+            "unknown_transfer"
+        );
+        assert_eq!(rx.live_transfers(), 1);
+        // The owner's own blocks still land: the intruder marked no page.
+        let Ok(BlockDisposition::Land(_)) = rx.begin_block(victim, &blocks[0]) else {
+            panic!("owner's block refused");
+        };
+        assert!(rx.finish_block(&blocks[0], Ok(())).len() == 1);
+        let ev = rx.sender_done(victim, &done).unwrap();
+        assert!(matches!(ev.last(), Some(TransferEvent::Complete { .. })));
+        // After the end, a late block from the intruder is still not drained for it.
+        assert_eq!(
+            rx.begin_block(intruder, &blocks[0]).unwrap_err().reason(),
+            "unknown_transfer"
+        );
+        assert_eq!(
+            rx.begin_block(victim, &blocks[0]).unwrap(),
+            BlockDisposition::Drain
+        );
+        // Ids in use cannot be granted again; 0 never.
+        assert!(rx.grant_to(victim, 0xDEAD_BEEF, 2, &[2], 1, 0).is_err());
+        assert!(rx.grant_to(victim, 0, 2, &[2], 1, 0).is_err());
     }
 
     #[test]
@@ -713,7 +807,7 @@ mod tests {
         let blocks = tx.send_layer(0, 8).unwrap();
         let done = tx.finish().unwrap();
         assert!(land(&mut rx, &blocks[0]).is_empty());
-        assert!(rx.sender_done(&done).unwrap().is_empty());
+        assert!(rx.sender_done(0, &done).unwrap().is_empty());
         let ev = land(&mut rx, &blocks[1]);
         assert!(matches!(ev.last(), Some(TransferEvent::Complete { .. })));
     }
@@ -732,18 +826,18 @@ mod tests {
         };
         for bad in [b(0, 1, 2, 4), b(2, 0, 1, 4), b(0, 0, 1, 8), b(0, 2, 1, 4)] {
             assert_eq!(
-                rx.begin_block(&bad).unwrap_err().reason(),
+                rx.begin_block(0, &bad).unwrap_err().reason(),
                 "grant_violation",
                 "{bad:?}"
             );
         }
         assert!(matches!(
-            rx.begin_block(&b(0, 0, 1, 4)),
+            rx.begin_block(0, &b(0, 0, 1, 4)),
             Ok(BlockDisposition::Land(_))
         ));
         // In flight: a second writer of the same page is refused.
         assert_eq!(
-            rx.begin_block(&b(0, 0, 1, 4)).unwrap_err().reason(),
+            rx.begin_block(0, &b(0, 0, 1, 4)).unwrap_err().reason(),
             "grant_violation"
         );
         let unknown = KvBlock {
@@ -751,7 +845,7 @@ mod tests {
             ..b(0, 0, 1, 4)
         };
         assert_eq!(
-            rx.begin_block(&unknown).unwrap_err().reason(),
+            rx.begin_block(0, &unknown).unwrap_err().reason(),
             "unknown_transfer"
         );
     }
@@ -786,7 +880,7 @@ mod tests {
         let g = rx.grant(5, &[0, 1], 1, 0).unwrap();
         let mut tx = SenderTransfer::new(g.clone());
         let blocks = tx.send_layer(0, 4).unwrap();
-        let Ok(BlockDisposition::Land(_)) = rx.begin_block(&blocks[0]) else {
+        let Ok(BlockDisposition::Land(_)) = rx.begin_block(0, &blocks[0]) else {
             panic!()
         };
         let err = Error::ChecksumMismatch {
@@ -804,7 +898,10 @@ mod tests {
         );
         assert_eq!(rx.live_transfers(), 0);
         assert!(rx.grant(6, &[0, 1], 1, 0).is_ok());
-        assert_eq!(rx.begin_block(&blocks[1]).unwrap(), BlockDisposition::Drain);
+        assert_eq!(
+            rx.begin_block(0, &blocks[1]).unwrap(),
+            BlockDisposition::Drain
+        );
     }
 
     #[test]
@@ -813,7 +910,7 @@ mod tests {
         let g = rx.grant(5, &[0, 1], 1, 0).unwrap();
         let mut tx = SenderTransfer::new(g.clone());
         let blocks = tx.send_layer(0, 4).unwrap();
-        let Ok(BlockDisposition::Land(_)) = rx.begin_block(&blocks[0]) else {
+        let Ok(BlockDisposition::Land(_)) = rx.begin_block(0, &blocks[0]) else {
             panic!()
         };
         // The deadline fires while block 0 is still being written by a lane.
@@ -827,7 +924,10 @@ mod tests {
         assert_eq!(rx.pages_held(), 2);
         assert_eq!(rx.grant(6, &[0], 1, 0).unwrap_err().reason(), "pages_busy");
         // Further blocks are drained; the lane's finish releases the pages.
-        assert_eq!(rx.begin_block(&blocks[1]).unwrap(), BlockDisposition::Drain);
+        assert_eq!(
+            rx.begin_block(0, &blocks[1]).unwrap(),
+            BlockDisposition::Drain
+        );
         assert!(rx.finish_block(&blocks[0], Ok(())).is_empty());
         assert_eq!(rx.pages_held(), 0);
         assert!(rx.grant(6, &[0, 1], 1, 0).is_ok());
@@ -846,7 +946,7 @@ mod tests {
             byte_count: 4,
             ..done
         };
-        let ev = rx.sender_done(&lying).unwrap();
+        let ev = rx.sender_done(0, &lying).unwrap();
         assert!(
             matches!(&ev[0], TransferEvent::Failed { error, .. } if error.reason() == "transfer_incomplete")
         );

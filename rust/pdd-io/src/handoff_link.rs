@@ -35,7 +35,7 @@ use pdd_core::handoff::{
     RelaySide, RelayState,
 };
 use pdd_core::time::Timestamp;
-use pdd_core::wire::handshake::{LocalHello, Negotiated};
+use pdd_core::wire::handshake::{AuthBytes, LocalHello, Negotiated};
 use pdd_core::wire::{
     capability, encode_frame, AbortReason, Frame, FrameDecoder, Ping, Role, DEFAULT_MAX_PAYLOAD,
 };
@@ -44,7 +44,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, watch, Notify};
 use tokio_util::sync::CancellationToken;
 
-use crate::lane::{self, SocketTuning};
+use crate::lane::{self, LaneKey, SocketTuning};
 
 type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -751,10 +751,12 @@ pub struct LinkConfig {
     pub reconnect_max: Duration,
     /// Socket buffers and congestion control.
     pub tuning: SocketTuning,
-    /// Credential presented in HELLO.
-    pub credential: bytes::Bytes,
-    /// Credential the peer must present; `None` accepts any.
-    pub expected_credential: Option<bytes::Bytes>,
+    /// Root secret both ends prove they hold (challenge-response; never sent).
+    /// `None`: any peer may open the link (insecure; loopback and tests).
+    pub secret: Option<bytes::Bytes>,
+    /// MD: listen on a non-loopback address without a secret. Off by default:
+    /// [`HandoffLink::listen`] refuses.
+    pub allow_insecure: bool,
     /// RLD: HELLO session id (0: a random one).
     pub session_id: u64,
 }
@@ -774,8 +776,8 @@ impl Default for LinkConfig {
                 buffer_bytes: None,
                 congestion: None,
             },
-            credential: bytes::Bytes::new(),
-            expected_credential: None,
+            secret: None,
+            allow_insecure: false,
             session_id: 0,
         }
     }
@@ -797,8 +799,8 @@ impl LinkConfig {
         if self.reconnect_initial.is_zero() || self.reconnect_initial > self.reconnect_max {
             return bad("reconnect_initial must be non-zero and at most reconnect_max");
         }
-        if self.credential.len() > pdd_core::wire::MAX_CREDENTIAL_LEN {
-            return bad("credential longer than 512 bytes");
+        if self.secret.as_ref().is_some_and(|s| s.is_empty()) {
+            return bad("an empty secret authenticates nobody: give None or some bytes");
         }
         Ok(())
     }
@@ -960,6 +962,10 @@ struct Conn {
     /// Stops the current connection's task.
     stop: Option<CancellationToken>,
     last_error: Option<Error>,
+    /// The session this link serves (MD) or holds (RLD): its id and the secret its
+    /// opening exchange derived. A reconnect resumes it by proving the secret; while
+    /// a connection is live, nobody else may open a new session.
+    session: Option<(u64, AuthBytes)>,
 }
 
 struct Shared<M: HandoffMachine> {
@@ -1124,7 +1130,12 @@ impl<M: HandoffMachine> Shared<M> {
 
     /// Install a fresh connection: it replaces any current one, and every machine
     /// re-sends what the peer may have missed.
-    fn install(&self, stream: Arc<TcpStream>, agreed: &Negotiated) -> (u64, CancellationToken) {
+    fn install(
+        &self,
+        stream: Arc<TcpStream>,
+        agreed: &Negotiated,
+        secret: AuthBytes,
+    ) -> (u64, CancellationToken) {
         let stop = self.shutdown.child_token();
         let generation;
         {
@@ -1140,6 +1151,7 @@ impl<M: HandoffMachine> Shared<M> {
                 conn.generation += 1;
                 conn.stop = Some(stop.clone());
                 conn.last_error = None;
+                conn.session = Some((agreed.session_id, secret));
                 generation = conn.generation;
             }
             let mut out = Outbox::default();
@@ -1449,6 +1461,7 @@ impl<M: HandoffMachine> HandoffLink<M> {
                 generation: 0,
                 stop: None,
                 last_error: None,
+                session: None,
             }),
             rx: Mutex::new(Rx {
                 generation: 0,
@@ -1654,8 +1667,7 @@ impl<M: HandoffMachine> Drop for HandoffLink<M> {
 
 fn hello(role: Role, peer: Role, config: &LinkConfig) -> LocalHello {
     let mut h = LocalHello::new(role, capability::HANDOFF);
-    h.credential = config.credential.clone();
-    h.expected_credential = config.expected_credential.clone();
+    h.secret = config.secret.clone();
     h.accepted_roles = vec![peer];
     h
 }
@@ -1689,22 +1701,42 @@ impl HandoffLink<RelaySide> {
                 s => s,
             };
             let mut backoff = shared.config.reconnect_initial;
+            let connect = |key: LaneKey| {
+                let (local, shared) = (&local, &shared);
+                async move {
+                    lane::connect(
+                        addr,
+                        local,
+                        session_id,
+                        0,
+                        &key,
+                        &shared.config.tuning,
+                        shared.config.connect_timeout,
+                    )
+                    .await
+                }
+            };
             while !shared.shutdown.is_cancelled() {
-                let attempt = lane::connect(
-                    addr,
-                    &local,
-                    session_id,
-                    0,
-                    &shared.config.tuning,
-                    shared.config.connect_timeout,
-                )
-                .await
-                .and_then(|(s, agreed)| check_capability(&agreed).map(|_| (s, agreed)));
+                // Resume our session while MD still knows it; open a new one when MD
+                // refuses (it restarted).
+                let prior = lock(&shared.conn).session.map(|(_, s)| s);
+                let attempt = match prior {
+                    Some(secret) => match connect(LaneKey::Session(secret)).await {
+                        Err(Error::PeerAborted {
+                            reason: pdd_core::wire::AbortReason::AuthFailed,
+                            ..
+                        }) => connect(LaneKey::Root).await,
+                        other => other,
+                    },
+                    None => connect(LaneKey::Root).await,
+                }
+                .and_then(|c| check_capability(&c.agreed).map(|_| c));
                 match attempt {
-                    Ok((stream, agreed)) => {
+                    Ok(c) => {
                         backoff = shared.config.reconnect_initial;
-                        let stream = Arc::new(stream);
-                        let (generation, stop) = shared.install(Arc::clone(&stream), &agreed);
+                        let stream = Arc::new(c.stream);
+                        let (generation, stop) =
+                            shared.install(Arc::clone(&stream), &c.agreed, c.session_secret);
                         Arc::clone(&shared).serve(stream, generation, stop).await;
                     }
                     Err(e) => {
@@ -1761,6 +1793,8 @@ impl HandoffLink<MainSide> {
         addr: SocketAddr,
         config: LinkConfig,
     ) -> Result<MainLink> {
+        let local = hello(Role::MainDecode, Role::RelayDecode, &config);
+        lane::check_exposure(addr, &local, config.allow_insecure)?;
         let std_listener =
             std::net::TcpListener::bind(addr).map_err(|e| Error::ConnectionLost {
                 detail: format!("bind {addr}: {e}"),
@@ -1804,16 +1838,42 @@ impl HandoffLink<MainSide> {
                     // our HELLO) instead of a HELLO and then a close.
                     let timeout = shared.config.connect_timeout;
                     let agreed = async {
-                        let a = lane::read_hello(&mut stream, &local, timeout).await?;
+                        let offered = lane::read_hello(&mut stream, &local, timeout).await?;
+                        let a = offered.agreed.clone();
+                        // The RLD we serve may resume its session (proving its
+                        // secret); a new session opens only while none is connected,
+                        // so nobody can push the connected RLD aside.
+                        let (live, session) = {
+                            let c = lock(&shared.conn);
+                            (c.stream.is_some(), c.session)
+                        };
+                        let key: Result<&[u8], Error> = match (&session, a.resume) {
+                            (Some((id, secret)), true) if *id == a.session_id => Ok(secret),
+                            (_, true) => Err(Error::AuthFailed {
+                                detail: "no session to resume",
+                            }),
+                            (_, false) if live => Err(Error::AuthFailed {
+                                detail:
+                                    "a RelayDecode is connected; only it may resume its session",
+                            }),
+                            (_, false) => Ok(local.root_key()),
+                        };
+                        let derived =
+                            lane::authenticate(&mut stream, &local, &offered, key, timeout).await?;
+                        let secret = match session {
+                            Some((_, s)) if a.resume => s,
+                            _ => derived,
+                        };
                         let admitted = check_capability(&a);
                         lane::answer_hello(&mut stream, &local, &a, admitted, timeout).await?;
-                        Ok::<_, Error>(a)
+                        Ok::<_, Error>((a, secret))
                     }
                     .await;
                     match agreed {
-                        Ok(agreed) => {
+                        Ok((agreed, secret)) => {
                             let stream = Arc::new(stream);
-                            let (generation, stop) = shared.install(Arc::clone(&stream), &agreed);
+                            let (generation, stop) =
+                                shared.install(Arc::clone(&stream), &agreed, secret);
                             shared.serve(stream, generation, stop).await;
                         }
                         Err(e) => lock(&shared.conn).last_error = Some(e),

@@ -6,8 +6,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::BytesMut;
-use pdd_core::wire::handshake::{negotiate, LocalHello, Negotiated};
-use pdd_core::wire::{encode_frame, Abort, Frame, FrameHeader, HEADER_LEN};
+use pdd_core::wire::handshake::{self, negotiate, AuthBytes, LocalHello, Negotiated};
+use pdd_core::wire::{encode_frame, Abort, Frame, FrameHeader, Hello, HEADER_LEN};
 use pdd_core::Error;
 use socket2::SockRef;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -97,63 +97,137 @@ pub async fn write_frame(
     stream.write_all(&buf).await.map_err(|e| lost(e, "write"))
 }
 
-/// Connect lane `lane` of session `session_id` and exchange HELLO, all within
-/// `timeout`.
+/// Refuse to listen on a non-loopback address without a root secret, unless
+/// `allow_insecure`: without one, anyone who can reach the port can open a session,
+/// be granted pages and stream into them.
+pub fn check_exposure(
+    addr: SocketAddr,
+    local: &LocalHello,
+    allow_insecure: bool,
+) -> Result<(), Error> {
+    if addr.ip().is_loopback() || local.secret.is_some() || allow_insecure {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument(format!(
+        "refusing to listen on {addr} without authentication: anyone who reaches it could \
+         open a session; give a secret (both ends), or allow insecure explicitly"
+    )))
+}
+
+/// What a connecting lane proves it holds.
+#[derive(Clone)]
+pub enum LaneKey {
+    /// The root secret (`LocalHello::secret`): the lane opens session `session_id`
+    /// (a control lane that is not resuming).
+    Root,
+    /// The secret of a live session: the lane joins it (every data lane, a control
+    /// lane that resumes). HELLO carries the RESUME flag.
+    Session(AuthBytes),
+}
+
+impl std::fmt::Debug for LaneKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            LaneKey::Root => "LaneKey::Root",
+            LaneKey::Session(_) => "LaneKey::Session(<secret>)",
+        })
+    }
+}
+
+/// A lane connected and admitted.
+#[derive(Debug)]
+pub struct Connected {
+    /// The socket.
+    pub stream: TcpStream,
+    /// What both sides agreed.
+    pub agreed: Negotiated,
+    /// The session's secret: derived by this exchange for a [`LaneKey::Root`] lane,
+    /// the one given for a [`LaneKey::Session`] lane. Keys the session's other lanes
+    /// and its reconnects; never sent.
+    pub session_secret: AuthBytes,
+}
+
+fn unexpected(frame: &Frame, wanted: &str) -> Error {
+    match frame {
+        Frame::Abort(a) => Error::PeerAborted {
+            reason: a.reason,
+            message: a.message.clone(),
+        },
+        other => Error::InvalidField {
+            kind: other.kind(),
+            field: "kind",
+            detail: format!("expected {wanted}"),
+        },
+    }
+}
+
+/// Connect lane `lane` of session `session_id`, exchange HELLO and AUTH (both sides
+/// prove `key`), all within `timeout`. Fails with `auth_failed` before sending our
+/// proof if the acceptor cannot prove the key: we never talk on to an impostor.
 pub async fn connect(
     addr: SocketAddr,
     local: &LocalHello,
     session_id: u64,
     lane: u16,
+    key: &LaneKey,
     tuning: &SocketTuning,
     timeout: Duration,
-) -> Result<(TcpStream, Negotiated), Error> {
+) -> Result<Connected, Error> {
     let attempt = async {
         let mut stream = TcpStream::connect(addr)
             .await
             .map_err(|e| lost(e, &format!("connect to {addr}")))?;
         tune(&stream, tuning, true);
-        write_frame(
-            &mut stream,
-            &Frame::Hello(local.offer(session_id, lane)),
-            local.max_payload,
-        )
-        .await?;
-        let reply = read_frame_exact(&mut stream, local.max_payload)
+        let offer = local.offer(
+            session_id,
+            lane,
+            rand::random(),
+            matches!(key, LaneKey::Session(_)),
+        );
+        write_frame(&mut stream, &Frame::Hello(offer.clone()), local.max_payload).await?;
+        let closed = || Error::ConnectionLost {
+            detail: format!("{addr} closed during HELLO"),
+        };
+        let challenge = match read_frame_exact(&mut stream, local.max_payload)
             .await?
-            .ok_or_else(|| Error::ConnectionLost {
-                detail: format!("{addr} closed during HELLO"),
-            })?;
-        let agreed = match reply {
-            Frame::Hello(h) => {
-                if h.min_version != h.max_version {
-                    return Err(Error::InvalidField {
-                        kind: pdd_core::wire::FrameKind::Hello,
-                        field: "max_version",
-                        detail: "a HELLO reply must name exactly one version".into(),
-                    });
-                }
-                negotiate(local, &h)?
+            .ok_or_else(closed)?
+        {
+            Frame::Auth(a) => a,
+            other => return Err(unexpected(&other, "AUTH after our HELLO")),
+        };
+        let key_bytes: &[u8] = match key {
+            LaneKey::Root => local.root_key(),
+            LaneKey::Session(s) => s,
+        };
+        let answer = match handshake::answer_challenge(key_bytes, &offer, &challenge) {
+            Ok(a) => a,
+            Err(e) => {
+                let _ = write_frame(&mut stream, &abort_for(&e), local.max_payload).await;
+                return Err(e);
             }
-            Frame::Abort(a) => {
-                return Err(Error::PeerAborted {
-                    reason: a.reason,
-                    message: a.message,
-                })
-            }
-            other => {
-                return Err(Error::InvalidField {
-                    kind: other.kind(),
-                    field: "kind",
-                    detail: "expected HELLO as the first frame".into(),
-                })
-            }
+        };
+        write_frame(&mut stream, &Frame::Auth(answer), local.max_payload).await?;
+        let agreed = match read_frame_exact(&mut stream, local.max_payload)
+            .await?
+            .ok_or_else(closed)?
+        {
+            Frame::Hello(h) => handshake::check_reply(local, &offer, &h)?,
+            other => return Err(unexpected(&other, "HELLO as the answer to our AUTH")),
         };
         if lane > 0 {
             stream
                 .set_nodelay(false)
                 .map_err(|e| lost(e, "setsockopt"))?;
         }
-        Ok((stream, agreed))
+        let session_secret = match key {
+            LaneKey::Root => handshake::session_secret(local.root_key(), &offer, &challenge.nonce),
+            LaneKey::Session(s) => *s,
+        };
+        Ok(Connected {
+            stream,
+            agreed,
+            session_secret,
+        })
     };
     tokio::time::timeout(timeout, attempt)
         .await
@@ -162,36 +236,71 @@ pub async fn connect(
         })?
 }
 
-/// Accept side of the HELLO exchange, within `timeout`: read the peer's HELLO,
-/// negotiate, answer HELLO or ABORT. [`read_hello`] then [`answer_hello`] with nothing
-/// to decide in between.
+/// A connecting peer's HELLO, read and agreed with (not yet authenticated).
+#[derive(Debug, Clone)]
+pub struct Offered {
+    /// What both sides agree on.
+    pub agreed: Negotiated,
+    /// The peer's HELLO itself: the transcript its proofs cover.
+    pub offer: Hello,
+}
+
+/// Accept side of a whole lane opening, within `timeout`: [`read_hello`], then
+/// [`authenticate`] (a session-opening lane with the root secret, a RESUME lane with
+/// `session`'s secret, refused when `session` is `None`), then [`answer_hello`].
+/// Returns what was agreed and the session secret (derived, or `session`'s).
 pub async fn accept(
     stream: &mut TcpStream,
     local: &LocalHello,
+    session: Option<&AuthBytes>,
     timeout: Duration,
-) -> Result<Negotiated, Error> {
-    let agreed = read_hello(stream, local, timeout).await?;
-    answer_hello(stream, local, &agreed, Ok(()), timeout).await?;
-    Ok(agreed)
+) -> Result<(Negotiated, AuthBytes), Error> {
+    let offered = read_hello(stream, local, timeout).await?;
+    let key: Result<&[u8], Error> = match (offered.agreed.resume, session) {
+        (false, _) => Ok(local.root_key()),
+        (true, Some(secret)) => Ok(secret),
+        (true, None) => Err(Error::AuthFailed {
+            detail: "no session to resume",
+        }),
+    };
+    let derived = authenticate(stream, local, &offered, key, timeout).await?;
+    answer_hello(stream, local, &offered.agreed, Ok(()), timeout).await?;
+    let secret = match (offered.agreed.resume, session) {
+        (true, Some(s)) => *s,
+        _ => derived,
+    };
+    Ok((offered.agreed, secret))
 }
 
-/// First half of the accept side, within `timeout`: read the peer's HELLO and
-/// negotiate. A HELLO we cannot agree with (or another frame) is answered with an
-/// ABORT here; an agreeable one is not answered yet: the caller admits the lane (its
-/// session exists, the peer has the capability) and then calls [`answer_hello`]. A
-/// connector must never get a HELLO reply for a lane the acceptor is not ready to
-/// serve: it starts using the lane as soon as the reply arrives.
+/// First step of the accept side, within `timeout`: read the peer's HELLO and
+/// negotiate. A HELLO we cannot agree with, a frame we cannot decode (an unknown
+/// header version included) or another frame is answered with an ABORT saying why.
+/// An agreeable one is not answered yet: the caller picks the key the lane must
+/// prove (root, or the session's secret for a RESUME lane) and calls
+/// [`authenticate`], then admits the lane and calls [`answer_hello`]. A connector
+/// must never get a HELLO reply for a lane the acceptor is not ready to serve: it
+/// starts using the lane as soon as the reply arrives.
 pub async fn read_hello(
     stream: &mut TcpStream,
     local: &LocalHello,
     timeout: Duration,
-) -> Result<Negotiated, Error> {
+) -> Result<Offered, Error> {
     let exchange = async {
-        let first = read_frame_exact(stream, local.max_payload)
-            .await?
-            .ok_or_else(|| Error::ConnectionLost {
-                detail: "peer closed before HELLO".into(),
-            })?;
+        let first = match read_frame_exact(stream, local.max_payload).await {
+            Ok(Some(f)) => f,
+            Ok(None) => {
+                return Err(Error::ConnectionLost {
+                    detail: "peer closed before HELLO".into(),
+                })
+            }
+            Err(err) => {
+                if !matches!(err, Error::ConnectionLost { .. }) {
+                    // Undecodable (bad version, kind, length...): say why, then close.
+                    abort_gracefully(stream, &err, local.max_payload).await;
+                }
+                return Err(err);
+            }
+        };
         let Frame::Hello(peer) = first else {
             let err = Error::InvalidField {
                 kind: first.kind(),
@@ -202,7 +311,10 @@ pub async fn read_hello(
             return Err(err);
         };
         match negotiate(local, &peer) {
-            Ok(agreed) => Ok(agreed),
+            Ok(agreed) => Ok(Offered {
+                agreed,
+                offer: peer,
+            }),
             Err(err) => {
                 let _ = write_frame(stream, &abort_for(&err), local.max_payload).await;
                 Err(err)
@@ -212,9 +324,55 @@ pub async fn read_hello(
     within(timeout, "HELLO from a connecting peer", exchange).await
 }
 
-/// Second half of the accept side, within `timeout`: answer a negotiated HELLO with
-/// our HELLO when `admitted` is `Ok`, else with an ABORT saying why (and return that
-/// error).
+/// Second step of the accept side, within `timeout`: challenge the peer to prove
+/// `key` (after proving it ourselves) and check its answer. `key` is `Err` when the
+/// lane names no session we could key it with: the peer gets an ABORT saying why.
+/// Returns the session secret this exchange derives from the root secret (what a
+/// session-opening lane's session is keyed with from now on).
+pub async fn authenticate(
+    stream: &mut TcpStream,
+    local: &LocalHello,
+    offered: &Offered,
+    key: Result<&[u8], Error>,
+    timeout: Duration,
+) -> Result<AuthBytes, Error> {
+    let max = offered.agreed.peer_max_payload;
+    let exchange = async {
+        let key = match key {
+            Ok(k) => k,
+            Err(err) => {
+                let _ = write_frame(stream, &abort_for(&err), max).await;
+                return Err(err);
+            }
+        };
+        let nonce: AuthBytes = rand::random();
+        let challenge = handshake::challenge(key, &offered.offer, nonce);
+        write_frame(stream, &Frame::Auth(challenge), max).await?;
+        let answer = match read_frame_exact(stream, local.max_payload).await? {
+            Some(Frame::Auth(a)) => a,
+            Some(other) => return Err(unexpected(&other, "AUTH")),
+            None => {
+                return Err(Error::ConnectionLost {
+                    detail: "peer closed during AUTH".into(),
+                })
+            }
+        };
+        if let Err(err) = handshake::verify_answer(key, &offered.offer, &nonce, &answer) {
+            let _ = write_frame(stream, &abort_for(&err), max).await;
+            return Err(err);
+        }
+        Ok(handshake::session_secret(
+            local.root_key(),
+            &offered.offer,
+            &nonce,
+        ))
+    };
+    within(timeout, "AUTH from a connecting peer", exchange).await
+}
+
+/// Last step of the accept side, within `timeout`: answer a negotiated,
+/// authenticated HELLO with our HELLO when `admitted` is `Ok`, else with an ABORT
+/// saying why (and return that error).
 pub async fn answer_hello(
     stream: &mut TcpStream,
     local: &LocalHello,
@@ -243,6 +401,26 @@ pub async fn answer_hello(
         }
     };
     within(timeout, "answering a connecting peer's HELLO", exchange).await
+}
+
+/// Send the ABORT for `err` and close so that the peer reads it: the write side
+/// is shut down and whatever the peer had already sent is drained for a moment
+/// (closing with unread bytes would make the kernel send a reset, which can
+/// overtake the ABORT).
+async fn abort_gracefully(stream: &mut TcpStream, err: &Error, max_payload: u32) {
+    let _ = write_frame(stream, &abort_for(err), max_payload).await;
+    let _ = stream.shutdown().await;
+    let drain = async {
+        let mut sink = [0u8; 4096];
+        let mut left = 1usize << 20;
+        while left > 0 {
+            match stream.read(&mut sink).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => left = left.saturating_sub(n),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_millis(200), drain).await;
 }
 
 /// `step`, or `DeadlineExceeded { what }` once `timeout` passed.

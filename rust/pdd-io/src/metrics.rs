@@ -42,6 +42,12 @@ counters! {
     reconnects_total: "counter", "sessions re-established after a loss";
     /// Sessions lost (peer dead, reset, protocol error).
     sessions_lost_total: "counter", "sessions lost";
+    /// Connections refused before admission (version, authentication, role, no
+    /// session to join).
+    lanes_refused_total: "counter", "connections refused at HELLO or AUTH";
+    /// Protocol violations that ended a peer's session (a block or KV_DONE for a
+    /// transfer that session was not granted included).
+    violations_total: "counter", "sessions ended for a protocol or grant violation";
     /// PINGs sent.
     pings_sent_total: "counter", "heartbeat PINGs sent";
     /// Latest PING/PONG round trip, microseconds.

@@ -19,7 +19,7 @@ use pdd_core::kv::{BlockDisposition, KvBlock, ReceiverState, TransferEvent};
 use pdd_core::prefix::{answer_query, LeaseTable};
 use pdd_core::radix::{hash, RadixCache};
 use pdd_core::time::Timestamp;
-use pdd_core::wire::handshake::LocalHello;
+use pdd_core::wire::handshake::{AuthBytes, LocalHello};
 use pdd_core::wire::{
     Abort, Frame, FrameHeader, FrameKind, KvDone, KvGrant, HEADER_LEN, KV_PAGES_FIXED_LEN,
 };
@@ -55,6 +55,9 @@ pub struct ReceiverConfig {
     /// The decoder's radix cache, shared with its engine: PREFIX_QUERY is answered
     /// from it (match, lock, lease). Without one, every query matches nothing.
     pub prefix_cache: Option<Arc<Mutex<RadixCache>>>,
+    /// Listen on a non-loopback address without a root secret
+    /// (`hello.secret`). Off by default: [`KvReceiver::start`] refuses.
+    pub allow_insecure: bool,
 }
 
 impl ReceiverConfig {
@@ -68,6 +71,7 @@ impl ReceiverConfig {
             heartbeat: Duration::from_secs(1),
             dead_after: Duration::from_secs(5),
             prefix_cache: None,
+            allow_insecure: false,
         }
     }
 }
@@ -146,7 +150,12 @@ impl InboundTransfer {
 }
 
 struct Session {
+    /// Unique per session instance (a resumed session gets a new one); owns the
+    /// session's grants in `ReceiverState`.
     generation: u64,
+    /// The secret the session's opening exchange derived: every data lane and
+    /// every resumption must prove it.
+    secret: AuthBytes,
     control: mpsc::UnboundedSender<Frame>,
     cancel: CancellationToken,
     peer_addr: SocketAddr,
@@ -196,6 +205,7 @@ pub struct KvReceiver {
 impl KvReceiver {
     /// Bind and start accepting on the current tokio runtime.
     pub async fn start(pool: Arc<PagePool>, cfg: ReceiverConfig) -> Result<KvReceiver, Error> {
+        lane::check_exposure(cfg.listen, &cfg.hello, cfg.allow_insecure)?;
         let listener = TcpListener::bind(cfg.listen)
             .await
             .map_err(|e| Error::ConnectionLost {
@@ -328,7 +338,22 @@ impl KvReceiver {
         let deadline_ms =
             deadline.map_or(0, |d| d.as_millis().clamp(1, u128::from(u32::MAX)) as u32);
         let layers = layer_count.unwrap_or_else(|| shared.pool.layers());
-        let grant = lock(&shared.state).grant(request_id, pages, layers, deadline_ms)?;
+        let grant = {
+            let mut state = lock(&shared.state);
+            // Unguessable and unique among live and recent transfers.
+            let mut transfer_id: u64 = rand::random();
+            while state.id_in_use(transfer_id) {
+                transfer_id = rand::random();
+            }
+            state.grant_to(
+                generation,
+                transfer_id,
+                request_id,
+                pages,
+                layers,
+                deadline_ms,
+            )?
+        };
         let (status_tx, status_rx) = watch::channel(TransferStatus::InProgress { layers_done: 0 });
         // Registered before the grant is sent: if the session dies after a successful
         // send, its teardown (which runs after its writer stopped) sees this entry.
@@ -660,18 +685,48 @@ fn fail_session_transfers(
 
 async fn handle_connection(shared: Arc<Shared>, mut stream: TcpStream, peer_addr: SocketAddr) {
     lane::tune(&stream, &shared.cfg.tuning, true);
+    let hello = &shared.cfg.hello;
+    let timeout = shared.cfg.hello_timeout;
     // Not answered yet: each kind of lane answers once it is ready to be used.
-    let agreed = tokio::select! {
+    let opening = async {
+        let offered = lane::read_hello(&mut stream, hello, timeout).await?;
+        let (id, resume) = (offered.agreed.session_id, offered.agreed.resume);
+        // The key the lane must prove: the root secret to open a session whose id is
+        // free; the live session's own secret to join or resume it.
+        let live = lock(&shared.sessions).get(&id).map(|s| s.secret);
+        let key: Result<&[u8], Error> = match (resume, &live) {
+            (false, None) => Ok(hello.root_key()),
+            (false, Some(_)) => Err(Error::AuthFailed {
+                detail: "that session is live: a reconnect must resume it with its secret",
+            }),
+            (true, Some(secret)) => Ok(secret),
+            (true, None) if offered.agreed.lane == 0 => Err(Error::AuthFailed {
+                detail: "no live session to resume",
+            }),
+            (true, None) => Err(Error::ConnectionLost {
+                detail: format!(
+                    "data lane {} for session {id} which has no control lane",
+                    offered.agreed.lane
+                ),
+            }),
+        };
+        let derived = lane::authenticate(&mut stream, hello, &offered, key, timeout).await?;
+        Ok::<_, Error>((offered.agreed, live.unwrap_or(derived)))
+    };
+    let (agreed, secret) = tokio::select! {
         _ = shared.cancel.cancelled() => return,
-        r = lane::read_hello(&mut stream, &shared.cfg.hello, shared.cfg.hello_timeout) => match r {
+        r = opening => match r {
             Ok(a) => a,
-            Err(_) => return,
+            Err(_) => {
+                Metrics::add(&shared.metrics.lanes_refused_total, 1);
+                return;
+            }
         },
     };
     if agreed.lane == 0 {
-        control_session(shared, stream, agreed, peer_addr).await;
+        control_session(shared, stream, agreed, secret, peer_addr).await;
     } else {
-        data_lane(shared, stream, agreed).await;
+        data_lane(shared, stream, agreed, secret).await;
     }
 }
 
@@ -686,6 +741,7 @@ async fn control_session(
     shared: Arc<Shared>,
     mut stream: TcpStream,
     agreed: pdd_core::wire::handshake::Negotiated,
+    secret: AuthBytes,
     peer_addr: SocketAddr,
 ) {
     let session_id = agreed.session_id;
@@ -693,19 +749,42 @@ async fn control_session(
     let (tx, rx) = mpsc::unbounded_channel::<Frame>();
     let cancel = shared.cancel.child_token();
     let death = Arc::new(Mutex::new(None));
-    let replaced = lock(&shared.sessions).insert(
-        session_id,
-        Session {
-            generation,
-            control: tx.clone(),
-            cancel: cancel.clone(),
-            peer_addr,
-            death: death.clone(),
-        },
-    );
+    let registered = {
+        let mut sessions = lock(&shared.sessions);
+        // Between authentication and here another lane may have opened or resumed
+        // this id: only a lane that proved the secret of the session now live may
+        // replace it, and a session-opening lane only a free id.
+        let current = sessions.get(&session_id).map(|s| s.secret);
+        let fits = match current {
+            None => !agreed.resume,
+            Some(live) => agreed.resume && live == secret,
+        };
+        fits.then(|| {
+            sessions.insert(
+                session_id,
+                Session {
+                    generation,
+                    secret,
+                    control: tx.clone(),
+                    cancel: cancel.clone(),
+                    peer_addr,
+                    death: death.clone(),
+                },
+            )
+        })
+    };
+    let Some(replaced) = registered else {
+        let err = Error::AuthFailed {
+            detail: "the session changed during the handshake",
+        };
+        let hello = &shared.cfg.hello;
+        let bound = shared.cfg.hello_timeout;
+        let _ = lane::answer_hello(&mut stream, hello, &agreed, Err(err), bound).await;
+        return;
+    };
     if let Some(old) = replaced {
-        // The same peer reconnected: whatever it had in flight on the old session is
-        // gone with it.
+        // The same peer resumed (it proved the session's secret): whatever it had in
+        // flight on the old session is gone with it.
         old.cancel.cancel();
         let err = Error::ConnectionLost {
             detail: format!("peer {session_id} reconnected"),
@@ -788,10 +867,11 @@ async fn control_session(
         };
         match frame {
             Frame::KvDone(done) => {
-                let r = lock(&shared.state).sender_done(&done);
+                let r = lock(&shared.state).sender_done(generation, &done);
                 match r {
                     Ok(ev) => apply(&shared, ev),
                     Err(e) => {
+                        Metrics::add(&shared.metrics.violations_total, 1);
                         let _ = tx.send(lane::abort_for(&e));
                         break e;
                     }
@@ -913,10 +993,21 @@ async fn data_lane(
     shared: Arc<Shared>,
     mut stream: TcpStream,
     agreed: pdd_core::wire::handshake::Negotiated,
+    secret: AuthBytes,
 ) {
+    // The lane proved `secret`; it joins the session only if that is still the one
+    // live under its id (a resumption may have replaced it meanwhile).
     let session = lock(&shared.sessions)
         .get(&agreed.session_id)
-        .map(|s| (s.cancel.clone(), s.control.clone(), s.death.clone()));
+        .filter(|s| s.secret == secret)
+        .map(|s| {
+            (
+                s.cancel.clone(),
+                s.control.clone(),
+                s.death.clone(),
+                s.generation,
+            )
+        });
     // The control lane registers its session before answering its HELLO, so a sender
     // that waited for that answer always finds its session here.
     let admitted = match &session {
@@ -933,7 +1024,7 @@ async fn data_lane(
         _ = shared.cancel.cancelled() => return,
         r = lane::answer_hello(&mut stream, hello, &agreed, admitted, shared.cfg.hello_timeout) => r,
     };
-    let (Ok(()), Some((cancel, control, death))) = (answered, session) else {
+    let (Ok(()), Some((cancel, control, death, owner))) = (answered, session) else {
         return;
     };
     let max_payload = shared.cfg.hello.max_payload;
@@ -941,7 +1032,7 @@ async fn data_lane(
     loop {
         let r = tokio::select! {
             _ = cancel.cancelled() => return,
-            r = read_block(&shared, &mut stream, max_payload, &mut scratch) => r,
+            r = read_block(&shared, owner, &mut stream, max_payload, &mut scratch) => r,
         };
         match r {
             Ok(true) => {}
@@ -949,6 +1040,7 @@ async fn data_lane(
             Err(e) => {
                 if !matches!(e, Error::ConnectionLost { .. }) {
                     // A peer that breaks the protocol loses the whole session.
+                    Metrics::add(&shared.metrics.violations_total, 1);
                     let _ = control.send(lane::abort_for(&e));
                     lock(&death).get_or_insert(e);
                     cancel.cancel();
@@ -962,6 +1054,7 @@ async fn data_lane(
 /// Read one KV_PAGES block into its pages. `Ok(false)` on a clean EOF between blocks.
 async fn read_block(
     shared: &Shared,
+    owner: u64,
     stream: &mut TcpStream,
     max_payload: u32,
     scratch: &mut [u8],
@@ -1001,7 +1094,7 @@ async fn read_block(
     let block = KvBlock::parse(&fixed, header.payload_len)?;
     let mut crc = crc32c::crc32c(&head[..12]);
     crc = crc32c::crc32c_append(crc, &fixed);
-    let disposition = lock(&shared.state).begin_block(&block)?;
+    let disposition = lock(&shared.state).begin_block(owner, &block)?;
     match disposition {
         BlockDisposition::Drain => {
             let mut left = block.data_len();

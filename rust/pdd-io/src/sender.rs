@@ -17,8 +17,10 @@ use std::time::{Duration, Instant};
 use futures_util::StreamExt;
 use pdd_core::kv::{KvBlock, SenderTransfer};
 use pdd_core::prefix::{verify_reply, VerifiedPrefix};
-use pdd_core::wire::handshake::LocalHello;
-use pdd_core::wire::{Frame, FrameHeader, FrameKind, KvGrant, HEADER_LEN, KV_PAGES_FIXED_LEN};
+use pdd_core::wire::handshake::{AuthBytes, LocalHello};
+use pdd_core::wire::{
+    AbortReason, Frame, FrameHeader, FrameKind, KvGrant, HEADER_LEN, KV_PAGES_FIXED_LEN,
+};
 use pdd_core::wire::{PrefixQuery, PrefixReply};
 use pdd_core::Error;
 use tokio::io::AsyncWriteExt;
@@ -28,7 +30,7 @@ use tokio_util::codec::{FramedRead, FramedWrite};
 use tokio_util::sync::CancellationToken;
 
 use crate::codec::{CodecError, WireCodec};
-use crate::lane::{self, SocketTuning};
+use crate::lane::{self, LaneKey, SocketTuning};
 use crate::metrics::Metrics;
 use crate::pool::PagePool;
 
@@ -130,6 +132,8 @@ struct Shared {
     /// PREFIX_QUERY waiting for its reply: query id -> (request, waiter).
     queries: Mutex<HashMap<u64, PendingQuery>>,
     next_query: std::sync::atomic::AtomicU64,
+    /// The secret of our session, once one was opened: reconnects resume with it.
+    session_secret: Mutex<Option<AuthBytes>>,
 }
 
 type PendingQuery = (u64, oneshot::Sender<Result<PrefixReply, Error>>);
@@ -183,6 +187,7 @@ impl KvSender {
             connected_before: false.into(),
             queries: Mutex::new(HashMap::new()),
             next_query: std::sync::atomic::AtomicU64::new(1),
+            session_secret: Mutex::new(None),
         });
         let sender = KvSender { shared };
         sender.ensure_connected().await?;
@@ -355,27 +360,37 @@ fn fail_queries(shared: &Shared, error: &Error, request: Option<u64>) {
 
 async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
     let cfg = &shared.cfg;
-    let (control_stream, agreed) = lane::connect(
-        cfg.addr,
-        &cfg.hello,
-        cfg.session_id,
-        0,
-        &cfg.tuning,
-        cfg.connect_timeout,
-    )
-    .await?;
-    let mut data_streams = Vec::with_capacity(usize::from(cfg.lanes));
-    for lane_no in 1..=cfg.lanes {
-        let (s, _) = lane::connect(
+    let open = |key: LaneKey, lane_no: u16| async move {
+        lane::connect(
             cfg.addr,
             &cfg.hello,
             cfg.session_id,
             lane_no,
+            &key,
             &cfg.tuning,
             cfg.connect_timeout,
         )
-        .await?;
-        data_streams.push(s);
+        .await
+    };
+    // Resume our session if the receiver still holds it (its transfers are lost
+    // either way); if it already ended it, open a new one.
+    let prior = *lock(&shared.session_secret);
+    let control = match prior {
+        Some(secret) => match open(LaneKey::Session(secret), 0).await {
+            Err(Error::PeerAborted {
+                reason: AbortReason::AuthFailed,
+                ..
+            }) => open(LaneKey::Root, 0).await?,
+            other => other?,
+        },
+        None => open(LaneKey::Root, 0).await?,
+    };
+    *lock(&shared.session_secret) = Some(control.session_secret);
+    let (control_stream, agreed) = (control.stream, control.agreed);
+    let mut data_streams = Vec::with_capacity(usize::from(cfg.lanes));
+    for lane_no in 1..=cfg.lanes {
+        let lane = open(LaneKey::Session(control.session_secret), lane_no).await?;
+        data_streams.push(lane.stream);
     }
     let cancel = shared.cancel.child_token();
     let (control_tx, control_rx) = mpsc::unbounded_channel();

@@ -375,7 +375,7 @@ async fn a_silent_peer_is_declared_dead_and_replaced() {
     tokio::spawn(async move {
         let local = LocalHello::new(Role::MainDecode, capability::HANDOFF);
         while let Ok((mut s, _)) = listener.accept().await {
-            if lane::accept(&mut s, &local, Duration::from_secs(2))
+            if lane::accept(&mut s, &local, None, Duration::from_secs(2))
                 .await
                 .is_ok()
             {
@@ -400,22 +400,26 @@ async fn a_silent_peer_is_declared_dead_and_replaced() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn wrong_credential_is_refused_and_reported() {
+async fn wrong_secret_is_refused_and_reported() {
     let rt = tokio::runtime::Handle::current();
     let mut md_cfg = config();
-    md_cfg.expected_credential = Some(bytes::Bytes::from_static(b"secret"));
+    md_cfg.secret = Some(bytes::Bytes::from_static(b"secret"));
     let md = MainLink::listen(&rt, any_port(), md_cfg).unwrap();
-    let mut rld_cfg = config();
-    rld_cfg.credential = bytes::Bytes::from_static(b"wrong");
-    let rld = RelayLink::connect(&rt, md.local_addr().unwrap(), rld_cfg).unwrap();
-    let err = rld
-        .wait_connected(Duration::from_millis(500))
-        .await
-        .unwrap_err();
-    assert_eq!(err.reason(), "deadline_exceeded");
-    let last = rld.last_error().expect("the refusal is kept");
-    assert_eq!(last.reason(), "peer_aborted", "{last}");
-    assert!(!md.is_connected());
+    // A wrong secret, and none at all: MD's proof does not check out for RLD, which
+    // stops before proving anything itself.
+    for secret in [Some(&b"wrong"[..]), None] {
+        let mut rld_cfg = config();
+        rld_cfg.secret = secret.map(bytes::Bytes::from_static);
+        let rld = RelayLink::connect(&rt, md.local_addr().unwrap(), rld_cfg).unwrap();
+        let err = rld
+            .wait_connected(Duration::from_millis(500))
+            .await
+            .unwrap_err();
+        assert_eq!(err.reason(), "deadline_exceeded");
+        let last = rld.last_error().expect("the refusal is kept");
+        assert_eq!(last.reason(), "auth_failed", "{last}");
+        assert!(!md.is_connected());
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -430,6 +434,7 @@ async fn a_peer_without_the_handoff_capability_is_refused_at_hello() {
         &local,
         7,
         0,
+        &lane::LaneKey::Root,
         &lane::SocketTuning::default(),
         Duration::from_secs(5),
     )

@@ -9,7 +9,7 @@ use std::time::Duration;
 use pdd_core::wire::handshake::LocalHello;
 use pdd_core::wire::{capability, Role};
 use pdd_core::Error;
-use pdd_io::lane::{self, SocketTuning};
+use pdd_io::lane::{self, LaneKey, SocketTuning};
 use pdd_io::pool::{MemoryRegion, PagePool};
 use pdd_io::receiver::{KvReceiver, ReceiverConfig, ReceiverEvent, TransferStatus};
 use pdd_io::sender::{KvSender, SenderConfig};
@@ -208,12 +208,23 @@ async fn a_block_outside_the_grant_aborts_the_session() {
     let rx = receiver(|_| {}).await;
     let hello = LocalHello::new(Role::Prefill, capability::KV_STREAM);
     let tuning = SocketTuning::default();
-    let (mut control, _) = lane::connect(rx.local_addr(), &hello, 77, 0, &tuning, BOUND)
+    let opened = lane::connect(
+        rx.local_addr(),
+        &hello,
+        77,
+        0,
+        &LaneKey::Root,
+        &tuning,
+        BOUND,
+    )
+    .await
+    .unwrap();
+    let mut control = opened.stream;
+    let key = LaneKey::Session(opened.session_secret);
+    let mut data = lane::connect(rx.local_addr(), &hello, 77, 1, &key, &tuning, BOUND)
         .await
-        .unwrap();
-    let (mut data, _) = lane::connect(rx.local_addr(), &hello, 77, 1, &tuning, BOUND)
-        .await
-        .unwrap();
+        .unwrap()
+        .stream;
     bounded(rx.wait_peer(Some(77))).await;
     let inbound = rx.grant(3, &[4], Some(1), None, None).unwrap();
     // The honest first frame on the control lane is the grant.
@@ -606,11 +617,15 @@ async fn a_data_lane_right_after_its_control_lane_is_always_admitted() {
     let tuning = SocketTuning::default();
     let mut lanes = Vec::new();
     for session in 1..=100u64 {
-        let (control, _) = lane::connect(rx.local_addr(), &hello, session, 0, &tuning, BOUND)
+        let root = LaneKey::Root;
+        let opened = lane::connect(rx.local_addr(), &hello, session, 0, &root, &tuning, BOUND)
             .await
             .unwrap();
-        let data = lane::connect(rx.local_addr(), &hello, session, 1, &tuning, BOUND).await;
-        let (data, _) = data.unwrap_or_else(|e| panic!("session {session}: {e:?}"));
+        let (control, key) = (opened.stream, LaneKey::Session(opened.session_secret));
+        let data = lane::connect(rx.local_addr(), &hello, session, 1, &key, &tuning, BOUND).await;
+        let data = data
+            .unwrap_or_else(|e| panic!("session {session}: {e:?}"))
+            .stream;
         lanes.push((session, control, data));
     }
     bounded(rx.wait_peer(Some(100))).await;
@@ -634,6 +649,7 @@ async fn a_data_lane_without_a_session_is_refused_at_hello() {
         &hello,
         99,
         1,
+        &LaneKey::Session([7; 32]),
         &SocketTuning::default(),
         BOUND,
     )
@@ -664,11 +680,11 @@ async fn a_sender_reports_the_receivers_reason_over_its_own_write_error() {
     // A scripted receiver, lane by lane.
     let hello = LocalHello::new(Role::MainDecode, capability::KV_STREAM);
     let (mut control, _) = bounded(listener.accept()).await.unwrap();
-    bounded(lane::accept(&mut control, &hello, BOUND))
+    let (_, secret) = bounded(lane::accept(&mut control, &hello, None, BOUND))
         .await
         .unwrap();
     let (mut data, _) = bounded(listener.accept()).await.unwrap();
-    bounded(lane::accept(&mut data, &hello, BOUND))
+    bounded(lane::accept(&mut data, &hello, Some(&secret), BOUND))
         .await
         .unwrap();
     let tx = bounded(connecting).await.unwrap().unwrap();

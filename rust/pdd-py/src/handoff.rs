@@ -737,8 +737,8 @@ fn link_config(
     heartbeat_interval: f64,
     dead_after: f64,
     connect_timeout: f64,
-    credential: Option<&[u8]>,
-    expected_credential: Option<&[u8]>,
+    secret: Option<&[u8]>,
+    insecure: bool,
 ) -> PyResult<LinkConfig> {
     let config = LinkConfig {
         policy: policy_of(policy),
@@ -746,10 +746,8 @@ fn link_config(
         heartbeat_interval: secs("heartbeat_interval", heartbeat_interval)?,
         dead_after: secs("dead_after", dead_after)?,
         connect_timeout: secs("connect_timeout", connect_timeout)?,
-        credential: credential
-            .map(bytes::Bytes::copy_from_slice)
-            .unwrap_or_default(),
-        expected_credential: expected_credential.map(bytes::Bytes::copy_from_slice),
+        secret: secret.map(bytes::Bytes::copy_from_slice),
+        allow_insecure: insecure,
         ..LinkConfig::default()
     };
     config.validate().map_err(PddErr)?;
@@ -1078,7 +1076,7 @@ common_link_methods!(RelayLink, RelayBackend, relay_events, relay_event_to_py, {
     /// until the first connection is up, raising DeadlineExceeded after
     /// `connect_timeout`.
     #[staticmethod]
-    #[pyo3(signature = (address, *, policy = None, timers = None, heartbeat_interval = 1.0, dead_after = 5.0, connect_timeout = 5.0, credential = None, wait = true))]
+    #[pyo3(signature = (address, *, policy = None, timers = None, heartbeat_interval = 1.0, dead_after = 5.0, connect_timeout = 5.0, secret = None, wait = true))]
     #[allow(clippy::too_many_arguments)]
     fn connect(
         py: Python<'_>,
@@ -1088,7 +1086,7 @@ common_link_methods!(RelayLink, RelayBackend, relay_events, relay_event_to_py, {
         heartbeat_interval: f64,
         dead_after: f64,
         connect_timeout: f64,
-        credential: Option<&[u8]>,
+        secret: Option<&[u8]>,
         wait: bool,
     ) -> PyResult<Self> {
         let config = link_config(
@@ -1097,8 +1095,8 @@ common_link_methods!(RelayLink, RelayBackend, relay_events, relay_event_to_py, {
             heartbeat_interval,
             dead_after,
             connect_timeout,
-            credential,
-            None,
+            secret,
+            false,
         )?;
         let addr = resolve(address)?;
         let handle = runtime()?.handle().clone();
@@ -1250,7 +1248,7 @@ common_link_methods!(MainLink, MainBackend, main_events, main_event_to_py, {
     /// Listen on `address` ("host:port"; port 0 picks one, see `address`) for RLD's
     /// connection; a new connection replaces the current one.
     #[staticmethod]
-    #[pyo3(signature = (address = "127.0.0.1:0", *, timers = None, heartbeat_interval = 1.0, dead_after = 5.0, connect_timeout = 5.0, credential = None, expected_credential = None))]
+    #[pyo3(signature = (address = "127.0.0.1:0", *, timers = None, heartbeat_interval = 1.0, dead_after = 5.0, connect_timeout = 5.0, secret = None, insecure = false))]
     #[allow(clippy::too_many_arguments)]
     fn listen(
         address: &str,
@@ -1258,8 +1256,8 @@ common_link_methods!(MainLink, MainBackend, main_events, main_event_to_py, {
         heartbeat_interval: f64,
         dead_after: f64,
         connect_timeout: f64,
-        credential: Option<&[u8]>,
-        expected_credential: Option<&[u8]>,
+        secret: Option<&[u8]>,
+        insecure: bool,
     ) -> PyResult<Self> {
         let config = link_config(
             None,
@@ -1267,8 +1265,8 @@ common_link_methods!(MainLink, MainBackend, main_events, main_event_to_py, {
             heartbeat_interval,
             dead_after,
             connect_timeout,
-            credential,
-            expected_credential,
+            secret,
+            insecure,
         )?;
         let addr = resolve(address)?;
         let handle = runtime()?.handle().clone();

@@ -182,15 +182,15 @@ pub struct KvReceiver {
 #[pymethods]
 impl KvReceiver {
     #[new]
-    #[pyo3(signature = (pool, listen = "127.0.0.1:0", *, role = "main_decode", credential = None, expected_credential = None, heartbeat_s = 1.0, dead_after_s = 5.0, hello_timeout_s = 5.0, socket_buffer = 8388608, congestion = None, max_payload = 16777216, prefix_cache = None))]
+    #[pyo3(signature = (pool, listen = "127.0.0.1:0", *, role = "main_decode", secret = None, insecure = false, heartbeat_s = 1.0, dead_after_s = 5.0, hello_timeout_s = 5.0, socket_buffer = 8388608, congestion = None, max_payload = 16777216, prefix_cache = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         pool: &KvPool,
         listen: &str,
         role: &str,
-        credential: Option<PyBackedBytes>,
-        expected_credential: Option<PyBackedBytes>,
+        secret: Option<PyBackedBytes>,
+        insecure: bool,
         heartbeat_s: f64,
         dead_after_s: f64,
         hello_timeout_s: f64,
@@ -205,12 +205,10 @@ impl KvReceiver {
             capability::KV_STREAM
         };
         let mut hello = LocalHello::new(self::role(role)?, caps);
-        hello.credential = credential
-            .map(|c| bytes::Bytes::copy_from_slice(&c))
-            .unwrap_or_default();
-        hello.expected_credential = expected_credential.map(|c| bytes::Bytes::copy_from_slice(&c));
+        hello.secret = secret.map(|c| bytes::Bytes::copy_from_slice(&c));
         hello.max_payload = max_payload;
         let mut cfg = ReceiverConfig::new(address(listen)?, hello);
+        cfg.allow_insecure = insecure;
         cfg.heartbeat = seconds(heartbeat_s, "heartbeat_s")?;
         cfg.dead_after = seconds(dead_after_s, "dead_after_s")?;
         cfg.hello_timeout = seconds(hello_timeout_s, "hello_timeout_s")?;
@@ -469,7 +467,7 @@ pub struct KvSender {
 #[pymethods]
 impl KvSender {
     #[new]
-    #[pyo3(signature = (pool, connect, *, lanes = 4, node_id = None, role = "prefill", credential = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, block_bytes = 1048576, socket_buffer = 8388608, congestion = None, max_payload = 16777216))]
+    #[pyo3(signature = (pool, connect, *, lanes = 4, node_id = None, role = "prefill", secret = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, block_bytes = 1048576, socket_buffer = 8388608, congestion = None, max_payload = 16777216))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -478,7 +476,7 @@ impl KvSender {
         lanes: u16,
         node_id: Option<u64>,
         role: &str,
-        credential: Option<PyBackedBytes>,
+        secret: Option<PyBackedBytes>,
         heartbeat_s: f64,
         dead_after_s: f64,
         connect_timeout_s: f64,
@@ -488,9 +486,7 @@ impl KvSender {
         max_payload: u32,
     ) -> PyResult<Self> {
         let mut hello = LocalHello::new(self::role(role)?, capability::KV_STREAM);
-        hello.credential = credential
-            .map(|c| bytes::Bytes::copy_from_slice(&c))
-            .unwrap_or_default();
+        hello.secret = secret.map(|c| bytes::Bytes::copy_from_slice(&c));
         hello.max_payload = max_payload;
         let node_id = match node_id {
             Some(0) => return Err(invalid("node_id 0 is reserved")),

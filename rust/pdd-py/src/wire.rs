@@ -8,9 +8,9 @@ use bytes::{Bytes, BytesMut};
 use pdd_core::wire::handshake::{negotiate, LocalHello};
 use pdd_core::wire::{
     self, capability, decode_frame as core_decode, decode_frame_shared,
-    encode_frame as core_encode, Abort, AbortReason, CacheEvent, CacheEvents, Frame, FrameKind,
-    Handoff, HandoffAck, Hello, KvDone, KvGrant, KvPages, Ping, PrefixQuery, PrefixReply, Progress,
-    Role,
+    encode_frame as core_encode, Abort, AbortReason, Auth, CacheEvent, CacheEvents, Frame,
+    FrameKind, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvPages, Ping, PrefixQuery,
+    PrefixReply, Progress, Role, AUTH_LEN,
 };
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -76,18 +76,16 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// Check a peer's HELLO against our settings (the accepting side's decision).
 ///
 /// Returns the agreed session parameters and, under `"reply"`, the HELLO to answer
-/// with; raises `TransportError` (reason `version_mismatch`, `auth_failed` or
-/// `role_refused`; `exc.abort_reason` is the ABORT reason to send) otherwise.
+/// with (once the AUTH exchange that follows has succeeded); raises `TransportError`
+/// (reason `version_mismatch`, `auth_failed` or `role_refused`; `exc.abort_reason`
+/// is the ABORT reason to send) otherwise.
 #[pyfunction]
-#[pyo3(signature = (role, peer_hello, *, capabilities = 0, credential = None, expected_credential = None, accepted_roles = None, max_payload = 16777216))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (role, peer_hello, *, capabilities = 0, accepted_roles = None, max_payload = 16777216))]
 fn negotiate_hello<'py>(
     py: Python<'py>,
     role: &str,
     peer_hello: &Bound<'py, PyDict>,
     capabilities: u64,
-    credential: Option<PyBackedBytes>,
-    expected_credential: Option<PyBackedBytes>,
     accepted_roles: Option<Vec<String>>,
     max_payload: u32,
 ) -> PyResult<Bound<'py, PyDict>> {
@@ -95,10 +93,6 @@ fn negotiate_hello<'py>(
         |name: &str| Role::from_name(name).ok_or_else(|| invalid(format!("unknown role '{name}'")));
     let mut ours = LocalHello::new(parse_role(role)?, capabilities);
     ours.max_payload = max_payload;
-    ours.credential = credential
-        .map(|c| Bytes::copy_from_slice(&c))
-        .unwrap_or_default();
-    ours.expected_credential = expected_credential.map(|c| Bytes::copy_from_slice(&c));
     ours.accepted_roles = accepted_roles
         .unwrap_or_default()
         .iter()
@@ -115,6 +109,7 @@ fn negotiate_hello<'py>(
     out.set_item("peer_max_payload", agreed.peer_max_payload)?;
     out.set_item("session_id", agreed.session_id)?;
     out.set_item("lane", agreed.lane)?;
+    out.set_item("resume", agreed.resume)?;
     out.set_item(
         "reply",
         frame_to_dict(py, &Frame::Hello(ours.reply(&agreed)))?,
@@ -317,7 +312,8 @@ fn frame_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Frame> {
                 session_id: get!(f, "session_id"),
                 capabilities: get!(f, "capabilities"),
                 max_payload: get!(f, "max_payload"),
-                credential: bytes_field(&mut f, "credential")?,
+                auth: bytes_field(&mut f, "auth")?,
+                resume: get!(f, "resume"),
             })
         }
         FrameKind::KvGrant => Frame::KvGrant(KvGrant {
@@ -418,6 +414,17 @@ fn frame_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Frame> {
                 Frame::Pong(p)
             }
         }
+        FrameKind::Auth => {
+            let fixed = |f: &mut Fields<'_, '_>, name: &'static str| -> PyResult<[u8; AUTH_LEN]> {
+                let b = bytes_field(f, name)?;
+                <[u8; AUTH_LEN]>::try_from(b.as_ref())
+                    .map_err(|_| invalid(format!("AUTH.{name}: expected {AUTH_LEN} bytes")))
+            };
+            Frame::Auth(Auth {
+                nonce: fixed(&mut f, "nonce")?,
+                proof: fixed(&mut f, "proof")?,
+            })
+        }
     };
     f.finish()?;
     Ok(frame)
@@ -471,7 +478,8 @@ fn frame_to_dict<'py>(py: Python<'py>, frame: &Frame) -> PyResult<Bound<'py, PyD
             d.set_item("session_id", h.session_id)?;
             d.set_item("capabilities", h.capabilities)?;
             d.set_item("max_payload", h.max_payload)?;
-            d.set_item("credential", PyBytes::new(py, &h.credential))?;
+            d.set_item("auth", PyBytes::new(py, &h.auth))?;
+            d.set_item("resume", h.resume)?;
         }
         Frame::KvGrant(g) => {
             d.set_item("transfer_id", g.transfer_id)?;
@@ -564,6 +572,10 @@ fn frame_to_dict<'py>(py: Python<'py>, frame: &Frame) -> PyResult<Bound<'py, PyD
         Frame::Ping(p) | Frame::Pong(p) => {
             d.set_item("nonce", p.nonce)?;
             d.set_item("sent_at_ns", p.sent_at_ns)?;
+        }
+        Frame::Auth(a) => {
+            d.set_item("nonce", PyBytes::new(py, &a.nonce))?;
+            d.set_item("proof", PyBytes::new(py, &a.proof))?;
         }
     }
     Ok(d)

@@ -6,8 +6,8 @@ use bytes::{BufMut, Bytes};
 use super::reader::{PayloadReader, PayloadWriter};
 use super::tokens::{encoded_len, put_tokens, read_tokens};
 use super::{
-    AbortReason, FrameKind, Role, FLAG_FINAL, FLAG_KV_COMPLETE, HARD_MAX_PAYLOAD,
-    MAX_ABORT_MESSAGE_LEN, MAX_CREDENTIAL_LEN, MAX_PAGE_SIZE, MIN_MAX_PAYLOAD,
+    AbortReason, FrameKind, Role, AUTH_LEN, FLAG_FINAL, FLAG_KV_COMPLETE, FLAG_RESUME,
+    HARD_MAX_PAYLOAD, MAX_ABORT_MESSAGE_LEN, MAX_HELLO_AUTH_LEN, MAX_PAGE_SIZE, MIN_MAX_PAYLOAD,
 };
 use crate::error::{Error, Result};
 
@@ -29,8 +29,27 @@ pub struct Hello {
     pub capabilities: u64,
     /// Largest payload the sender is willing to receive.
     pub max_payload: u32,
-    /// Opaque credential (a pre-shared token), at most 512 bytes.
-    pub credential: Bytes,
+    /// Authentication data, at most 512 bytes. Protocol v2: the connecting side's
+    /// 32-byte random nonce; empty in the accepting side's reply. (v1 carried a
+    /// plain credential here; the field keeps its place so that a v1 HELLO still
+    /// decodes and can be refused by version.)
+    pub auth: Bytes,
+    /// Header flag RESUME: this lane joins the live session `session_id` and proves
+    /// that session's secret, not the root secret (every data lane; a control lane
+    /// that reconnects).
+    pub resume: bool,
+}
+
+/// AUTH: the challenge-response that follows HELLO (protocol v2). The accepting
+/// side sends its nonce and its proof; the connecting side answers with its own
+/// proof (and its nonce from HELLO again). Proofs are HMAC-SHA256 over the
+/// exchange (`handshake::proof`); no secret ever travels.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Auth {
+    /// The sender's nonce.
+    pub nonce: [u8; AUTH_LEN],
+    /// HMAC-SHA256 proof of the key this lane is keyed with.
+    pub proof: [u8; AUTH_LEN],
 }
 
 /// KV_GRANT: a receiver grants a sender `layer_count x page_count` pages of
@@ -237,6 +256,8 @@ pub enum Frame {
     Ping(Ping),
     /// PONG
     Pong(Ping),
+    /// AUTH
+    Auth(Auth),
 }
 
 impl Frame {
@@ -256,6 +277,7 @@ impl Frame {
             Frame::Abort(_) => FrameKind::Abort,
             Frame::Ping(_) => FrameKind::Ping,
             Frame::Pong(_) => FrameKind::Pong,
+            Frame::Auth(_) => FrameKind::Auth,
         }
     }
 
@@ -265,6 +287,7 @@ impl Frame {
             Frame::Handoff(h) if h.final_ => FLAG_FINAL,
             Frame::HandoffAck(a) if a.final_ => FLAG_FINAL,
             Frame::Progress(p) if p.kv_complete => FLAG_KV_COMPLETE,
+            Frame::Hello(h) if h.resume => FLAG_RESUME,
             _ => 0,
         }
     }
@@ -287,8 +310,8 @@ impl Frame {
                         h.max_payload
                     ));
                 }
-                if h.credential.len() > MAX_CREDENTIAL_LEN {
-                    return arg(format!("credential longer than {MAX_CREDENTIAL_LEN} bytes"));
+                if h.auth.len() > MAX_HELLO_AUTH_LEN {
+                    return arg(format!("HELLO auth longer than {MAX_HELLO_AUTH_LEN} bytes"));
                 }
             }
             Frame::KvGrant(g) => {
@@ -352,7 +375,8 @@ impl Frame {
             | Frame::HandoffAck(_)
             | Frame::Progress(_)
             | Frame::Ping(_)
-            | Frame::Pong(_) => {}
+            | Frame::Pong(_)
+            | Frame::Auth(_) => {}
         }
         Ok(())
     }
@@ -360,7 +384,7 @@ impl Frame {
     /// Payload length in bytes (header excluded). Call after [`Frame::validate`].
     pub fn payload_len(&self) -> Result<usize> {
         Ok(match self {
-            Frame::Hello(h) => 2 + 2 + 1 + 2 + 8 + 8 + 4 + 2 + h.credential.len(),
+            Frame::Hello(h) => 2 + 2 + 1 + 2 + 8 + 8 + 4 + 2 + h.auth.len(),
             Frame::KvGrant(_) => 8 + 8 + 2 + 4 + 4 + 4,
             Frame::KvPages(p) => KV_PAGES_FIXED_LEN + p.data.len(),
             Frame::KvDone(_) => 8 + 4 + 8,
@@ -387,6 +411,7 @@ impl Frame {
             Frame::Progress(_) => 8 + 4,
             Frame::Abort(a) => 8 + 2 + 2 + a.message.len(),
             Frame::Ping(_) | Frame::Pong(_) => 16,
+            Frame::Auth(_) => 2 * AUTH_LEN,
         })
     }
 
@@ -401,8 +426,8 @@ impl Frame {
                 out.put_u64_le(h.session_id);
                 out.put_u64_le(h.capabilities);
                 out.put_u32_le(h.max_payload);
-                out.put_u16_le(h.credential.len() as u16);
-                out.put_slice(&h.credential);
+                out.put_u16_le(h.auth.len() as u16);
+                out.put_slice(&h.auth);
             }
             Frame::KvGrant(g) => {
                 out.put_u64_le(g.transfer_id);
@@ -486,6 +511,10 @@ impl Frame {
                 out.put_u64_le(p.nonce);
                 out.put_u64_le(p.sent_at_ns);
             }
+            Frame::Auth(a) => {
+                out.put_slice(&a.nonce);
+                out.put_slice(&a.proof);
+            }
         }
         Ok(())
     }
@@ -518,14 +547,14 @@ impl Frame {
                         format!("{max_payload} outside {MIN_MAX_PAYLOAD}..={HARD_MAX_PAYLOAD}"),
                     ));
                 }
-                let cred_len = r.u16("credential_len")? as usize;
-                if cred_len > MAX_CREDENTIAL_LEN {
+                let auth_len = r.u16("auth_len")? as usize;
+                if auth_len > MAX_HELLO_AUTH_LEN {
                     return Err(r.invalid(
-                        "credential_len",
-                        format!("{cred_len} exceeds {MAX_CREDENTIAL_LEN}"),
+                        "auth_len",
+                        format!("{auth_len} exceeds {MAX_HELLO_AUTH_LEN}"),
                     ));
                 }
-                let credential = r.bytes(cred_len, "credential")?;
+                let auth = r.bytes(auth_len, "auth")?;
                 Frame::Hello(Hello {
                     min_version,
                     max_version,
@@ -534,7 +563,8 @@ impl Frame {
                     session_id,
                     capabilities,
                     max_payload,
-                    credential,
+                    auth,
+                    resume: flags & FLAG_RESUME != 0,
                 })
             }
             FrameKind::KvGrant => {
@@ -719,6 +749,15 @@ impl Frame {
                 } else {
                     Frame::Pong(p)
                 }
+            }
+            FrameKind::Auth => {
+                let mut a = Auth {
+                    nonce: [0; AUTH_LEN],
+                    proof: [0; AUTH_LEN],
+                };
+                a.nonce.copy_from_slice(&r.bytes(AUTH_LEN, "nonce")?);
+                a.proof.copy_from_slice(&r.bytes(AUTH_LEN, "proof")?);
+                Frame::Auth(a)
             }
         };
         r.finish()?;

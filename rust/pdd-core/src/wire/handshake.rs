@@ -1,24 +1,50 @@
-//! HELLO negotiation as a pure function.
+//! HELLO negotiation and the AUTH challenge-response, as pure functions (protocol v2).
 //!
-//! The connecting side sends HELLO with its version range; the accepting side calls
-//! [`negotiate`] on it and either answers with its own HELLO narrowed to the chosen
-//! version ([`LocalHello::reply`]) or with ABORT carrying
-//! [`Error::abort_reason`](crate::Error::abort_reason). The connecting side then
-//! calls [`negotiate`] on the reply, which must name exactly one version.
+//! Every lane opens with four frames:
+//!
+//! 1. connector -> acceptor: HELLO (version range, role, lane, session id, a fresh
+//!    32-byte nonce in `auth`, flag RESUME when the lane joins a live session);
+//! 2. acceptor -> connector: AUTH (its own fresh nonce, and its proof);
+//! 3. connector -> acceptor: AUTH (the connector's proof), sent only once the
+//!    acceptor's proof checked out, so a connector never talks to an impostor;
+//! 4. acceptor -> connector: HELLO narrowed to one version once the lane is admitted
+//!    (or ABORT saying why).
+//!
+//! A proof is HMAC-SHA256 under the lane's key over a label (which side), the
+//! connector's whole HELLO frame and the acceptor's nonce: both sides prove they
+//! hold the key, both nonces make every proof fresh, and no secret travels.
+//!
+//! The key: a lane that opens a session is keyed with the root secret (the
+//! pre-shared secret of both ends; empty where none is configured). That exchange
+//! also derives the session's own secret ([`session_secret`]), which never travels
+//! either; every data lane and every control-lane reconnect (flag RESUME) is keyed
+//! with it. So a peer can join or take over a session only if it opened it, even
+//! when every peer shares the root secret, and a transfer granted to one session
+//! can never be fed from another.
+//!
+//! A peer speaking another version range is refused first, before anything else is
+//! checked, with `version_mismatch` (ABORT `unsupported_version` naming both
+//! ranges). `negotiate` runs on the acceptor; `check_reply` on the connector.
 
 use bytes::Bytes;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
 use subtle::ConstantTimeEq;
 
-use super::{Hello, Role, DEFAULT_MAX_PAYLOAD};
+use super::{encode_frame_to_vec, Auth, Frame, Hello, Role, AUTH_LEN, DEFAULT_MAX_PAYLOAD};
 use crate::error::{Error, Result};
 
-/// Lowest protocol version this build speaks.
-pub const PROTOCOL_MIN_VERSION: u16 = 1;
+/// Lowest protocol version this build speaks. v1 (plain-text credentials, sessions
+/// anyone could join) is refused.
+pub const PROTOCOL_MIN_VERSION: u16 = 2;
 /// Highest protocol version this build speaks.
-pub const PROTOCOL_MAX_VERSION: u16 = 1;
+pub const PROTOCOL_MAX_VERSION: u16 = 2;
+
+/// A random nonce, or a proof, or a session secret: 32 bytes.
+pub type AuthBytes = [u8; AUTH_LEN];
 
 /// What this endpoint says about itself, and what it requires of a peer.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct LocalHello {
     /// Our role.
     pub role: Role,
@@ -30,16 +56,32 @@ pub struct LocalHello {
     pub capabilities: u64,
     /// Largest payload we accept.
     pub max_payload: u32,
-    /// Credential we present.
-    pub credential: Bytes,
-    /// Credential a peer must present; `None` accepts any.
-    pub expected_credential: Option<Bytes>,
+    /// The root secret both ends must prove they hold before a session opens
+    /// (pre-shared, never sent). `None`: no root secret, so any peer may open a
+    /// session (insecure; for loopback and tests), but lanes joining a session still
+    /// prove that session's own secret.
+    pub secret: Option<Bytes>,
     /// Roles allowed to connect; empty accepts every role.
     pub accepted_roles: Vec<Role>,
 }
 
+impl std::fmt::Debug for LocalHello {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the secret.
+        f.debug_struct("LocalHello")
+            .field("role", &self.role)
+            .field("min_version", &self.min_version)
+            .field("max_version", &self.max_version)
+            .field("capabilities", &self.capabilities)
+            .field("max_payload", &self.max_payload)
+            .field("secret", &self.secret.as_ref().map(|_| "<set>"))
+            .field("accepted_roles", &self.accepted_roles)
+            .finish()
+    }
+}
+
 impl LocalHello {
-    /// Defaults for `role`: this build's version range, 16 MiB payloads, no credential.
+    /// Defaults for `role`: this build's version range, 16 MiB payloads, no secret.
     pub fn new(role: Role, capabilities: u64) -> Self {
         LocalHello {
             role,
@@ -47,14 +89,19 @@ impl LocalHello {
             max_version: PROTOCOL_MAX_VERSION,
             capabilities,
             max_payload: DEFAULT_MAX_PAYLOAD,
-            credential: Bytes::new(),
-            expected_credential: None,
+            secret: None,
             accepted_roles: Vec::new(),
         }
     }
 
-    /// The HELLO a connecting side sends for lane `lane` of session `session_id`.
-    pub fn offer(&self, session_id: u64, lane: u16) -> Hello {
+    /// The root key: the configured secret, or empty.
+    pub fn root_key(&self) -> &[u8] {
+        self.secret.as_deref().unwrap_or(&[])
+    }
+
+    /// The HELLO a connecting side sends for lane `lane` of session `session_id`,
+    /// with its fresh `nonce`; `resume` when the lane joins a live session.
+    pub fn offer(&self, session_id: u64, lane: u16, nonce: AuthBytes, resume: bool) -> Hello {
         Hello {
             min_version: self.min_version,
             max_version: self.max_version,
@@ -63,11 +110,12 @@ impl LocalHello {
             session_id,
             capabilities: self.capabilities,
             max_payload: self.max_payload,
-            credential: self.credential.clone(),
+            auth: Bytes::copy_from_slice(&nonce),
+            resume,
         }
     }
 
-    /// The accepting side's answer once [`negotiate`] succeeded.
+    /// The accepting side's answer once the lane is admitted.
     pub fn reply(&self, agreed: &Negotiated) -> Hello {
         Hello {
             min_version: agreed.version,
@@ -77,7 +125,8 @@ impl LocalHello {
             session_id: agreed.session_id,
             capabilities: self.capabilities,
             max_payload: self.max_payload,
-            credential: self.credential.clone(),
+            auth: Bytes::new(),
+            resume: agreed.resume,
         }
     }
 }
@@ -97,24 +146,11 @@ pub struct Negotiated {
     pub session_id: u64,
     /// Lane index.
     pub lane: u16,
+    /// The lane joins a live session (keyed with that session's secret).
+    pub resume: bool,
 }
 
-/// Check a peer's HELLO against ours: credential (constant-time), role, versions.
-pub fn negotiate(ours: &LocalHello, peer: &Hello) -> Result<Negotiated> {
-    if let Some(expected) = &ours.expected_credential {
-        // ct_eq on slices of different lengths is false without looking at the bytes.
-        if !bool::from(expected.as_ref().ct_eq(peer.credential.as_ref())) {
-            return Err(Error::AuthFailed {
-                detail: "credential does not match",
-            });
-        }
-    }
-    if !ours.accepted_roles.is_empty() && !ours.accepted_roles.contains(&peer.role) {
-        return Err(Error::RoleRefused {
-            ours: ours.role,
-            peer: peer.role,
-        });
-    }
+fn version_check(ours: &LocalHello, peer: &Hello) -> Result<u16> {
     let low = ours.min_version.max(peer.min_version);
     let high = ours.max_version.min(peer.max_version);
     if low > high {
@@ -125,14 +161,139 @@ pub fn negotiate(ours: &LocalHello, peer: &Hello) -> Result<Negotiated> {
             peer_max: peer.max_version,
         });
     }
+    Ok(high)
+}
+
+/// Acceptor: check a connector's HELLO (versions first, then role, then the
+/// shape of its nonce). Authentication follows ([`challenge`], [`verify_answer`]).
+pub fn negotiate(ours: &LocalHello, peer: &Hello) -> Result<Negotiated> {
+    let version = version_check(ours, peer)?;
+    if !ours.accepted_roles.is_empty() && !ours.accepted_roles.contains(&peer.role) {
+        return Err(Error::RoleRefused {
+            ours: ours.role,
+            peer: peer.role,
+        });
+    }
+    if peer.auth.len() != AUTH_LEN {
+        return Err(Error::AuthFailed {
+            detail: "HELLO must carry a 32-byte nonce",
+        });
+    }
+    if peer.lane > 0 && !peer.resume {
+        return Err(Error::AuthFailed {
+            detail: "a data lane must join its session (flag RESUME)",
+        });
+    }
     Ok(Negotiated {
-        version: high,
+        version,
         peer_role: peer.role,
         capabilities: ours.capabilities & peer.capabilities,
         peer_max_payload: peer.max_payload,
         session_id: peer.session_id,
         lane: peer.lane,
+        resume: peer.resume,
     })
+}
+
+/// Connector: check the acceptor's HELLO reply to our `offer`: exactly one version
+/// inside our range, and the lane it names is ours.
+pub fn check_reply(ours: &LocalHello, offer: &Hello, reply: &Hello) -> Result<Negotiated> {
+    if reply.min_version != reply.max_version {
+        return Err(Error::InvalidField {
+            kind: super::FrameKind::Hello,
+            field: "max_version",
+            detail: "a HELLO reply must name exactly one version".into(),
+        });
+    }
+    let version = version_check(ours, reply)?;
+    if reply.session_id != offer.session_id
+        || reply.lane != offer.lane
+        || reply.resume != offer.resume
+    {
+        return Err(Error::InvalidField {
+            kind: super::FrameKind::Hello,
+            field: "session_id",
+            detail: "the HELLO reply names another session, lane or resume flag".into(),
+        });
+    }
+    Ok(Negotiated {
+        version,
+        peer_role: reply.role,
+        capabilities: ours.capabilities & reply.capabilities,
+        peer_max_payload: reply.max_payload,
+        session_id: reply.session_id,
+        lane: reply.lane,
+        resume: reply.resume,
+    })
+}
+
+const ACCEPTOR_LABEL: &[u8] = b"pdd_transport v2 acceptor proof\0";
+const CONNECTOR_LABEL: &[u8] = b"pdd_transport v2 connector proof";
+const SESSION_LABEL: &[u8] = b"pdd_transport v2 session secret\0";
+
+fn mac(key: &[u8], label: &[u8], offer: &Hello, acceptor_nonce: &AuthBytes) -> AuthBytes {
+    // The transcript is the connector's whole HELLO frame (canonical, so both sides
+    // encode the same bytes) and the acceptor's nonce.
+    let offer_bytes =
+        encode_frame_to_vec(&Frame::Hello(offer.clone()), u32::MAX).unwrap_or_default();
+    // HMAC takes keys of any length (an empty root key included).
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC accepts any key length");
+    m.update(label);
+    m.update(&(offer_bytes.len() as u64).to_le_bytes());
+    m.update(&offer_bytes);
+    m.update(acceptor_nonce);
+    m.finalize().into_bytes().into()
+}
+
+/// Acceptor: the AUTH it sends after a HELLO it agreed with: its fresh `nonce` and
+/// its proof of `key` (the root key for a new session, the session's secret for a
+/// RESUME lane).
+pub fn challenge(key: &[u8], offer: &Hello, nonce: AuthBytes) -> Auth {
+    Auth {
+        nonce,
+        proof: mac(key, ACCEPTOR_LABEL, offer, &nonce),
+    }
+}
+
+/// Connector: check the acceptor's AUTH against the key we expect it to hold and,
+/// if it holds it, return the AUTH that proves we hold it too.
+pub fn answer_challenge(key: &[u8], offer: &Hello, challenge: &Auth) -> Result<Auth> {
+    let expected = mac(key, ACCEPTOR_LABEL, offer, &challenge.nonce);
+    if !bool::from(expected.ct_eq(&challenge.proof)) {
+        return Err(Error::AuthFailed {
+            detail: "the accepting peer did not prove it holds the secret",
+        });
+    }
+    let mut nonce = [0u8; AUTH_LEN];
+    nonce.copy_from_slice(&offer.auth);
+    Ok(Auth {
+        nonce,
+        proof: mac(key, CONNECTOR_LABEL, offer, &challenge.nonce),
+    })
+}
+
+/// Acceptor: check the connector's answer to our challenge.
+pub fn verify_answer(
+    key: &[u8],
+    offer: &Hello,
+    acceptor_nonce: &AuthBytes,
+    answer: &Auth,
+) -> Result<()> {
+    let expected = mac(key, CONNECTOR_LABEL, offer, acceptor_nonce);
+    let nonce_ok = answer.nonce.ct_eq(offer.auth.as_ref());
+    if !bool::from(expected.ct_eq(&answer.proof) & nonce_ok) {
+        return Err(Error::AuthFailed {
+            detail: "the connecting peer did not prove it holds the secret",
+        });
+    }
+    Ok(())
+}
+
+/// Both sides, after a session-opening exchange: the session's own secret, derived
+/// from the root key and both nonces. Only the two ends of that exchange know it
+/// (and, without a root secret, whoever saw the exchange on the wire).
+pub fn session_secret(root_key: &[u8], offer: &Hello, acceptor_nonce: &AuthBytes) -> AuthBytes {
+    mac(root_key, SESSION_LABEL, offer, acceptor_nonce)
 }
 
 #[cfg(test)]
@@ -144,6 +305,26 @@ mod tests {
         LocalHello::new(Role::MainDecode, capability::ALL_KNOWN)
     }
 
+    fn with_secret(mut h: LocalHello, s: &'static [u8]) -> LocalHello {
+        h.secret = Some(Bytes::from_static(s));
+        h
+    }
+
+    /// The whole exchange between `c` (connector) and `a` (acceptor) keyed with
+    /// `ck` and `ak`: Ok(session secret both derived) or the failing side's error.
+    fn exchange(c: &LocalHello, ck: &[u8], a: &LocalHello, ak: &[u8]) -> Result<AuthBytes> {
+        let offer = c.offer(7, 0, [1; AUTH_LEN], false);
+        let agreed = negotiate(a, &offer)?;
+        let ch = challenge(ak, &offer, [2; AUTH_LEN]);
+        let answer = answer_challenge(ck, &offer, &ch)?;
+        verify_answer(ak, &offer, &ch.nonce, &answer)?;
+        let reply = a.reply(&agreed);
+        check_reply(c, &offer, &reply)?;
+        let ours = session_secret(ck, &offer, &ch.nonce);
+        assert_eq!(ours, session_secret(ak, &offer, &ch.nonce));
+        Ok(ours)
+    }
+
     #[test]
     fn picks_highest_common_version_and_intersects_capabilities() {
         let mut p = LocalHello::new(
@@ -152,56 +333,146 @@ mod tests {
         );
         p.max_version = 3;
         let mut ours = md();
-        ours.max_version = 2;
-        let agreed = negotiate(&ours, &p.offer(7, 1)).unwrap();
-        assert_eq!(agreed.version, 2);
+        ours.max_version = 3;
+        ours.min_version = 2;
+        let offer = p.offer(7, 1, [9; AUTH_LEN], true);
+        let agreed = negotiate(&ours, &offer).unwrap();
+        assert_eq!(agreed.version, 3);
         assert_eq!(
             agreed.capabilities,
             capability::KV_STREAM | capability::PREFIX_CACHE
         );
         assert_eq!(
-            (agreed.session_id, agreed.lane, agreed.peer_role),
-            (7, 1, Role::Prefill)
+            (
+                agreed.session_id,
+                agreed.lane,
+                agreed.peer_role,
+                agreed.resume
+            ),
+            (7, 1, Role::Prefill, true)
         );
         let reply = ours.reply(&agreed);
-        assert_eq!((reply.min_version, reply.max_version), (2, 2));
-        assert_eq!(negotiate(&p, &reply).unwrap().version, 2);
+        assert_eq!((reply.min_version, reply.max_version), (3, 3));
+        assert_eq!(check_reply(&p, &offer, &reply).unwrap().version, 3);
     }
 
     #[test]
-    fn disjoint_versions_are_refused_with_unsupported_version() {
-        let mut p = LocalHello::new(Role::Prefill, 0);
-        p.min_version = 5;
-        p.max_version = 6;
-        let err = negotiate(&md(), &p.offer(1, 0)).unwrap_err();
+    fn a_v1_peer_is_refused_by_version_before_anything_else() {
+        // A v1 HELLO carried a plain credential where v2 has its nonce.
+        let mut v1 = LocalHello::new(Role::Prefill, 0).offer(1, 0, [0; AUTH_LEN], false);
+        v1.min_version = 1;
+        v1.max_version = 1;
+        v1.auth = Bytes::from_static(b"s3cret");
+        let mut ours = md();
+        ours.accepted_roles = vec![Role::RelayDecode];
+        let err = negotiate(&ours, &v1).unwrap_err();
         assert_eq!(err.reason(), "version_mismatch");
         assert_eq!(
             err.abort_reason(),
             crate::wire::AbortReason::UnsupportedVersion
         );
+        assert!(err.to_string().contains("1..=1"), "{err}");
     }
 
     #[test]
-    fn credential_and_role_are_checked() {
+    fn both_sides_prove_the_same_root_secret() {
+        let c = with_secret(LocalHello::new(Role::Prefill, 0), b"s3cret");
+        let a = with_secret(md(), b"s3cret");
+        let s = exchange(&c, c.root_key(), &a, a.root_key()).unwrap();
+        // Another exchange (other nonces) gives another session secret.
+        let offer = c.offer(7, 0, [3; AUTH_LEN], false);
+        assert_ne!(s, session_secret(b"s3cret", &offer, &[2; AUTH_LEN]));
+    }
+
+    #[test]
+    fn an_impostor_acceptor_is_caught_by_the_connector() {
+        let c = with_secret(LocalHello::new(Role::Prefill, 0), b"s3cret");
+        let impostor = md();
+        let err = exchange(&c, c.root_key(), &impostor, impostor.root_key()).unwrap_err();
+        assert_eq!(err.reason(), "auth_failed");
+        assert!(err.to_string().contains("accepting peer"), "{err}");
+        let wrong = with_secret(md(), b"s3cret!");
+        assert_eq!(
+            exchange(&c, c.root_key(), &wrong, wrong.root_key())
+                .unwrap_err()
+                .reason(),
+            "auth_failed"
+        );
+    }
+
+    #[test]
+    fn a_connector_without_the_secret_is_refused() {
+        let a = with_secret(md(), b"s3cret");
+        let offer = LocalHello::new(Role::Prefill, 0).offer(7, 0, [1; AUTH_LEN], false);
+        negotiate(&a, &offer).unwrap();
+        let ch = challenge(a.root_key(), &offer, [2; AUTH_LEN]);
+        // It cannot check our proof, so it answers blindly with a proof of its own key.
+        let forged = Auth {
+            nonce: [1; AUTH_LEN],
+            proof: mac(b"guess", CONNECTOR_LABEL, &offer, &ch.nonce),
+        };
+        let err = verify_answer(a.root_key(), &offer, &ch.nonce, &forged).unwrap_err();
+        assert_eq!(err.reason(), "auth_failed");
+        // A replayed answer for another acceptor nonce fails too.
+        let honest = answer_challenge(b"s3cret", &offer, &ch).unwrap();
+        assert!(verify_answer(a.root_key(), &offer, &[5; AUTH_LEN], &honest).is_err());
+        verify_answer(a.root_key(), &offer, &ch.nonce, &honest).unwrap();
+    }
+
+    #[test]
+    fn resume_lanes_prove_the_session_secret_not_the_root() {
+        let c = LocalHello::new(Role::Prefill, 0);
+        let a = md();
+        // No root secret: anyone can open a session, but joining one needs its secret.
+        let secret = exchange(&c, c.root_key(), &a, a.root_key()).unwrap();
+        let offer = c.offer(7, 1, [4; AUTH_LEN], true);
+        negotiate(&a, &offer).unwrap();
+        let ch = challenge(&secret, &offer, [6; AUTH_LEN]);
+        let answer = answer_challenge(&secret, &offer, &ch).unwrap();
+        verify_answer(&secret, &offer, &ch.nonce, &answer).unwrap();
+        // An intruder that knows the (empty) root key but not the session secret.
+        assert!(answer_challenge(c.root_key(), &offer, &ch).is_err());
+    }
+
+    #[test]
+    fn data_lanes_must_resume_and_hellos_must_carry_a_nonce() {
+        let c = LocalHello::new(Role::Prefill, 0);
+        let err = negotiate(&md(), &c.offer(1, 2, [0; AUTH_LEN], false)).unwrap_err();
+        assert_eq!(err.reason(), "auth_failed");
+        let mut offer = c.offer(1, 0, [0; AUTH_LEN], false);
+        offer.auth = Bytes::from_static(b"short");
+        assert_eq!(
+            negotiate(&md(), &offer).unwrap_err().reason(),
+            "auth_failed"
+        );
+    }
+
+    #[test]
+    fn roles_are_checked() {
         let mut ours = md();
-        ours.expected_credential = Some(Bytes::from_static(b"s3cret"));
         ours.accepted_roles = vec![Role::RelayDecode];
-        let mut p = LocalHello::new(Role::RelayDecode, 0);
+        let p = LocalHello::new(Role::Prefill, 0);
         assert_eq!(
-            negotiate(&ours, &p.offer(1, 0)).unwrap_err().reason(),
-            "auth_failed"
-        );
-        p.credential = Bytes::from_static(b"s3cret!");
-        assert_eq!(
-            negotiate(&ours, &p.offer(1, 0)).unwrap_err().reason(),
-            "auth_failed"
-        );
-        p.credential = Bytes::from_static(b"s3cret");
-        assert!(negotiate(&ours, &p.offer(1, 0)).is_ok());
-        p.role = Role::Prefill;
-        assert_eq!(
-            negotiate(&ours, &p.offer(1, 0)).unwrap_err().reason(),
+            negotiate(&ours, &p.offer(1, 0, [0; AUTH_LEN], false))
+                .unwrap_err()
+                .reason(),
             "role_refused"
         );
+    }
+
+    #[test]
+    fn a_reply_for_another_lane_is_refused() {
+        let c = LocalHello::new(Role::Prefill, 0);
+        let a = md();
+        let offer = c.offer(7, 0, [1; AUTH_LEN], false);
+        let mut agreed = negotiate(&a, &offer).unwrap();
+        agreed.session_id = 8;
+        assert!(check_reply(&c, &offer, &a.reply(&agreed)).is_err());
+    }
+
+    #[test]
+    fn debug_never_prints_the_secret() {
+        let h = with_secret(md(), b"hunter2");
+        assert!(!format!("{h:?}").contains("hunter2"));
     }
 }

@@ -23,8 +23,8 @@ pub use codec::{
     decode_frame, decode_frame_shared, encode_frame, encode_frame_to_vec, FrameDecoder,
 };
 pub use frame::{
-    Abort, CacheEvent, CacheEvents, Frame, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvPages,
-    Ping, PrefixQuery, PrefixReply, Progress, KV_PAGES_FIXED_LEN,
+    Abort, Auth, CacheEvent, CacheEvents, Frame, Handoff, HandoffAck, Hello, KvDone, KvGrant,
+    KvPages, Ping, PrefixQuery, PrefixReply, Progress, KV_PAGES_FIXED_LEN,
 };
 
 use std::fmt;
@@ -43,8 +43,12 @@ pub const DEFAULT_MAX_PAYLOAD: u32 = 16 << 20;
 pub const HARD_MAX_PAYLOAD: u32 = 1 << 30;
 /// No peer may advertise a payload limit below this (64 KiB).
 pub const MIN_MAX_PAYLOAD: u32 = 64 << 10;
-/// Maximum HELLO credential length.
-pub const MAX_CREDENTIAL_LEN: usize = 512;
+/// Maximum length of HELLO's `auth` field (v2 sends a 32-byte nonce; the bound
+/// stays 512 so that a v1 HELLO with its credential still decodes and is refused by
+/// version, with an ABORT).
+pub const MAX_HELLO_AUTH_LEN: usize = 512;
+/// Bytes of an AUTH nonce, of an AUTH proof (HMAC-SHA256), and of a session secret.
+pub const AUTH_LEN: usize = 32;
 /// Maximum ABORT message length in bytes (UTF-8).
 pub const MAX_ABORT_MESSAGE_LEN: usize = 1024;
 /// Largest radix page size a PREFIX_QUERY may name.
@@ -54,6 +58,8 @@ pub const MAX_PAGE_SIZE: u16 = 256;
 pub const FLAG_FINAL: u16 = 0x0001;
 /// Flag bit of PROGRESS: MD holds the request's complete prompt KV.
 pub const FLAG_KV_COMPLETE: u16 = 0x0001;
+/// Flag bit of HELLO: the lane joins a live session and proves its secret.
+pub const FLAG_RESUME: u16 = 0x0001;
 
 macro_rules! frame_kinds {
     ($( $(#[$doc:meta])* $name:ident = $code:literal, $wire:literal, flags = $flags:expr; )*) => {
@@ -102,8 +108,8 @@ macro_rules! frame_kinds {
 }
 
 frame_kinds! {
-    /// Session opening: role, version range, capabilities, credentials.
-    Hello = 0x01, "HELLO", flags = 0;
+    /// Session opening: role, version range, capabilities, the connector's nonce.
+    Hello = 0x01, "HELLO", flags = FLAG_RESUME;
     /// Receiver grants a sender a region of pages for one transfer.
     KvGrant = 0x02, "KV_GRANT", flags = 0;
     /// Pages of KV data for a grant.
@@ -128,6 +134,8 @@ frame_kinds! {
     Ping = 0x0C, "PING", flags = 0;
     /// Answer to PING, echoing its fields.
     Pong = 0x0D, "PONG", flags = 0;
+    /// Challenge-response after HELLO: nonce and HMAC proof (protocol v2).
+    Auth = 0x0E, "AUTH", flags = 0;
 }
 
 impl fmt::Display for FrameKind {

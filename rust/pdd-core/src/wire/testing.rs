@@ -51,10 +51,21 @@ pub fn any_frame() -> impl Strategy<Value = Frame> {
             any::<u64>(),
             any::<u64>(),
             MIN_MAX_PAYLOAD..=HARD_MAX_PAYLOAD,
-            vec(any::<u8>(), 0..=MAX_CREDENTIAL_LEN)
+            vec(any::<u8>(), 0..=MAX_HELLO_AUTH_LEN),
+            any::<bool>()
         )
             .prop_map(
-                |(min_version, extra, role, lane, session_id, capabilities, max_payload, cred)| {
+                |(
+                    min_version,
+                    extra,
+                    role,
+                    lane,
+                    session_id,
+                    capabilities,
+                    max_payload,
+                    auth,
+                    resume,
+                )| {
                     Frame::Hello(Hello {
                         min_version,
                         max_version: min_version + extra,
@@ -63,7 +74,8 @@ pub fn any_frame() -> impl Strategy<Value = Frame> {
                         session_id,
                         capabilities,
                         max_payload,
-                        credential: Bytes::from(cred),
+                        auth: Bytes::from(auth),
+                        resume,
                     })
                 }
             ),
@@ -213,5 +225,7 @@ pub fn any_frame() -> impl Strategy<Value = Frame> {
             .prop_map(|(nonce, sent_at_ns)| Frame::Ping(Ping { nonce, sent_at_ns })),
         (any::<u64>(), any::<u64>())
             .prop_map(|(nonce, sent_at_ns)| Frame::Pong(Ping { nonce, sent_at_ns })),
+        (any::<[u8; AUTH_LEN]>(), any::<[u8; AUTH_LEN]>())
+            .prop_map(|(nonce, proof)| Frame::Auth(Auth { nonce, proof })),
     ]
 }
