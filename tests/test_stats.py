@@ -43,3 +43,18 @@ def test_empty_and_bad_q() -> None:
     for q in (-0.1, 1.5, math.nan):
         with pytest.raises(InvalidArgument):
             percentile([1.0], q)
+
+
+def test_no_other_percentile_in_the_package() -> None:
+    # One home: nothing else in the package computes quantiles its own way.
+    from pathlib import Path
+
+    import pdd_transport
+
+    root = Path(pdd_transport.__file__).parent
+    offenders = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if p.name != "stats.py" and any(s in p.read_text() for s in ("np.quantile", "np.percentile", "def _percentile"))
+    ]
+    assert offenders == []
