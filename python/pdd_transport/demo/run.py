@@ -43,8 +43,8 @@ class DemoConfig:
     page_tokens: int = 16
     lanes: int = 4
     ttft_budget_ms: float = 150.0
-    max_eager: int = 256
-    catch_up_threshold: int = 16
+    max_eager_tokens: int = 256
+    catch_up_threshold_tokens: int = 16
     request_timeout_s: float = 60.0
     think_time_s: float = 0.2
     plot: str = "pdd-demo-ttft.png"
@@ -135,8 +135,8 @@ def run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: bool
     wan_ho = Wanem(md_ready["handoff"], delay_ms=cfg.wan.rtt_ms / 2, jitter_ms=cfg.wan.jitter_ms / 2, seed=2)
     nodes = [md]
     if rld is not None:
-        rld.configure(_node_cfg(cfg, pages=per_req * 12, md_handoff=wan_ho.address_str, max_eager=cfg.max_eager,
-                                catch_up_threshold=cfg.catch_up_threshold))
+        rld.configure(_node_cfg(cfg, pages=per_req * 12, md_handoff=wan_ho.address_str, max_eager=cfg.max_eager_tokens,
+                                catch_up_threshold=cfg.catch_up_threshold_tokens))
         nodes.append(rld)
         rld_ready = rld.wait_ready()
     p_extra = {
@@ -298,6 +298,7 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
         )
     requests = generate(cfg.workload)
     out: dict[str, Any] = {"config": asdict(cfg)}
+    out["config"]["wan"] = cfg.wan.to_json()  # the same wan object as every report
     runs = {}
     for mode in ("baseline", "pdd"):
         if progress:
