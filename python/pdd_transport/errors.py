@@ -1,6 +1,8 @@
 """The exceptions of pdd_transport.
 
-Every error the library raises is a :class:`PddError`. Each subclass also derives from
+Every error the library raises about a value, a peer or a deadline is a
+:class:`PddError` (an argument of the wrong Python type passed into the extension is
+the built-in ``TypeError``, see the README's "Errors"). Each subclass also derives from
 the built-in exception a caller would naturally catch, so ``except ValueError`` or
 ``except ConnectionError`` keep working. Every instance carries ``reason``: a stable
 snake_case code (``"checksum_mismatch"``, ``"frame_too_large"``...) that names the

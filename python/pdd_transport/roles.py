@@ -21,17 +21,36 @@ own thread, except where a method says otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pdd_transport import kv
-from pdd_transport.engine import Engine, PageTable, greedy
 from pdd_transport.errors import PddError
 from pdd_transport.policy import AnomalyPolicy, PipelinePolicy, WanEstimate, route
 from pdd_transport.radix import RadixCache
 from pdd_transport.security import NONE as NO_SECURITY
 from pdd_transport.security import Security
+
+if TYPE_CHECKING:
+    from pdd_transport.engine import Engine, PageTable
+
+# torch (the reference engine's) is imported only where a role meets a tensor or a page
+# table, so that ``import pdd_transport.roles`` works without the torch extra.
+
+
+def greedy(logits: Any) -> int:
+    """:func:`pdd_transport.engine.greedy`, imported when first needed."""
+    from pdd_transport.engine import greedy as engine_greedy
+
+    return engine_greedy(logits)
+
+
+def _page_table(pages: list[int], tokens: Any = ()) -> PageTable:
+    """A :class:`pdd_transport.engine.PageTable`, imported when first needed."""
+    from pdd_transport.engine import PageTable
+
+    return PageTable(pages, tokens)
 
 __all__ = [
     "Failed",
@@ -160,7 +179,7 @@ class PrefillRole:
         self.cache.lock(m.node)
         prefix = m.handles.tolist()
         own = self._take(self.engine.pages_for(len(prompt)) - len(prefix))
-        table = PageTable(prefix + own, prompt[: m.matched_tokens])
+        table = _page_table(prefix + own, prompt[: m.matched_tokens])
         self.engine.prefill(prompt, table)
         node = m.node
         new_whole = len(prompt) // ps - len(prefix)
@@ -268,7 +287,7 @@ class _DecodeRole:
                 self.receiver.release_lease(lease)  # our own lock holds it now
         own = self._take(-(-len(prompt) // ps) - len(prefix))
         self.requests[request_id] = _Request(request_id, list(prompt), out_tokens, pipeline,
-                                             PageTable(prefix + own), own, node)
+                                             _page_table(prefix + own), own, node)
         self.receiver.grant(request_id, own, peer=peer, deadline_s=deadline_s)
 
     def _landed(self, req: _Request) -> None:

@@ -24,6 +24,10 @@ from __future__ import annotations
 
 import math
 import numbers
+import signal
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, TypedDict, cast
@@ -39,6 +43,7 @@ __all__ = [
     "WanemStats",
     "LinkStats",
     "DIRECTIONS",
+    "serve",
 ]
 
 Direction = Literal["both", "client_to_upstream", "upstream_to_client"]
@@ -333,3 +338,36 @@ class Wanem:
     def __repr__(self) -> str:
         state = " closed" if self.closed else ""
         return f"<Wanem {self.address_str} -> {self.upstream_str}{state}>"
+
+
+def serve(wan: Wanem, duration: float | None = None) -> None:
+    """What ``pdd-transport wanem`` does with its emulator: announce it on stdout, relay
+    until Ctrl-C, SIGTERM or ``duration`` seconds, close it, and print its counters to
+    stderr."""
+    with wan:
+        stop = threading.Event()
+        previous: dict[int, Any] = {}
+        # Handlers can only be installed from the main thread (this may be called from
+        # elsewhere, e.g. a test); there, Ctrl-C and SIGTERM end the wait.
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, lambda _signo, _frame: stop.set())
+        try:
+            # One machine-readable line, flushed, so that scripts can wait for it.
+            print(f"wanem listening on {wan.address_str} -> {wan.upstream_str}", flush=True)
+            deadline = None if duration is None else time.monotonic() + duration
+            while not stop.is_set():
+                wait = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
+                if wait <= 0:
+                    break
+                stop.wait(wait)
+        finally:
+            for signo, handler in previous.items():
+                signal.signal(signo, handler)
+    s = wan.stats()
+    c2u, u2c = s["client_to_upstream"], s["upstream_to_client"]
+    print(
+        f"wanem stopped: connections={s['connections_accepted']} resets={s['resets']} "
+        f"bytes_client_to_upstream={c2u['bytes_delivered']} bytes_upstream_to_client={u2c['bytes_delivered']}",
+        file=sys.stderr,
+    )

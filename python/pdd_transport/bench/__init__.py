@@ -1,8 +1,13 @@
-"""Benchmarks run by ``pdd-transport bench ...``.
+"""Benchmarks run by ``pdd-transport bench ...``; ``pdd_transport.cli`` only parses
+their arguments.
 
-:mod:`pdd_transport.bench.stream` measures KV streaming between two processes against
-baselines (iperf3, pyzmq PUSH/PULL, a plain Python socket) measured in the same run;
-:mod:`pdd_transport.bench.peer` is its receiving process. See ``docs/benchmarks.md``.
+:mod:`pdd_transport.bench.handoff` measures the token-ID handoff (frame size against
+the KV it replaces, round trips against pyzmq, handoffs through the WAN emulator; see
+``docs/handoff.md``); :mod:`pdd_transport.bench.radix` the radix prefix cache on a
+generated agentic workload (``docs/radix.md``); :mod:`pdd_transport.bench.stream` KV
+streaming between two processes against baselines (iperf3, pyzmq PUSH/PULL, a plain
+Python socket) measured in the same run, with :mod:`pdd_transport.bench.peer` its
+receiving process (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ repetition it:
    processes;
 
 and reports medians over the repetitions, the ratios of paired measurements (same
-repetition), and every repetition's figures. With ``--wan RTT_MS:RATE_GBIT`` every
+repetition), and every repetition's figures. With ``--wan RTT_MS[:RATE_GBIT[:WINDOW]]`` every
 path (ours and each baseline's) goes through :class:`~pdd_transport.wanem.Wanem`,
 one emulator per path, run in this process.
 
@@ -31,7 +31,6 @@ import importlib
 import json
 import os
 import random
-import re
 import select
 import shutil
 import socket
@@ -47,14 +46,12 @@ from typing import Any
 import numpy as np
 
 from pdd_transport.errors import DeadlineExceeded, InvalidArgument, TransportError
+from pdd_transport.specs import WanSpec
 
 __all__ = [
     "DEFAULT_LANES",
     "StreamConfig",
-    "WanSpec",
     "page_digests",
-    "parse_size",
-    "parse_wan",
     "run",
 ]
 
@@ -66,65 +63,18 @@ measurement, see ``docs/benchmarks.md``: on loopback (CPU-bound) 2, 4 and 8 lane
 within noise of each other; through 30 ms / 1 Gbit/s with a 2 MiB window per
 connection one lane gets 0.48 of the cap, two 0.94, four 0.97, eight no more."""
 
+NOTES = {
+    "iperf3_missing": "iperf3 not installed (scripts/bench-deps.sh installs it): baseline_iperf3 is null",
+    "pyzmq_missing": "pyzmq not installed (pip install 'pdd_transport[bench]'): baseline_pyzmq is null",
+    "baselines_skipped": "baselines skipped (--no-baselines)",
+    "iperf3_no_bytes": "iperf3 counted no received bytes (transfer too short for its accounting): "
+    "baseline_iperf3 is null",
+}
+"""The codes a report's ``notes`` may hold, and what each means (the CLI prints these
+on stderr)."""
+
 CHUNK = MiB
 """Message / write size of the baselines (iperf3 ``-l 1M``, pyzmq messages, sendall)."""
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """``"1G"``, ``"64K"``, ``"1MiB"``, ``"4096"`` -> bytes (K, M, G, T are powers of 1024)."""
-    m = _SIZE.match(text)
-    if not m:
-        raise InvalidArgument(f"not a size: {text!r} (e.g. 4096, 64K, 1M, 1G)", "invalid_argument")
-    number, unit = float(m.group(1)), m.group(2).lower()
-    value = number * (1 << (10 * " kmgt".index(unit))) if unit else number
-    if value != int(value) or value < 1:
-        raise InvalidArgument(f"size {text!r} is not a positive whole number of bytes", "invalid_argument")
-    return int(value)
-
-
-@dataclass(frozen=True)
-class WanSpec:
-    """An emulated line: round-trip delay and a bandwidth cap per direction, and
-    optionally a per-connection TCP window to emulate.
-
-    wanem is a stream proxy: each side's TCP runs over loopback, so a connection's own
-    window never limits it unless the proxy's per-connection buffer does. With
-    ``window_bytes`` W, that buffer is W/2 (only the forward half of the RTT holds data
-    in the proxy; see docs/wanem.md), so one connection gets at most about W / RTT, as
-    a window-limited flow on a real line would. Without it wanem sizes the buffer to
-    the line (2 x rate x delay + 1 MiB): the cap, not the window, is the limit.
-    """
-
-    rtt_ms: float
-    rate_gbit: float
-    window_bytes: int | None = None
-
-    @property
-    def cap_gbytes_per_s(self) -> float:
-        return self.rate_gbit / 8
-
-
-def parse_wan(text: str) -> WanSpec:
-    """``"30:1"`` -> 30 ms RTT, 1 Gbit/s cap; ``"30:1:2M"`` also emulates a 2 MiB
-    window per connection."""
-    parts = text.split(":")
-    if len(parts) not in (2, 3):
-        raise InvalidArgument(
-            f"--wan takes RTT_MS:RATE_GBIT[:WINDOW] (e.g. 30:1 or 30:1:2M), got {text!r}", "invalid_argument"
-        )
-    try:
-        rtt, rate = float(parts[0]), float(parts[1])
-    except ValueError:
-        raise InvalidArgument(f"--wan takes RTT_MS:RATE_GBIT[:WINDOW] (e.g. 30:1), got {text!r}", "invalid_argument") from None
-    if not (rtt >= 0 and rate > 0):
-        raise InvalidArgument(f"--wan needs RTT_MS >= 0 and RATE_GBIT > 0, got {text!r}", "invalid_argument")
-    window = parse_size(parts[2]) if len(parts) == 3 else None
-    if window is not None and window < 8192:
-        raise InvalidArgument(f"--wan window must be >= 8K, got {parts[2]!r}", "invalid_argument")
-    return WanSpec(rtt, rate, window)
-
 
 @dataclass
 class StreamConfig:
@@ -278,8 +228,7 @@ def _via_wan(address: str, wan: WanSpec | None) -> Iterator[str]:
         return
     from pdd_transport.wanem import Wanem
 
-    in_flight = None if wan.window_bytes is None else wan.window_bytes // 2
-    with Wanem(address, rtt_ms=wan.rtt_ms, rate_gbit=wan.rate_gbit, max_in_flight=in_flight) as em:
+    with Wanem(address, **wan.wanem_kwargs()) as em:
         yield em.address_str
 
 
@@ -552,9 +501,9 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
     have_iperf3 = shutil.which("iperf3") is not None
     have_zmq = _zmq() is not None
     if cfg.baselines and not have_iperf3:
-        notes.append("iperf3 not installed (scripts/bench-deps.sh installs it): baseline_iperf3 is null")
+        notes.append("iperf3_missing")
     if cfg.baselines and not have_zmq:
-        notes.append("pyzmq not installed (pip install 'pdd_transport[bench]'): baseline_pyzmq is null")
+        notes.append("pyzmq_missing")
     runs: list[dict[str, Any]] = []
     with ExitStack() as stack:
         peer = Peer(timeout)
@@ -619,9 +568,7 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
     }
     if cfg.wan is not None:
         cap = cfg.wan.cap_gbytes_per_s
-        result["wan"] = {"rtt_ms": cfg.wan.rtt_ms, "rate_gbit": cfg.wan.rate_gbit, "cap_gbytes_per_s": cap}
-        if cfg.wan.window_bytes is not None:
-            result["wan"]["window_bytes"] = cfg.wan.window_bytes
+        result["wan"] = cfg.wan.to_json()
         result["ratio_vs_cap"] = _round(_ratio(gbps, cap), 3)
         result["socket_ratio_vs_cap"] = _round(_ratio(med("socket_gbytes_per_s"), cap), 3)
     if others:
@@ -643,8 +590,8 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
         for r in runs
     ]
     if not cfg.baselines:
-        notes.append("baselines skipped (--no-baselines)")
+        notes.append("baselines_skipped")
     elif have_iperf3 and result["baseline_iperf3_gbytes_per_s"] is None:
-        notes.append("iperf3 counted no received bytes (transfer too short for its accounting): baseline_iperf3 is null")
+        notes.append("iperf3_no_bytes")
     result["notes"] = notes
     return result

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pdd_transport.stats import percentile
+
 # 5x7 glyphs, one string of 7 rows of 5 bits per character.
 _GLYPHS: dict[str, tuple[str, ...]] = {
     "0": ("01110", "10001", "10011", "10101", "11001", "10001", "01110"),
@@ -140,7 +142,7 @@ def cdf_plot(
             _line(img, x_prev, y_prev, px[k], y_prev, color)
             _line(img, px[k], y_prev, px[k], py[k], color)
         for q in (0.5, 0.9):
-            xq = left + (right - left) * float(np.quantile(data, q)) / x_max
+            xq = left + (right - left) * percentile(data.tolist(), q) / x_max
             for yy in range(top, bottom, 12):
                 _line(img, xq, yy, xq, min(yy + 5, bottom), color, 1)
     _text(img, left, 18, title, black, 3)

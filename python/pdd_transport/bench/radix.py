@@ -18,20 +18,15 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from pdd_transport.radix import RadixCache
+from pdd_transport.stats import percentile
 
 VOCAB = 129_280
-
-
-def _p(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class _Pool:
@@ -103,16 +98,16 @@ def _sessions_workload(page_size: int, sessions: int, turns: int, seed: int) -> 
     cached_tokens = stats["pages"] * page_size
     return {
         "cached_tokens": cached_tokens,
-        "match_full_context_us_p50": round(_p(match_41k_us, 0.5), 2),
-        "match_full_context_us_p99": round(_p(match_41k_us, 0.99), 2),
+        "match_full_context_us_p50": round(percentile(match_41k_us, 0.5), 2),
+        "match_full_context_us_p99": round(percentile(match_41k_us, 0.99), 2),
         "match_full_context_samples": len(match_41k_us),
-        "match_any_context_us_p50": round(_p(match_us, 0.5), 2),
-        "insert_turn_us_p50": round(_p(insert_us, 0.5), 2),
-        "insert_turn_us_p99": round(_p(insert_us, 0.99), 2),
-        "lock_unlock_us_p50": round(_p(lock_us, 0.5), 3),
+        "match_any_context_us_p50": round(percentile(match_us, 0.5), 2),
+        "insert_turn_us_p50": round(percentile(insert_us, 0.5), 2),
+        "insert_turn_us_p99": round(percentile(insert_us, 0.99), 2),
+        "lock_unlock_us_p50": round(percentile(lock_us, 0.5), 3),
         "bytes_per_cached_token": round(stats["heap_bytes"] / max(cached_tokens, 1), 2),
         "prefix_hit_rate_mean": round(sum(hits) / len(hits), 4),
-        "context_tokens_p50": int(_p([float(c) for c in context_sizes], 0.5)),
+        "context_tokens_p50": int(percentile([float(c) for c in context_sizes], 0.5)),
         "turns": turns,
         "_prompt_41k": next(
             (s["context"] for s in live if 36_000 <= len(s["context"]) <= 46_000), live[0]["context"]
@@ -149,9 +144,9 @@ def _evict_workload(page_size: int, leaves: int, rounds: int, seed: int) -> dict
         assert len(freed) == 64
         add_leaves(26)  # about as many leaves as 64 pages of 1-4-page leaves free
     return {
-        "evict64_at_20k_leaves_us_p50": round(_p(times, 0.5), 2),
-        "evict64_at_20k_leaves_us_p99": round(_p(times, 0.99), 2),
-        "evictable_leaves_p50": int(_p([float(c) for c in leaf_counts], 0.5)),
+        "evict64_at_20k_leaves_us_p50": round(percentile(times, 0.5), 2),
+        "evict64_at_20k_leaves_us_p99": round(percentile(times, 0.99), 2),
+        "evictable_leaves_p50": int(percentile([float(c) for c in leaf_counts], 0.5)),
     }
 
 
@@ -174,17 +169,30 @@ def _python_dict_baseline(prompt: np.ndarray, page_size: int, repeats: int) -> f
                 break
             matched += page_size
         times.append((time.perf_counter_ns() - t0) / 1e3)
-    return _p(times, 0.5)
+    return percentile(times, 0.5)
 
 
-def run(page_size: int = 64, sessions: int = 24, turns: int = 3000, leaves: int = 20_000, seed: int = 0) -> dict[str, Any]:
-    """Run the whole benchmark; returns the JSON-able result."""
+def run(
+    page_size: int = 64,
+    sessions: int = 24,
+    turns: int = 3000,
+    leaves: int = 20_000,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run the whole benchmark; returns the JSON-able result. ``progress`` gets one line
+    as each part starts (the CLI prints them on stderr)."""
+    say = progress or (lambda _line: None)
+    say(f"bench radix: {turns} turns of {sessions} sessions")
     sess = _sessions_workload(page_size, sessions, turns, seed)
     prompt = sess.pop("_prompt_41k")
+    say(f"bench radix: eviction at about {leaves} leaves")
     ev = _evict_workload(page_size, leaves, rounds=300, seed=seed)
+    say("bench radix: pure-Python dict baseline")
     baseline = _python_dict_baseline(prompt, page_size, repeats=50)
     out: dict[str, Any] = {"page_size": page_size, **sess, **ev}
     out["baseline_python_dict_match_us_p50"] = round(baseline, 2)
     out["match_speedup_vs_python_dict"] = round(baseline / out["match_full_context_us_p50"], 1)
-    out["timed_from"] = "python (time.perf_counter_ns around each call)"
+    # Every figure is time.perf_counter_ns around each call, from Python.
+    out["timed_from"] = "python"
     return out
