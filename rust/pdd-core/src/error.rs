@@ -116,7 +116,8 @@ pub enum Error {
         /// Peer's highest version.
         peer_max: u16,
     },
-    /// HELLO: the peer's credentials were refused.
+    /// HELLO/AUTH: a proof of the lane's key failed, or the lane may not open or
+    /// join the session it names.
     #[error("authentication failed: {detail}")]
     AuthFailed {
         /// Which check failed (never the secret itself).

@@ -2,7 +2,7 @@
 //!
 //! Nothing in this crate touches a socket, a clock or a thread. It turns bytes into
 //! typed frames and back ([`wire`]), decides protocol questions as pure functions
-//! (version negotiation, credentials, handoff mode), and runs per-request protocol
+//! (version negotiation, authentication, handoff mode), and runs per-request protocol
 //! state machines ([`handoff`]) on time the caller supplies ([`time::Timestamp`]).
 //! The I/O crate (`pdd-io`) moves the bytes and owns the timers; the binding crate
 //! (`pdd-py`) converts to Python.

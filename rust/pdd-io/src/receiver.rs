@@ -42,7 +42,7 @@ use crate::pool::PagePool;
 pub struct ReceiverConfig {
     /// Address to listen on (port 0 picks one).
     pub listen: SocketAddr,
-    /// Our HELLO: role, credentials required of peers, payload limit.
+    /// Our HELLO: role, the root secret peers must prove, payload limit.
     pub hello: LocalHello,
     /// Socket tuning of every lane.
     pub tuning: SocketTuning,
