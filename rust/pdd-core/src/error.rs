@@ -170,6 +170,16 @@ pub enum Error {
         /// What is missing.
         detail: String,
     },
+    /// A bound on what a peer may make us hold was exceeded: replies it does not
+    /// read, leases, tokens in a handoff, sessions. The peer is told
+    /// `resource_exhausted`; nothing past the bound was taken in.
+    #[error("limit exceeded: {what} (limit {limit})")]
+    LimitExceeded {
+        /// Which bound.
+        what: String,
+        /// Its value.
+        limit: u64,
+    },
     /// A bounded wait ran out.
     #[error("deadline exceeded: {what}")]
     DeadlineExceeded {
@@ -335,6 +345,7 @@ impl Error {
             Error::UnknownTransfer { .. } => "unknown_transfer",
             Error::PagesBusy { .. } => "pages_busy",
             Error::TransferIncomplete { .. } => "transfer_incomplete",
+            Error::LimitExceeded { .. } => "limit_exceeded",
             Error::DeadlineExceeded { .. } => "deadline_exceeded",
             Error::ConnectionLost { .. } => "connection_lost",
             Error::Cancelled { .. } => "cancelled",
@@ -376,7 +387,26 @@ impl Error {
             | Error::RadixHashCollision => ErrorClass::InvalidArgument,
             // Events that do not follow from what a peer sent before.
             Error::CacheEventGap { .. } | Error::CacheEventMismatch { .. } => ErrorClass::Protocol,
-            _ => ErrorClass::Protocol,
+            // Every variant is named: a new one must choose its class here.
+            Error::BadMagic { .. }
+            | Error::UnsupportedWireVersion { .. }
+            | Error::UnknownKind { .. }
+            | Error::FrameTooLarge { .. }
+            | Error::InvalidFlags { .. }
+            | Error::ReservedNonZero
+            | Error::ChecksumMismatch { .. }
+            | Error::Truncated { .. }
+            | Error::TrailingBytes { .. }
+            | Error::InvalidField { .. }
+            | Error::DecoderPoisoned
+            | Error::GrantViolation { .. }
+            | Error::UnknownTransfer { .. }
+            | Error::TransferIncomplete { .. }
+            | Error::LimitExceeded { .. }
+            | Error::WrongRequest { .. }
+            | Error::UnexpectedFrame { .. }
+            | Error::HandoffConflict { .. }
+            | Error::ProgressRegressed { .. } => ErrorClass::Protocol,
         }
     }
 
@@ -408,7 +438,22 @@ impl Error {
             | Error::RadixNotLocked
             | Error::RadixLocked { .. }
             | Error::RadixHashCollision => AbortReason::Internal,
-            _ => AbortReason::ProtocolError,
+            Error::LimitExceeded { .. } => AbortReason::ResourceExhausted,
+            // Every variant is named: a new one must choose its reason here.
+            Error::BadMagic { .. }
+            | Error::InvalidFlags { .. }
+            | Error::ReservedNonZero
+            | Error::Truncated { .. }
+            | Error::TrailingBytes { .. }
+            | Error::InvalidField { .. }
+            | Error::DecoderPoisoned
+            | Error::TransferIncomplete { .. }
+            | Error::WrongRequest { .. }
+            | Error::UnexpectedFrame { .. }
+            | Error::HandoffConflict { .. }
+            | Error::ProgressRegressed { .. }
+            | Error::CacheEventGap { .. }
+            | Error::CacheEventMismatch { .. } => AbortReason::ProtocolError,
         }
     }
 }

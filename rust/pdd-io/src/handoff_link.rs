@@ -187,6 +187,21 @@ pub struct RouterStats {
     /// Frames a machine rejected (`handle_frame` error: stale progress, conflict);
     /// the machine is unchanged.
     pub frames_rejected: u64,
+    /// Connection-wide ABORTs for a fault of the connection's bytes (a corrupted
+    /// frame, lost framing): the connection is dropped and replayed, no request ends.
+    pub connection_faults: u64,
+}
+
+/// ABORT reasons that say the connection's bytes went bad, not that the requests
+/// should end: the link recovers from them as from a reset.
+fn connection_fault(reason: AbortReason) -> bool {
+    matches!(
+        reason,
+        AbortReason::ChecksumMismatch
+            | AbortReason::ProtocolError
+            | AbortReason::FrameTooLarge
+            | AbortReason::UnknownKind
+    )
 }
 
 struct Entry<M> {
@@ -361,6 +376,14 @@ impl<M: HandoffMachine> Router<M> {
                 kind: frame.kind(),
                 detail: "not a handoff frame",
             }),
+            Some(0) if matches!(&frame, Frame::Abort(a) if connection_fault(a.reason)) => {
+                // The peer saw this connection's bytes go bad (a corrupted frame, lost
+                // framing) and is dropping it: a fault of the connection, not of the
+                // requests. Like a reset, the link reconnects and every machine
+                // replays what the other side may have missed.
+                self.stats.connection_faults += 1;
+                Ok(())
+            }
             Some(0) if matches!(frame, Frame::Abort(_)) => {
                 // The peer ends every request of the connection.
                 for (id, entry) in self.machines.iter_mut() {
@@ -825,6 +848,8 @@ pub struct LinkStats {
     pub frames_unroutable: u64,
     /// See [`RouterStats`].
     pub frames_rejected: u64,
+    /// See [`RouterStats`].
+    pub connection_faults: u64,
     /// PINGs sent.
     pub pings_sent: u64,
     /// Last PING -> PONG round trip, microseconds (0 before the first).
@@ -889,6 +914,12 @@ impl LinkStats {
                 self.frames_rejected,
                 "counter",
                 "frames a handoff machine rejected",
+            ),
+            (
+                "connection_faults_total",
+                self.connection_faults,
+                "counter",
+                "connections dropped by the peer for corrupted bytes (replayed, no request ended)",
             ),
             (
                 "pings_sent_total",
@@ -1267,8 +1298,38 @@ impl<M: HandoffMachine> Shared<M> {
                 }
             }
         };
-        // Dropping the stream closes it; a reset peer sees our FIN or RST.
+        // After a framing error we sent an ABORT: close so that the peer reads it
+        // (FIN after it, the rest of what the peer sent drained for a moment) rather
+        // than a reset that could destroy it in flight. Otherwise dropping the
+        // stream closes it; a reset peer sees our FIN or RST.
+        let said_why = error.as_ref().is_some_and(|e| {
+            !matches!(
+                e,
+                Error::ConnectionLost { .. } | Error::DeadlineExceeded { .. }
+            )
+        });
+        if said_why {
+            let _ = self.flush_current(&stream);
+        }
         self.uninstall(generation, error);
+        if said_why {
+            let _ = socket2::SockRef::from(stream.as_ref()).shutdown(std::net::Shutdown::Write);
+            let drain = async {
+                let mut sink = [0u8; 4096];
+                loop {
+                    if stream.readable().await.is_err() {
+                        return;
+                    }
+                    match stream.try_read(&mut sink) {
+                        Ok(0) => return,
+                        Ok(_) => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                        Err(_) => return,
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(Duration::from_millis(200), drain).await;
+        }
     }
 
     /// One non-blocking read of the connection into `rx`, then decode and route every
@@ -1415,6 +1476,7 @@ impl<M: HandoffMachine> Shared<M> {
             frames_dropped_disconnected: get(&c.frames_dropped_disconnected),
             frames_unroutable: rs.frames_unroutable,
             frames_rejected: rs.frames_rejected,
+            connection_faults: rs.connection_faults,
             pings_sent: get(&c.pings_sent),
             rtt_us: get(&c.rtt_us),
             reads_on_caller: get(&c.reads_on_caller),

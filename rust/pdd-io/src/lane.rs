@@ -448,6 +448,90 @@ pub fn abort_for(err: &Error) -> Frame {
     })
 }
 
+/// Frames a control lane may hold queued but not yet taken by the socket. A peer
+/// that keeps sending (PINGs, queries) but stops reading would otherwise grow our
+/// memory without bound; past this the session ends with `limit_exceeded`.
+pub const MAX_UNWRITTEN_CONTROL_FRAMES: usize = 4096;
+
+/// The sending end of a control lane's queue, bounded by frames not yet written.
+#[derive(Clone)]
+pub struct ControlTx {
+    tx: tokio::sync::mpsc::UnboundedSender<Frame>,
+    unwritten: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    limit: usize,
+    overflowed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    on_overflow: tokio_util::sync::CancellationToken,
+}
+
+/// The writer's end of a control lane's queue.
+pub struct ControlRx {
+    rx: tokio::sync::mpsc::UnboundedReceiver<Frame>,
+    unwritten: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl ControlRx {
+    fn take(&mut self) -> Option<Frame> {
+        self.rx.try_recv().ok()
+    }
+
+    fn written(&self) {
+        self.unwritten
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+/// A control-lane queue of at most `limit` unwritten frames; a send past it cancels
+/// `on_overflow` (the session) and fails with `limit_exceeded`.
+pub fn control_queue(
+    limit: usize,
+    on_overflow: tokio_util::sync::CancellationToken,
+) -> (ControlTx, ControlRx) {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let unwritten = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    (
+        ControlTx {
+            tx,
+            unwritten: unwritten.clone(),
+            limit,
+            overflowed: Default::default(),
+            on_overflow,
+        },
+        ControlRx { rx, unwritten },
+    )
+}
+
+impl ControlTx {
+    /// Queue a frame for the writer.
+    pub fn send(&self, frame: Frame) -> Result<(), Error> {
+        use std::sync::atomic::Ordering;
+        if self.unwritten.fetch_add(1, Ordering::AcqRel) >= self.limit {
+            self.unwritten.fetch_sub(1, Ordering::AcqRel);
+            self.overflowed.store(true, Ordering::Release);
+            self.on_overflow.cancel();
+            return Err(self.overflow_error());
+        }
+        self.tx.send(frame).map_err(|_| {
+            self.unwritten.fetch_sub(1, Ordering::AcqRel);
+            Error::ConnectionLost {
+                detail: "control lane closed".into(),
+            }
+        })
+    }
+
+    /// Whether a send ever found the queue full (the session then ended).
+    pub fn overflowed(&self) -> bool {
+        self.overflowed.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// The error a full queue ends the session with.
+    pub fn overflow_error(&self) -> Error {
+        Error::LimitExceeded {
+            what: "control frames queued for a peer that does not read them".into(),
+            limit: self.limit as u64,
+        }
+    }
+}
+
 /// The writer half of a control lane: sends queued frames as they come and a PING
 /// every `heartbeat` (with the kernel's RTT sampled into `metrics`), until `cancel`
 /// (then it flushes what is queued, an ABORT saying why included, for at most
@@ -457,7 +541,7 @@ pub async fn control_writer(
         tokio::net::tcp::OwnedWriteHalf,
         crate::codec::WireCodec,
     >,
-    mut outgoing: tokio::sync::mpsc::UnboundedReceiver<Frame>,
+    mut outgoing: ControlRx,
     cancel: tokio_util::sync::CancellationToken,
     heartbeat: Duration,
     metrics: std::sync::Arc<crate::metrics::Metrics>,
@@ -469,18 +553,24 @@ pub async fn control_writer(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut nonce = 0u64;
     loop {
-        let frame = tokio::select! {
+        let (frame, queued) = tokio::select! {
             _ = cancel.cancelled() => {
-                while let Ok(f) = outgoing.try_recv() {
-                    if writer.feed(&f).await.is_err() {
-                        break;
+                // Last words (an ABORT saying why), bounded as a whole: a peer that
+                // does not read must not hold the session's teardown.
+                let last_words = async {
+                    while let Some(f) = outgoing.take() {
+                        if writer.feed(&f).await.is_err() {
+                            return;
+                        }
+                        outgoing.written();
                     }
-                }
-                let _ = tokio::time::timeout(Duration::from_millis(200), writer.flush()).await;
+                    let _ = writer.flush().await;
+                };
+                let _ = tokio::time::timeout(Duration::from_millis(200), last_words).await;
                 return Ok(());
             }
-            f = outgoing.recv() => match f {
-                Some(f) => f,
+            f = outgoing.rx.recv() => match f {
+                Some(f) => (f, true),
                 None => return Ok(()),
             },
             _ = tick.tick() => {
@@ -489,10 +579,18 @@ pub async fn control_writer(
                 if let Some(s) = tcp_stats(writer.get_ref().as_ref()) {
                     crate::metrics::Metrics::set(&metrics.tcp_rtt_us, u64::from(s.rtt_us));
                 }
-                Frame::Ping(pdd_core::wire::Ping { nonce, sent_at_ns: now_ns() })
+                (Frame::Ping(pdd_core::wire::Ping { nonce, sent_at_ns: now_ns() }), false)
             }
         };
-        if let Err(e) = writer.send(&frame).await {
+        // A write blocked by a peer that stops reading still ends at `cancel`.
+        let sent = tokio::select! {
+            r = writer.send(&frame) => r,
+            _ = cancel.cancelled() => return Ok(()),
+        };
+        if queued {
+            outgoing.written();
+        }
+        if let Err(e) = sent {
             return Err(format!("control lane write: {e}"));
         }
     }

@@ -27,7 +27,7 @@ use pdd_core::wire::{PrefixQuery, PrefixReply};
 use pdd_core::Error;
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio_util::codec::{FramedRead, FramedWrite};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -156,7 +156,7 @@ struct Session {
     /// The secret the session's opening exchange derived: every data lane and
     /// every resumption must prove it.
     secret: AuthBytes,
-    control: mpsc::UnboundedSender<Frame>,
+    control: lane::ControlTx,
     cancel: CancellationToken,
     peer_addr: SocketAddr,
     /// Why a data lane ended the session, for the transfers it fails.
@@ -746,8 +746,8 @@ async fn control_session(
 ) {
     let session_id = agreed.session_id;
     let generation = shared.next_generation.fetch_add(1, Ordering::Relaxed);
-    let (tx, rx) = mpsc::unbounded_channel::<Frame>();
     let cancel = shared.cancel.child_token();
+    let (tx, rx) = lane::control_queue(lane::MAX_UNWRITTEN_CONTROL_FRAMES, cancel.clone());
     let death = Arc::new(Mutex::new(None));
     let registered = {
         let mut sessions = lock(&shared.sessions);
@@ -839,7 +839,13 @@ async fn control_session(
     let end_reason: Error = loop {
         let next = tokio::select! {
             _ = cancel.cancelled() => {
-                break lock(&death).take().unwrap_or(Error::Cancelled { detail: "session closed".into() })
+                break lock(&death).take().unwrap_or_else(|| {
+                    if tx.overflowed() {
+                        tx.overflow_error()
+                    } else {
+                        Error::Cancelled { detail: "session closed".into() }
+                    }
+                })
             }
             n = tokio::time::timeout(dead_after, reader.next()) => n,
         };

@@ -97,7 +97,7 @@ struct Job {
 }
 
 struct Conn {
-    control: mpsc::UnboundedSender<Frame>,
+    control: lane::ControlTx,
     lanes: Vec<mpsc::Sender<Job>>,
     next_lane: AtomicUsize,
     cancel: CancellationToken,
@@ -393,7 +393,8 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
         data_streams.push(lane.stream);
     }
     let cancel = shared.cancel.child_token();
-    let (control_tx, control_rx) = mpsc::unbounded_channel();
+    let (control_tx, control_rx) =
+        lane::control_queue(lane::MAX_UNWRITTEN_CONTROL_FRAMES, cancel.clone());
     let mut lanes = Vec::with_capacity(data_streams.len());
     let mut lane_rxs = Vec::with_capacity(data_streams.len());
     for _ in 0..data_streams.len() {
@@ -438,7 +439,7 @@ async fn control_loop(
     shared: Arc<Shared>,
     conn: Arc<Conn>,
     stream: tokio::net::TcpStream,
-    outgoing: mpsc::UnboundedReceiver<Frame>,
+    outgoing: lane::ControlRx,
 ) {
     let max = shared.cfg.hello.max_payload;
     let (rd, wr) = stream.into_split();
@@ -463,7 +464,11 @@ async fn control_loop(
     let dead_after = shared.cfg.dead_after;
     let reason = loop {
         let next = tokio::select! {
-            _ = conn.cancel.cancelled() => break conn.dead_error(),
+            _ = conn.cancel.cancelled() => break if conn.control.overflowed() {
+                conn.control.overflow_error()
+            } else {
+                conn.dead_error()
+            },
             n = tokio::time::timeout(dead_after, reader.next()) => n,
         };
         let frame = match next {

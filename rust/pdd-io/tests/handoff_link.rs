@@ -102,11 +102,14 @@ enum MdWait {
     BusyPoll,
 }
 
+/// Something done to the link six times, 15 ms apart, while requests run.
+type Chaos = Box<dyn Fn(u32) + Send>;
+
 async fn run_requests(
     rld: Arc<RelayLink>,
     md: Arc<MainLink>,
     n: u64,
-    chaos: Option<(Arc<RelayLink>, Arc<MainLink>)>,
+    chaos: Option<Chaos>,
     md_wait: MdWait,
 ) -> (HashMap<u64, Vec<u32>>, HashMap<u64, MdRecord>) {
     let records: Arc<Mutex<HashMap<u64, MdRecord>>> = Arc::default();
@@ -166,15 +169,11 @@ async fn run_requests(
         })
     };
 
-    let chaos_task = chaos.map(|(r, m)| {
+    let chaos_task = chaos.map(|hit| {
         tokio::spawn(async move {
             for i in 0..6 {
                 tokio::time::sleep(Duration::from_millis(15)).await;
-                if i % 2 == 0 {
-                    r.drop_connection();
-                } else {
-                    m.drop_connection();
-                }
+                hit(i);
             }
         })
     });
@@ -325,7 +324,15 @@ async fn after_a_busy_poll_the_io_task_reads_again_when_the_engine_stops_polling
 /// link reconnected. Returns the links for checks of the MD wait mode.
 async fn resets_lose_and_duplicate_nothing(md_wait: MdWait) -> (Arc<RelayLink>, Arc<MainLink>) {
     let (rld, md) = pair(config()).await;
-    let chaos = Some((Arc::clone(&rld), Arc::clone(&md)));
+    let (r, m) = (Arc::clone(&rld), Arc::clone(&md));
+    let chaos: Chaos = Box::new(move |i| {
+        if i % 2 == 0 {
+            r.drop_connection();
+        } else {
+            m.drop_connection();
+        }
+    });
+    let chaos = Some(chaos);
     let (rld_tokens, records) =
         run_requests(Arc::clone(&rld), Arc::clone(&md), 40, chaos, md_wait).await;
     check_exactly_once(&rld_tokens, &records, 40);
@@ -348,6 +355,50 @@ async fn a_busy_polling_md_engine_reads_itself_and_loses_nothing_across_resets()
         s.reads_on_caller > 0,
         "the engine thread read the socket: {s:?}"
     );
+    rld.close();
+    md.close();
+}
+
+/// Corrupted bytes on the line (each caught by a frame CRC) drop the connection like a
+/// reset: the link reconnects and replays, no request fails, exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupted_bytes_recover_like_a_reset() {
+    use pdd_io::wanem::{Direction, LinkProfile, Wanem, WanemConfig};
+    let rt = tokio::runtime::Handle::current();
+    let md = Arc::new(MainLink::listen(&rt, any_port(), config()).unwrap());
+    let wan = Wanem::start(
+        WanemConfig::new(any_port(), md.local_addr().unwrap()).symmetric(LinkProfile::default()),
+    )
+    .await
+    .unwrap();
+    let rld = Arc::new(RelayLink::connect(&rt, wan.local_addr(), config()).unwrap());
+    bounded(5, "connect", rld.wait_connected(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    let wan = Arc::new(wan);
+    let w = Arc::clone(&wan);
+    // RLD's bytes to MD, three times: MD catches each by its CRC and ABORTs the
+    // connection; that ABORT (left intact) must not end RLD's requests.
+    let chaos: Chaos = Box::new(move |i| {
+        if i % 2 == 0 {
+            w.corrupt_next(Direction::ClientToUpstream)
+        }
+    });
+    // The first chunk RLD sends for the requests, while every one of them is open.
+    wan.corrupt_next(Direction::ClientToUpstream);
+    let (rld_tokens, records) = run_requests(
+        Arc::clone(&rld),
+        Arc::clone(&md),
+        40,
+        Some(chaos),
+        MdWait::Await,
+    )
+    .await;
+    check_exactly_once(&rld_tokens, &records, 40);
+    let faults = rld.stats().connection_faults + md.stats().connection_faults;
+    let s = rld.stats();
+    assert!(s.connections_lost >= 1, "the corruption was seen: {s:?}");
+    assert!(faults >= 1, "and reported as a connection fault: {s:?}");
     rld.close();
     md.close();
 }

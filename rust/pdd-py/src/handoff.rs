@@ -777,6 +777,7 @@ fn stats_dict<'py>(
         ("frames_dropped_disconnected", s.frames_dropped_disconnected),
         ("frames_unroutable", s.frames_unroutable),
         ("frames_rejected", s.frames_rejected),
+        ("connection_faults", s.connection_faults),
         ("pings_sent", s.pings_sent),
         ("rtt_us", s.rtt_us),
         ("reads_on_caller", s.reads_on_caller),
