@@ -518,6 +518,14 @@ impl ReceiverState {
         self.live.keys().copied().collect()
     }
 
+    /// Progress of a live transfer: pages landed plus blocks being written now. A
+    /// value that stops changing means nothing of the transfer is moving.
+    pub fn progress_of(&self, transfer_id: u64) -> Option<u64> {
+        self.live
+            .get(&transfer_id)
+            .map(|t| t.landed_total + u64::from(t.in_flight) + (u64::from(t.blocks) << 32))
+    }
+
     /// The request of a live transfer.
     pub fn request_of(&self, transfer_id: u64) -> Option<u64> {
         self.live.get(&transfer_id).map(|t| t.grant.request_id)

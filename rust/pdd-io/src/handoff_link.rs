@@ -192,6 +192,10 @@ pub struct RouterStats {
     pub connection_faults: u64,
 }
 
+/// Bytes a link may hold encoded but not taken by the socket (beyond the kernel's
+/// buffers). Handoff traffic is small: this only fills when the peer stops reading.
+pub const MAX_UNWRITTEN_BYTES: usize = 4 << 20;
+
 /// ABORT reasons that say the connection's bytes went bad, not that the requests
 /// should end: the link recovers from them as from a reset.
 fn connection_fault(reason: AbortReason) -> bool {
@@ -1093,7 +1097,22 @@ impl<M: HandoffMachine> Shared<M> {
             }
         }
         bump(&self.counters.frames_sent, sent);
-        self.flush_locked(&mut conn, &stream);
+        if !self.flush_locked(&mut conn, &stream) {
+            return;
+        }
+        if conn.pending.len() > MAX_UNWRITTEN_BYTES {
+            // The peer stopped reading (while still sending, or we would have found it
+            // dead): drop the connection rather than grow. The machines replay what
+            // matters on the next one.
+            conn.last_error = Some(Error::LimitExceeded {
+                what: "handoff-link bytes queued for a peer that does not read them".into(),
+                limit: MAX_UNWRITTEN_BYTES as u64,
+            });
+            conn.pending.clear();
+            if let Some(stop) = &conn.stop {
+                stop.cancel();
+            }
+        }
     }
 
     /// Write as much of the pending bytes as the socket takes now. Returns true when
@@ -1316,13 +1335,14 @@ impl<M: HandoffMachine> Shared<M> {
             let _ = socket2::SockRef::from(stream.as_ref()).shutdown(std::net::Shutdown::Write);
             let drain = async {
                 let mut sink = [0u8; 4096];
-                loop {
+                let mut left = 1usize << 20;
+                while left > 0 {
                     if stream.readable().await.is_err() {
                         return;
                     }
                     match stream.try_read(&mut sink) {
                         Ok(0) => return,
-                        Ok(_) => {}
+                        Ok(n) => left = left.saturating_sub(n),
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                         Err(_) => return,
                     }

@@ -554,6 +554,12 @@ pub async fn control_writer(
     let mut nonce = 0u64;
     loop {
         let (frame, queued) = tokio::select! {
+            // Queued frames first: an ABORT queued with the cancel is still sent.
+            biased;
+            f = outgoing.rx.recv() => match f {
+                Some(f) => (f, true),
+                None => return Ok(()),
+            },
             _ = cancel.cancelled() => {
                 // Last words (an ABORT saying why), bounded as a whole: a peer that
                 // does not read must not hold the session's teardown.
@@ -569,10 +575,6 @@ pub async fn control_writer(
                 let _ = tokio::time::timeout(Duration::from_millis(200), last_words).await;
                 return Ok(());
             }
-            f = outgoing.rx.recv() => match f {
-                Some(f) => (f, true),
-                None => return Ok(()),
-            },
             _ = tick.tick() => {
                 nonce += 1;
                 crate::metrics::Metrics::add(&metrics.pings_sent_total, 1);
@@ -582,8 +584,10 @@ pub async fn control_writer(
                 (Frame::Ping(pdd_core::wire::Ping { nonce, sent_at_ns: now_ns() }), false)
             }
         };
-        // A write blocked by a peer that stops reading still ends at `cancel`.
+        // A write blocked by a peer that stops reading still ends at `cancel`; one
+        // that can go through (an ABORT queued just before the cancel) goes first.
         let sent = tokio::select! {
+            biased;
             r = writer.send(&frame) => r,
             _ = cancel.cancelled() => return Ok(()),
         };

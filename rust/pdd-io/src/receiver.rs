@@ -875,7 +875,10 @@ async fn control_session(
             Frame::KvDone(done) => {
                 let r = lock(&shared.state).sender_done(generation, &done);
                 match r {
-                    Ok(ev) => apply(&shared, ev),
+                    Ok(ev) => {
+                        apply(&shared, ev);
+                        watch_tail(&shared, done.transfer_id, cancel.clone());
+                    }
                     Err(e) => {
                         Metrics::add(&shared.metrics.violations_total, 1);
                         let _ = tx.send(lane::abort_for(&e));
@@ -942,6 +945,34 @@ async fn control_session(
     cancel.cancel();
     let _ = writer_task.await;
     end_session(&shared, session_id, generation, &end_reason);
+}
+
+/// The sender said a transfer is completely sent: from now on, if none of its
+/// pages moves for the dead-peer bound, the rest is not coming (a data lane went
+/// silent between blocks while the control lane stayed healthy), and the transfer
+/// fails instead of holding its pages forever.
+fn watch_tail(shared: &Arc<Shared>, transfer_id: u64, session: CancellationToken) {
+    let shared = shared.clone();
+    let bound = shared.cfg.dead_after;
+    tokio::spawn(async move {
+        let mut last = lock(&shared.state).progress_of(transfer_id);
+        while last.is_some() {
+            tokio::select! {
+                _ = session.cancelled() => return,
+                _ = tokio::time::sleep(bound) => {}
+            }
+            let now = lock(&shared.state).progress_of(transfer_id);
+            if now.is_some() && now == last {
+                let what = format!(
+                    "transfer {transfer_id}: no page moved for {bound:?} after the sender's KV_DONE"
+                );
+                let ev = lock(&shared.state).fail(transfer_id, Error::DeadlineExceeded { what });
+                apply(&shared, ev);
+                return;
+            }
+            last = now;
+        }
+    });
 }
 
 /// Unregister session generation `generation` (unless a reconnect replaced it) and
@@ -1068,6 +1099,16 @@ async fn read_block(
     let lost = |e: std::io::Error| Error::ConnectionLost {
         detail: format!("data lane: {e}"),
     };
+    // Between blocks a lane may idle; inside one, every read must bring bytes within
+    // the dead-peer bound, or the lane (and its session) is lost: a lane stalled
+    // mid-frame while the control lane stays healthy must not hold its transfer.
+    let stall = shared.cfg.dead_after;
+    let stalled = |_| {
+        std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("stalled mid-block: no byte for {stall:?}"),
+        )
+    };
     let mut head = [0u8; HEADER_LEN + KV_PAGES_FIXED_LEN];
     // One read usually brings the frame header and the block's fixed fields together
     // (a KV_PAGES frame is never shorter, so this never reads into the next frame);
@@ -1078,9 +1119,10 @@ async fn read_block(
         return Ok(false);
     }
     if got < HEADER_LEN {
-        stream
-            .read_exact(&mut head[got..HEADER_LEN])
+        tokio::time::timeout(stall, stream.read_exact(&mut head[got..HEADER_LEN]))
             .await
+            .map_err(stalled)
+            .and_then(|r| r)
             .map_err(lost)?;
         got = HEADER_LEN;
     }
@@ -1094,7 +1136,11 @@ async fn read_block(
             detail: "only KV_PAGES travels on a data lane".into(),
         });
     }
-    stream.read_exact(&mut head[got..]).await.map_err(lost)?;
+    tokio::time::timeout(stall, stream.read_exact(&mut head[got..]))
+        .await
+        .map_err(stalled)
+        .and_then(|r| r)
+        .map_err(lost)?;
     let mut fixed = [0u8; KV_PAGES_FIXED_LEN];
     fixed.copy_from_slice(&head[HEADER_LEN..]);
     let block = KvBlock::parse(&fixed, header.payload_len)?;
@@ -1106,7 +1152,11 @@ async fn read_block(
             let mut left = block.data_len();
             while left > 0 {
                 let n = left.min(scratch.len() as u64) as usize;
-                stream.read_exact(&mut scratch[..n]).await.map_err(lost)?;
+                tokio::time::timeout(stall, stream.read_exact(&mut scratch[..n]))
+                    .await
+                    .map_err(stalled)
+                    .and_then(|r| r)
+                    .map_err(lost)?;
                 left -= n as u64;
             }
             Metrics::add(&shared.metrics.blocks_drained_total, 1);
@@ -1125,7 +1175,7 @@ async fn read_block(
                 // reference to these pages exists until then.
                 pages.push(unsafe { shared.pool.page_mut(layer, page) }?);
             }
-            if let Err(e) = read_into_pages(stream, &mut pages).await {
+            if let Err(e) = read_into_pages(stream, &mut pages, stall).await {
                 guard.finish(Err(lost(e)));
                 return Err(Error::ConnectionLost {
                     detail: "data lane failed mid-block".into(),
@@ -1153,7 +1203,11 @@ async fn read_block(
 }
 
 /// Fill every page completely, with vectored reads straight into them.
-async fn read_into_pages(stream: &mut TcpStream, pages: &mut [&mut [u8]]) -> std::io::Result<()> {
+async fn read_into_pages(
+    stream: &mut TcpStream,
+    pages: &mut [&mut [u8]],
+    stall: Duration,
+) -> std::io::Result<()> {
     // At most this many iovecs per readv (IOV_MAX is 1024 on Linux).
     const BATCH: usize = 256;
     for batch in pages.chunks_mut(BATCH) {
@@ -1161,7 +1215,14 @@ async fn read_into_pages(stream: &mut TcpStream, pages: &mut [&mut [u8]]) -> std
             batch.iter_mut().map(|p| IoSliceMut::new(p)).collect();
         let mut bufs: &mut [IoSliceMut<'_>] = &mut slices;
         while !bufs.is_empty() {
-            stream.readable().await?;
+            tokio::time::timeout(stall, stream.readable())
+                .await
+                .map_err(|_| {
+                    std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("stalled mid-block: no byte for {stall:?}"),
+                    )
+                })??;
             match stream.try_read_vectored(bufs) {
                 Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
                 Ok(n) => IoSliceMut::advance_slices(&mut bufs, n),

@@ -411,8 +411,8 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
         death: Mutex::new(None),
     });
     for (stream, rx) in data_streams.into_iter().zip(lane_rxs) {
-        let (_rd, wr) = stream.into_split();
-        tokio::spawn(lane_writer(shared.clone(), conn.clone(), wr, rx));
+        let (rd, wr) = stream.into_split();
+        tokio::spawn(lane_writer(shared.clone(), conn.clone(), rd, wr, rx));
     }
     tokio::spawn(control_loop(
         shared.clone(),
@@ -561,15 +561,25 @@ async fn control_loop(
 async fn lane_writer(
     shared: Arc<Shared>,
     conn: Arc<Conn>,
+    mut rd: tokio::net::tcp::OwnedReadHalf,
     mut wr: OwnedWriteHalf,
     mut jobs: mpsc::Receiver<Job>,
 ) {
+    let stall = shared.cfg.dead_after;
     loop {
         let job = tokio::select! {
             _ = conn.cancel.cancelled() => return,
             j = jobs.recv() => match j { Some(j) => j, None => return },
+            // The receiver never writes on a data lane: anything readable is its
+            // close or a reset. Noticed now, while idle, the session is replaced
+            // before the next transfer needs it instead of failing that transfer.
+            gone = lane_closed(&mut rd) => {
+                let _ = tokio::time::timeout(PEER_REASON_GRACE, conn.cancel.cancelled()).await;
+                kill(&conn, gone);
+                return;
+            }
         };
-        if let Err(e) = write_block(&shared.pool, &mut wr, &job).await {
+        if let Err(e) = write_block(&shared.pool, &mut wr, &job, stall).await {
             // A receiver that ends the session closes its data lanes and says why on
             // the control lane; a write here can fail (EPIPE, reset) before that
             // ABORT is read. Give the control lane a moment so the engine gets the
@@ -584,7 +594,28 @@ async fn lane_writer(
     }
 }
 
-async fn write_block(pool: &PagePool, wr: &mut OwnedWriteHalf, job: &Job) -> Result<(), Error> {
+/// Resolves when a data lane's read side shows its end: EOF, a reset, or bytes the
+/// receiver should never have sent.
+async fn lane_closed(rd: &mut tokio::net::tcp::OwnedReadHalf) -> Error {
+    use tokio::io::AsyncReadExt;
+    let mut byte = [0u8; 1];
+    let detail = match rd.read(&mut byte).await {
+        Ok(0) => "data lane closed by the receiver".to_string(),
+        Ok(_) => "the receiver wrote on a data lane".to_string(),
+        Err(e) => format!("data lane: {e}"),
+    };
+    Error::ConnectionLost { detail }
+}
+
+/// Write one block; each write must make progress within `stall` (a lane whose
+/// bytes stopped moving, while the control lane may look healthy, ends the session
+/// rather than holding the transfer forever).
+async fn write_block(
+    pool: &PagePool,
+    wr: &mut OwnedWriteHalf,
+    job: &Job,
+    stall: Duration,
+) -> Result<(), Error> {
     let mut pages: Vec<&[u8]> = Vec::with_capacity(job.src.len());
     for &(layer, page) in &job.src {
         // SAFETY: source pages are only read by the transport; the engine must not
@@ -617,9 +648,11 @@ async fn write_block(pool: &PagePool, wr: &mut OwnedWriteHalf, job: &Job) -> Res
     while !bufs.is_empty() {
         // At most IOV_MAX (1024) slices per writev.
         let upto = bufs.len().min(1024);
-        let n = wr
-            .write_vectored(&bufs[..upto])
+        let n = tokio::time::timeout(stall, wr.write_vectored(&bufs[..upto]))
             .await
+            .map_err(|_| Error::ConnectionLost {
+                detail: format!("data lane stalled: no byte taken for {stall:?}"),
+            })?
             .map_err(|e| Error::ConnectionLost {
                 detail: format!("data lane write: {e}"),
             })?;

@@ -264,3 +264,186 @@ async fn an_open_listener_needs_a_secret_or_an_explicit_insecure() {
     let rx = KvReceiver::start(pool(0), with_secret).await.unwrap();
     rx.close(BOUND).await.unwrap();
 }
+
+/// Write PINGs and never read: until the peer drops us (a write fails) or `max`
+/// frames went out, each write bounded. Returns (frames written, dropped).
+async fn flood_pings(stream: &mut tokio::net::TcpStream, max: usize) -> (usize, bool) {
+    let ping = pdd_core::wire::encode_frame_to_vec(
+        &Frame::Ping(pdd_core::wire::Ping {
+            nonce: 1,
+            sent_at_ns: 2,
+        }),
+        1 << 20,
+    )
+    .unwrap();
+    let batch: Vec<u8> = ping
+        .iter()
+        .copied()
+        .cycle()
+        .take(ping.len() * 8192)
+        .collect();
+    let mut sent = 0;
+    while sent < max {
+        match tokio::time::timeout(Duration::from_secs(2), stream.write_all(&batch)).await {
+            Ok(Ok(())) => sent += 8192,
+            // Refused by a reset, or the peer stopped reading too (its buffers are
+            // full because it dropped the session's reader).
+            Ok(Err(_)) => return (sent, true),
+            Err(_) => return (sent, true),
+        }
+    }
+    (sent, false)
+}
+
+/// A peer that sends PINGs and never reads its PONGs is dropped once the bound on
+/// unwritten control frames is hit; the receiver's memory does not follow it, and
+/// close() still meets its bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_never_reads_its_replies_is_dropped() {
+    let rx = receiver(None).await;
+    let h = hello(Role::Prefill, None);
+    let mut t = SocketTuning::default();
+    t.buffer_bytes = Some(64 << 10);
+    let mut c = lane::connect(rx.local_addr(), &h, 9, 0, &LaneKey::Root, &t, BOUND)
+        .await
+        .unwrap()
+        .stream;
+    bounded(rx.wait_peer(Some(9))).await;
+    // Kernel buffers take a few MB of PONGs before our queue holds any: 4M PINGs
+    // (128 MB) is far past both.
+    let (sent, dropped) = bounded(flood_pings(&mut c, 4 << 20)).await;
+    assert!(dropped, "still connected after {sent} unread PINGs");
+    bounded(async {
+        while !rx.peers().is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    let lost = rx
+        .metrics()
+        .sessions_lost_total
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(lost, 1);
+    let started = std::time::Instant::now();
+    rx.close(Duration::from_secs(2)).await.unwrap();
+    assert!(started.elapsed() < Duration::from_secs(2));
+}
+
+/// The same on MD's handoff link: an RLD that floods PINGs and never reads is
+/// dropped, and MD keeps serving the next RLD.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handoff_peer_that_never_reads_is_dropped() {
+    use pdd_io::handoff_link::{LinkConfig, MainLink};
+    let rt = tokio::runtime::Handle::current();
+    let md = MainLink::listen(&rt, "127.0.0.1:0".parse().unwrap(), LinkConfig::default()).unwrap();
+    let mut h = LocalHello::new(Role::RelayDecode, capability::HANDOFF);
+    h.accepted_roles = vec![Role::MainDecode];
+    let mut t = SocketTuning::default();
+    t.buffer_bytes = Some(64 << 10);
+    let mut c = lane::connect(
+        md.local_addr().unwrap(),
+        &h,
+        4,
+        0,
+        &LaneKey::Root,
+        &t,
+        BOUND,
+    )
+    .await
+    .unwrap()
+    .stream;
+    // MD drops us; our writes may go on succeeding a little longer (its graceful
+    // close drains a bounded amount), so what counts is MD's side.
+    let _ = bounded(flood_pings(&mut c, 1 << 20)).await;
+    bounded(async {
+        while md.stats().connections_lost == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    drop(c);
+    assert!(!md.is_connected());
+    md.close();
+}
+
+/// A receiver with a short dead-peer bound, for the stall tests.
+async fn quick_receiver() -> KvReceiver {
+    let mut cfg = ReceiverConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        hello(Role::MainDecode, None),
+    );
+    cfg.heartbeat = Duration::from_millis(100);
+    cfg.dead_after = Duration::from_millis(600);
+    KvReceiver::start(pool(0), cfg).await.unwrap()
+}
+
+/// Keep a scripted peer's control lane alive (PINGs) and drain what the receiver
+/// sends, until dropped.
+fn keep_alive(control: tokio::net::TcpStream) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let (mut rd, mut wr) = control.into_split();
+        let drain = async move {
+            let mut sink = [0u8; 4096];
+            while matches!(rd.read(&mut sink).await, Ok(n) if n > 0) {}
+        };
+        let ping = async move {
+            for i in 0..600u64 {
+                let f = Frame::Ping(pdd_core::wire::Ping {
+                    nonce: i,
+                    sent_at_ns: 0,
+                });
+                let bytes = pdd_core::wire::encode_frame_to_vec(&f, 1 << 20).unwrap();
+                if wr.write_all(&bytes).await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        };
+        tokio::join!(drain, ping);
+    })
+}
+
+/// A data lane that stops mid-block (half a block sent, then silence) while the
+/// control lane stays healthy: the transfer fails within the dead-peer bound, its
+/// pages are released, and nothing partial is reported complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_stalled_mid_block_fails_its_transfer() {
+    let rx = quick_receiver().await;
+    let (control, mut data) = intruder(&rx, 3, None).await;
+    let _alive = keep_alive(control);
+    bounded(rx.wait_peer(Some(3))).await;
+    let inbound = rx.grant(1, &[0, 1], Some(1), Some(3), None).unwrap();
+    let bytes =
+        pdd_core::wire::encode_frame_to_vec(&pages_frame(inbound.grant.transfer_id, 0, 7), 1 << 24)
+            .unwrap();
+    data.write_all(&bytes[..bytes.len() / 2]).await.unwrap();
+    let err = bounded(inbound.wait()).await.unwrap_err();
+    assert_eq!(err.reason(), "connection_lost", "{err}");
+    // Its pages are free again.
+    rx.grant(2, &[0, 1], Some(1), Some(3), None).unwrap();
+    drop(data);
+}
+
+/// The sender said KV_DONE, but the blocks never come (its data lane went silent
+/// between blocks): the transfer fails within the dead-peer bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfer_whose_blocks_never_come_after_kv_done_fails() {
+    let rx = quick_receiver().await;
+    let (mut control, data) = intruder(&rx, 3, None).await;
+    bounded(rx.wait_peer(Some(3))).await;
+    let inbound = rx.grant(1, &[0, 1], Some(1), Some(3), None).unwrap();
+    let done = Frame::KvDone(KvDone {
+        transfer_id: inbound.grant.transfer_id,
+        chunk_count: 1,
+        byte_count: u64::from(2 * PAGE),
+    });
+    lane::write_frame(&mut control, &done, 1 << 20)
+        .await
+        .unwrap();
+    let _alive = keep_alive(control);
+    let started = std::time::Instant::now();
+    let err = bounded(inbound.wait()).await.unwrap_err();
+    assert_eq!(err.reason(), "deadline_exceeded", "{err}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    drop(data);
+}
