@@ -302,8 +302,10 @@ async fn flood_pings(stream: &mut tokio::net::TcpStream, max: usize) -> (usize, 
 async fn a_peer_that_never_reads_its_replies_is_dropped() {
     let rx = receiver(None).await;
     let h = hello(Role::Prefill, None);
-    let mut t = SocketTuning::default();
-    t.buffer_bytes = Some(64 << 10);
+    let t = SocketTuning {
+        buffer_bytes: Some(64 << 10),
+        ..SocketTuning::default()
+    };
     let mut c = lane::connect(rx.local_addr(), &h, 9, 0, &LaneKey::Root, &t, BOUND)
         .await
         .unwrap()
@@ -338,8 +340,10 @@ async fn a_handoff_peer_that_never_reads_is_dropped() {
     let md = MainLink::listen(&rt, "127.0.0.1:0".parse().unwrap(), LinkConfig::default()).unwrap();
     let mut h = LocalHello::new(Role::RelayDecode, capability::HANDOFF);
     h.accepted_roles = vec![Role::MainDecode];
-    let mut t = SocketTuning::default();
-    t.buffer_bytes = Some(64 << 10);
+    let t = SocketTuning {
+        buffer_bytes: Some(64 << 10),
+        ..SocketTuning::default()
+    };
     let mut c = lane::connect(
         md.local_addr().unwrap(),
         &h,
