@@ -950,3 +950,59 @@ fn handoff_errors_have_distinct_reasons_and_fitting_classes() {
         assert!(!err.to_string().is_empty());
     }
 }
+
+#[test]
+fn a_handoff_past_the_token_bound_ends_the_request_before_delivery() {
+    for (first, n) in [(PROMPT, MAX_HANDOFF_TOKENS + 1), (PROMPT, 4_000_000)] {
+        let mut m = main_side();
+        m.report_progress(PROMPT, true, ms(0)).unwrap();
+        let huge = Frame::Handoff(Handoff {
+            request_id: REQ,
+            seq: 0,
+            first_position: first,
+            token_ids: vec![7; n as usize],
+            final_: true,
+        });
+        m.handle_frame(huge, ms(1)).unwrap();
+        let mut events = Vec::new();
+        while let Some(e) = m.poll_event() {
+            events.push(e);
+        }
+        assert!(
+            !events
+                .iter()
+                .any(|e| matches!(e, MainEvent::Handoff { .. })),
+            "nothing delivered"
+        );
+        assert!(
+            matches!(events.last(), Some(MainEvent::Failed(e)) if e.reason() == "limit_exceeded")
+        );
+        let aborts: Vec<_> = drain_main(&mut m, ms(2))
+            .into_iter()
+            .filter_map(|f| match f {
+                Frame::Abort(a) => Some(a.reason),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(aborts, vec![AbortReason::ResourceExhausted]);
+    }
+    // Many small handoffs add up to the same bound.
+    let mut m = main_side();
+    m.report_progress(PROMPT, true, ms(0)).unwrap();
+    let chunk = 4_000u32;
+    let mut failed = false;
+    for seq in 0..5u32 {
+        let f = Frame::Handoff(Handoff {
+            request_id: REQ,
+            seq,
+            first_position: PROMPT + seq * chunk,
+            token_ids: vec![1; chunk as usize],
+            final_: false,
+        });
+        m.handle_frame(f, ms(1)).unwrap();
+        while let Some(e) = m.poll_event() {
+            failed |= matches!(e, MainEvent::Failed(_));
+        }
+    }
+    assert!(failed, "20,000 tokens handed for one request: refused");
+}

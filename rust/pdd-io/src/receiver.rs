@@ -161,7 +161,17 @@ struct Session {
     peer_addr: SocketAddr,
     /// Why a data lane ended the session, for the transfers it fails.
     death: Arc<Mutex<Option<Error>>>,
+    /// Data lanes admitted into the session, against [`MAX_LANES_PER_SESSION`].
+    lanes: Arc<AtomicU64>,
 }
+
+/// Sessions a receiver holds at once; a new one past this is refused
+/// (`resource_exhausted`).
+pub const MAX_SESSIONS: usize = 1024;
+/// Data lanes one session may have open at once.
+pub const MAX_LANES_PER_SESSION: u64 = 64;
+/// Connections that may be opening (HELLO, AUTH) at once.
+pub const MAX_OPENING_CONNECTIONS: u64 = 256;
 
 struct TransferEntry {
     session_id: u64,
@@ -183,6 +193,8 @@ struct Shared {
     metrics: Arc<Metrics>,
     cfg: ReceiverConfig,
     next_generation: AtomicU64,
+    /// Connections still in HELLO/AUTH, against [`MAX_OPENING_CONNECTIONS`].
+    opening: AtomicU64,
     cancel: CancellationToken,
 }
 
@@ -190,7 +202,17 @@ struct Shared {
 struct Leases {
     table: LeaseTable,
     owner: HashMap<u64, (u64, u64)>,
+    /// Leases held per owner, against [`MAX_LEASES_PER_SESSION`].
+    per_owner: HashMap<(u64, u64), usize>,
 }
+
+/// Prefix leases one session may hold at once. Each pins cache pages until the
+/// engine takes it over or it lapses; past this a query is refused
+/// (`resource_exhausted`) rather than letting one peer pin the cache and our memory.
+pub const MAX_LEASES_PER_SESSION: usize = 4096;
+
+/// Longest prompt a PREFIX_QUERY may ask about (tokens); matching is linear in it.
+pub const MAX_PREFIX_QUERY_TOKENS: usize = 1 << 20;
 
 /// Most events kept for `poll_events`; older ones are dropped first.
 const EVENT_QUEUE_CAP: usize = 65_536;
@@ -225,11 +247,13 @@ impl KvReceiver {
             leases: Mutex::new(Leases {
                 table: LeaseTable::new(),
                 owner: HashMap::new(),
+                per_owner: HashMap::new(),
             }),
             events_changed: watch::channel(0).0,
             metrics: Arc::new(Metrics::default()),
             cfg,
             next_generation: AtomicU64::new(1),
+            opening: AtomicU64::new(0),
             cancel: CancellationToken::new(),
         });
         let tracker = TaskTracker::new();
@@ -242,6 +266,15 @@ impl KvReceiver {
                     accepted = listener.accept() => {
                         // Accept errors (EMFILE, aborted handshakes) are per connection.
                         if let Ok((stream, peer)) = accepted {
+                            // Each opening is bounded by hello_timeout; past this many at
+                            // once, a new connection is closed unanswered (a flood of
+                            // half-open handshakes cannot pile up tasks and sockets).
+                            let opening = &accept_shared.opening;
+                            if opening.load(Ordering::Relaxed) >= MAX_OPENING_CONNECTIONS {
+                                Metrics::add(&accept_shared.metrics.lanes_refused_total, 1);
+                                continue;
+                            }
+                            opening.fetch_add(1, Ordering::Relaxed);
                             conn_tracker.spawn(handle_connection(accept_shared.clone(), stream, peer));
                         }
                     }
@@ -592,7 +625,14 @@ fn release_leases(shared: &Shared, which: impl Fn(u64, (u64, u64)) -> bool) -> u
             .collect();
         ids.into_iter()
             .filter_map(|id| {
-                l.owner.remove(&id);
+                if let Some(o) = l.owner.remove(&id) {
+                    if let Some(n) = l.per_owner.get_mut(&o) {
+                        *n -= 1;
+                        if *n == 0 {
+                            l.per_owner.remove(&o);
+                        }
+                    }
+                }
                 l.table.take(id)
             })
             .collect()
@@ -621,6 +661,26 @@ fn answer_prefix_query(
     q: &PrefixQuery,
 ) -> Result<PrefixReply, Error> {
     Metrics::add(&shared.metrics.prefix_queries_total, 1);
+    if q.tokens.len() > MAX_PREFIX_QUERY_TOKENS {
+        return Err(Error::LimitExceeded {
+            what: format!("a prefix query of {} tokens", q.tokens.len()),
+            limit: MAX_PREFIX_QUERY_TOKENS as u64,
+        });
+    }
+    let owner = (session_id, generation);
+    if q.lease_ms > 0
+        && lock(&shared.leases)
+            .per_owner
+            .get(&owner)
+            .copied()
+            .unwrap_or(0)
+            >= MAX_LEASES_PER_SESSION
+    {
+        return Err(Error::LimitExceeded {
+            what: "prefix leases held by one session".into(),
+            limit: MAX_LEASES_PER_SESSION as u64,
+        });
+    }
     let Some(cache) = &shared.cfg.prefix_cache else {
         return Ok(PrefixReply {
             query_id: q.query_id,
@@ -636,7 +696,8 @@ fn answer_prefix_query(
         let mut leases = lock(&shared.leases);
         let answer = answer_query(&mut cache, &mut leases.table, q, now)?;
         if let Some(l) = &answer.1 {
-            leases.owner.insert(l.id, (session_id, generation));
+            leases.owner.insert(l.id, owner);
+            *leases.per_owner.entry(owner).or_default() += 1;
         }
         Metrics::set(&shared.metrics.prefix_leases, leases.table.len() as u64);
         answer
@@ -693,8 +754,15 @@ async fn handle_connection(shared: Arc<Shared>, mut stream: TcpStream, peer_addr
         let (id, resume) = (offered.agreed.session_id, offered.agreed.resume);
         // The key the lane must prove: the root secret to open a session whose id is
         // free; the live session's own secret to join or resume it.
-        let live = lock(&shared.sessions).get(&id).map(|s| s.secret);
+        let (live, sessions) = {
+            let sessions = lock(&shared.sessions);
+            (sessions.get(&id).map(|s| s.secret), sessions.len())
+        };
         let key: Result<&[u8], Error> = match (resume, &live) {
+            (false, None) if sessions >= MAX_SESSIONS => Err(Error::LimitExceeded {
+                what: "sessions on this receiver".into(),
+                limit: MAX_SESSIONS as u64,
+            }),
             (false, None) => Ok(hello.root_key()),
             (false, Some(_)) => Err(Error::AuthFailed {
                 detail: "that session is live: a reconnect must resume it with its secret",
@@ -713,15 +781,18 @@ async fn handle_connection(shared: Arc<Shared>, mut stream: TcpStream, peer_addr
         let derived = lane::authenticate(&mut stream, hello, &offered, key, timeout).await?;
         Ok::<_, Error>((offered.agreed, live.unwrap_or(derived)))
     };
-    let (agreed, secret) = tokio::select! {
-        _ = shared.cancel.cancelled() => return,
-        r = opening => match r {
-            Ok(a) => a,
-            Err(_) => {
-                Metrics::add(&shared.metrics.lanes_refused_total, 1);
-                return;
-            }
-        },
+    let opened = tokio::select! {
+        _ = shared.cancel.cancelled() => None,
+        r = opening => Some(r),
+    };
+    shared.opening.fetch_sub(1, Ordering::Relaxed);
+    let (agreed, secret) = match opened {
+        None => return,
+        Some(Ok(a)) => a,
+        Some(Err(_)) => {
+            Metrics::add(&shared.metrics.lanes_refused_total, 1);
+            return;
+        }
     };
     if agreed.lane == 0 {
         control_session(shared, stream, agreed, secret, peer_addr).await;
@@ -769,6 +840,7 @@ async fn control_session(
                     cancel: cancel.clone(),
                     peer_addr,
                     death: death.clone(),
+                    lanes: Arc::default(),
                 },
             )
         })
@@ -1043,11 +1115,31 @@ async fn data_lane(
                 s.control.clone(),
                 s.death.clone(),
                 s.generation,
+                s.lanes.clone(),
             )
         });
+    // Counted from here to the lane's end, admitted or not.
+    struct LaneCount(Option<Arc<AtomicU64>>);
+    impl Drop for LaneCount {
+        fn drop(&mut self) {
+            if let Some(n) = &self.0 {
+                n.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+    let counted = LaneCount(session.as_ref().map(|s| {
+        s.4.fetch_add(1, Ordering::Relaxed);
+        s.4.clone()
+    }));
     // The control lane registers its session before answering its HELLO, so a sender
     // that waited for that answer always finds its session here.
     let admitted = match &session {
+        Some(s) if s.4.load(Ordering::Relaxed) > MAX_LANES_PER_SESSION => {
+            Err(Error::LimitExceeded {
+                what: "data lanes in one session".into(),
+                limit: MAX_LANES_PER_SESSION,
+            })
+        }
         Some(_) => Ok(()),
         None => Err(Error::ConnectionLost {
             detail: format!(
@@ -1061,9 +1153,10 @@ async fn data_lane(
         _ = shared.cancel.cancelled() => return,
         r = lane::answer_hello(&mut stream, hello, &agreed, admitted, shared.cfg.hello_timeout) => r,
     };
-    let (Ok(()), Some((cancel, control, death, owner))) = (answered, session) else {
+    let (Ok(()), Some((cancel, control, death, owner, _))) = (answered, session) else {
         return;
     };
+    let _counted = counted;
     let max_payload = shared.cfg.hello.max_payload;
     let mut scratch = vec![0u8; 64 << 10];
     loop {

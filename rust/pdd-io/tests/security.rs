@@ -451,3 +451,126 @@ async fn a_transfer_whose_blocks_never_come_after_kv_done_fails() {
     assert!(started.elapsed() < Duration::from_secs(5));
     drop(data);
 }
+
+/// One session may hold at most MAX_LEASES_PER_SESSION prefix leases; the next
+/// query is refused for its request (ABORT resource_exhausted), the session goes on,
+/// and a released lease makes room again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_leases_per_session_are_bounded() {
+    use pdd_core::radix::RadixCache;
+    use pdd_io::receiver::MAX_LEASES_PER_SESSION;
+    let prompt: Vec<u32> = (1..=16).collect();
+    let mut cache = RadixCache::new(4).unwrap();
+    cache.insert(0, &prompt, &[1, 2, 3, 4]).unwrap();
+    let cache = Arc::new(std::sync::Mutex::new(cache));
+    let mut cfg = ReceiverConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        hello(Role::MainDecode, None),
+    );
+    cfg.prefix_cache = Some(cache);
+    let rx = KvReceiver::start(pool(0), cfg).await.unwrap();
+    let tx = sender(&rx, 8, None).await;
+    let lease = Duration::from_secs(60);
+    let mut first = 0;
+    for request in 1..=MAX_LEASES_PER_SESSION as u64 {
+        let a = bounded(tx.query_prefix(request, 0, 4, lease, prompt.clone()))
+            .await
+            .unwrap();
+        assert_ne!(a.reply.lease_id, 0);
+        if request == 1 {
+            first = a.reply.lease_id;
+        }
+    }
+    let err = bounded(tx.query_prefix(99_999, 0, 4, lease, prompt.clone()))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::PeerAborted { reason, .. } if reason.name() == "resource_exhausted"),
+        "{err:?}"
+    );
+    assert!(rx.release_lease(first));
+    let a = bounded(tx.query_prefix(100_000, 0, 4, lease, prompt))
+        .await
+        .unwrap();
+    assert_ne!(a.reply.lease_id, 0);
+    assert_eq!(rx.peers().len(), 1, "the session goes on");
+}
+
+/// A session may not open more than MAX_LANES_PER_SESSION data lanes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_lanes_per_session_are_bounded() {
+    use pdd_io::receiver::MAX_LANES_PER_SESSION;
+    let rx = receiver(None).await;
+    let h = hello(Role::Prefill, None);
+    let t = SocketTuning::default();
+    let c = lane::connect(rx.local_addr(), &h, 6, 0, &LaneKey::Root, &t, BOUND)
+        .await
+        .unwrap();
+    let key = LaneKey::Session(c.session_secret);
+    let mut lanes = Vec::new();
+    for n in 1..=MAX_LANES_PER_SESSION as u16 {
+        let l = lane::connect(rx.local_addr(), &h, 6, n, &key, &t, BOUND)
+            .await
+            .unwrap();
+        lanes.push(l.stream);
+    }
+    let err = lane::connect(rx.local_addr(), &h, 6, 65, &key, &t, BOUND)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::PeerAborted { reason, .. } if reason.name() == "resource_exhausted"),
+        "{err:?}"
+    );
+    // Closing one makes room.
+    drop(lanes.pop());
+    bounded(async {
+        loop {
+            match lane::connect(rx.local_addr(), &h, 6, 66, &key, &t, BOUND).await {
+                Ok(l) => return l,
+                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+    })
+    .await;
+}
+
+/// Connections that never finish HELLO are bounded in number and in time: past the
+/// bound new ones are closed unanswered, and once the stragglers time out a real
+/// sender gets in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_open_handshakes_are_bounded() {
+    use pdd_io::receiver::MAX_OPENING_CONNECTIONS;
+    let mut cfg = ReceiverConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        hello(Role::MainDecode, None),
+    );
+    cfg.hello_timeout = Duration::from_millis(800);
+    let rx = KvReceiver::start(pool(0), cfg).await.unwrap();
+    let mut idle = Vec::new();
+    for _ in 0..MAX_OPENING_CONNECTIONS + 20 {
+        idle.push(
+            tokio::net::TcpStream::connect(rx.local_addr())
+                .await
+                .unwrap(),
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let refused = rx
+        .metrics()
+        .lanes_refused_total
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(refused >= 20, "refused {refused}");
+    // After the HELLO timeout the slots are free again.
+    let tx = bounded(async {
+        loop {
+            let cfg = SenderConfig::new(rx.local_addr(), 1, hello(Role::Prefill, None));
+            match KvSender::connect(pool(1), cfg).await {
+                Ok(tx) => return tx,
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    })
+    .await;
+    bounded(rx.wait_peer(Some(tx.session_id()))).await;
+    drop(idle);
+}

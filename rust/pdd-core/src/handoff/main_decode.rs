@@ -8,6 +8,7 @@ use super::{
     HandoffTimers,
 };
 use crate::error::{Error, Result};
+use crate::handoff::MAX_HANDOFF_TOKENS;
 use crate::time::Timestamp;
 use crate::wire::{Abort, AbortReason, Frame, Handoff, HandoffAck, Progress};
 
@@ -407,6 +408,27 @@ impl MainSide {
                 "non-final HANDOFF seq {} carries no tokens",
                 h.seq
             )));
+        }
+        // RLD never decodes more than MAX_HANDOFF_TOKENS for a request, so no handoff,
+        // and no request's handoffs together, may carry more: a peer that sends more
+        // is refused for that request (ABORT resource_exhausted) before anything is
+        // delivered to the engine.
+        let handed = u64::from(record.end_position).saturating_sub(u64::from(self.first_position));
+        if h.token_ids.len() > MAX_HANDOFF_TOKENS as usize || handed > u64::from(MAX_HANDOFF_TOKENS)
+        {
+            let error = Error::LimitExceeded {
+                what: format!(
+                    "request {}: a handoff to position {} ({} tokens in this one)",
+                    self.request_id,
+                    record.end_position,
+                    h.token_ids.len()
+                ),
+                limit: u64::from(MAX_HANDOFF_TOKENS),
+            };
+            // Handled, not rejected: the request ends (errors leave a machine
+            // unchanged; this changes it on purpose).
+            self.fail(error, true);
+            return Ok(());
         }
         if let Some(seen) = self.delivered.get(h.seq as usize) {
             // A duplicate (retransmission, or a copy from the old connection): it must
