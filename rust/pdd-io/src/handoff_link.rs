@@ -1793,6 +1793,7 @@ impl HandoffLink<RelaySide> {
                         0,
                         &key,
                         &shared.config.tuning,
+                        None,
                         shared.config.connect_timeout,
                     )
                     .await
@@ -1816,7 +1817,10 @@ impl HandoffLink<RelaySide> {
                 match attempt {
                     Ok(c) => {
                         backoff = shared.config.reconnect_initial;
-                        let stream = Arc::new(c.stream);
+                        let lane::LaneStream::Plain(tcp) = c.stream else {
+                            unreachable!("connected without TLS")
+                        };
+                        let stream = Arc::new(tcp);
                         let (generation, stop) =
                             shared.install(Arc::clone(&stream), &c.agreed, c.session_secret);
                         Arc::clone(&shared).serve(stream, generation, stop).await;

@@ -10,8 +10,21 @@ use pdd_core::wire::handshake::{self, negotiate, AuthBytes, LocalHello, Negotiat
 use pdd_core::wire::{encode_frame, Abort, Frame, FrameHeader, Hello, HEADER_LEN};
 use pdd_core::Error;
 use socket2::SockRef;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
+
+pub use crate::tls::{LaneStream, PeerIdentity, TlsConfig};
+
+/// `local`, offering AEAD integrity when the lane runs inside TLS.
+pub fn with_aead(local: &LocalHello, tls: bool) -> LocalHello {
+    let mut h = local.clone();
+    if tls {
+        h.capabilities |= pdd_core::wire::capability::AEAD;
+    } else {
+        h.capabilities &= !pdd_core::wire::capability::AEAD;
+    }
+    h
+}
 
 /// Socket settings for every lane.
 #[derive(Debug, Clone)]
@@ -56,8 +69,8 @@ fn lost(e: std::io::Error, what: &str) -> Error {
 
 /// Read one whole frame with exact reads (never past its end), bounded by
 /// `max_payload`. `Ok(None)` on a clean EOF before the first byte.
-pub async fn read_frame_exact(
-    stream: &mut TcpStream,
+pub async fn read_frame_exact<S: AsyncRead + Unpin>(
+    stream: &mut S,
     max_payload: u32,
 ) -> Result<Option<Frame>, Error> {
     let mut head = [0u8; HEADER_LEN];
@@ -87,8 +100,8 @@ pub async fn read_frame_exact(
 }
 
 /// Encode and write one frame.
-pub async fn write_frame(
-    stream: &mut TcpStream,
+pub async fn write_frame<S: AsyncWrite + Unpin>(
+    stream: &mut S,
     frame: &Frame,
     max_payload: u32,
 ) -> Result<(), Error> {
@@ -137,8 +150,10 @@ impl std::fmt::Debug for LaneKey {
 /// A lane connected and admitted.
 #[derive(Debug)]
 pub struct Connected {
-    /// The socket.
-    pub stream: TcpStream,
+    /// The byte stream (TLS over the socket where configured).
+    pub stream: LaneStream,
+    /// The acceptor's TLS identity, on a TLS lane.
+    pub peer: Option<PeerIdentity>,
     /// What both sides agreed.
     pub agreed: Negotiated,
     /// The session's secret: derived by this exchange for a [`LaneKey::Root`] lane,
@@ -164,6 +179,7 @@ fn unexpected(frame: &Frame, wanted: &str) -> Error {
 /// Connect lane `lane` of session `session_id`, exchange HELLO and AUTH (both sides
 /// prove `key`), all within `timeout`. Fails with `auth_failed` before sending our
 /// proof if the acceptor cannot prove the key: we never talk on to an impostor.
+#[allow(clippy::too_many_arguments)]
 pub async fn connect(
     addr: SocketAddr,
     local: &LocalHello,
@@ -171,13 +187,24 @@ pub async fn connect(
     lane: u16,
     key: &LaneKey,
     tuning: &SocketTuning,
+    tls: Option<&TlsConfig>,
     timeout: Duration,
 ) -> Result<Connected, Error> {
     let attempt = async {
-        let mut stream = TcpStream::connect(addr)
+        let tcp = TcpStream::connect(addr)
             .await
             .map_err(|e| lost(e, &format!("connect to {addr}")))?;
-        tune(&stream, tuning, true);
+        tune(&tcp, tuning, true);
+        // On TLS the acceptor proves its certificate first, then both prove the
+        // secret inside it; AEAD is offered only there.
+        let (mut stream, peer) = match tls {
+            Some(t) => {
+                let (s, id) = t.connect(tcp).await?;
+                (s, Some(id))
+            }
+            None => (LaneStream::Plain(tcp), None),
+        };
+        let local = &with_aead(local, stream.is_tls());
         let offer = local.offer(
             session_id,
             lane,
@@ -216,6 +243,7 @@ pub async fn connect(
         };
         if lane > 0 {
             stream
+                .tcp()
                 .set_nodelay(false)
                 .map_err(|e| lost(e, "setsockopt"))?;
         }
@@ -225,6 +253,7 @@ pub async fn connect(
         };
         Ok(Connected {
             stream,
+            peer,
             agreed,
             session_secret,
         })
@@ -249,8 +278,8 @@ pub struct Offered {
 /// [`authenticate`] (a session-opening lane with the root secret, a RESUME lane with
 /// `session`'s secret, refused when `session` is `None`), then [`answer_hello`].
 /// Returns what was agreed and the session secret (derived, or `session`'s).
-pub async fn accept(
-    stream: &mut TcpStream,
+pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
     local: &LocalHello,
     session: Option<&AuthBytes>,
     timeout: Duration,
@@ -280,8 +309,8 @@ pub async fn accept(
 /// [`authenticate`], then admits the lane and calls [`answer_hello`]. A connector
 /// must never get a HELLO reply for a lane the acceptor is not ready to serve: it
 /// starts using the lane as soon as the reply arrives.
-pub async fn read_hello(
-    stream: &mut TcpStream,
+pub async fn read_hello<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
     local: &LocalHello,
     timeout: Duration,
 ) -> Result<Offered, Error> {
@@ -329,8 +358,8 @@ pub async fn read_hello(
 /// lane names no session we could key it with: the peer gets an ABORT saying why.
 /// Returns the session secret this exchange derives from the root secret (what a
 /// session-opening lane's session is keyed with from now on).
-pub async fn authenticate(
-    stream: &mut TcpStream,
+pub async fn authenticate<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
     local: &LocalHello,
     offered: &Offered,
     key: Result<&[u8], Error>,
@@ -373,8 +402,8 @@ pub async fn authenticate(
 /// Last step of the accept side, within `timeout`: answer a negotiated,
 /// authenticated HELLO with our HELLO when `admitted` is `Ok`, else with an ABORT
 /// saying why (and return that error).
-pub async fn answer_hello(
-    stream: &mut TcpStream,
+pub async fn answer_hello<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
     local: &LocalHello,
     agreed: &Negotiated,
     admitted: Result<(), Error>,
@@ -389,9 +418,6 @@ pub async fn answer_hello(
                     agreed.peer_max_payload,
                 )
                 .await?;
-                if agreed.lane > 0 {
-                    let _ = stream.set_nodelay(false);
-                }
                 Ok(())
             }
             Err(err) => {
@@ -407,7 +433,11 @@ pub async fn answer_hello(
 /// is shut down and whatever the peer had already sent is drained for a moment
 /// (closing with unread bytes would make the kernel send a reset, which can
 /// overtake the ABORT).
-async fn abort_gracefully(stream: &mut TcpStream, err: &Error, max_payload: u32) {
+async fn abort_gracefully<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    err: &Error,
+    max_payload: u32,
+) {
     let _ = write_frame(stream, &abort_for(err), max_payload).await;
     let _ = stream.shutdown().await;
     let drain = async {
@@ -536,11 +566,9 @@ impl ControlTx {
 /// every `heartbeat` (with the kernel's RTT sampled into `metrics`), until `cancel`
 /// (then it flushes what is queued, an ABORT saying why included, for at most
 /// 200 ms) or the queue closes. `Err` carries why a write failed.
-pub async fn control_writer(
-    mut writer: tokio_util::codec::FramedWrite<
-        tokio::net::tcp::OwnedWriteHalf,
-        crate::codec::WireCodec,
-    >,
+pub async fn control_writer<W: AsyncWrite + Unpin>(
+    mut writer: tokio_util::codec::FramedWrite<W, crate::codec::WireCodec>,
+    socket: std::os::fd::RawFd,
     mut outgoing: ControlRx,
     cancel: tokio_util::sync::CancellationToken,
     heartbeat: Duration,
@@ -578,7 +606,7 @@ pub async fn control_writer(
             _ = tick.tick() => {
                 nonce += 1;
                 crate::metrics::Metrics::add(&metrics.pings_sent_total, 1);
-                if let Some(s) = tcp_stats(writer.get_ref().as_ref()) {
+                if let Some(s) = tcp_stats_fd(socket) {
                     crate::metrics::Metrics::set(&metrics.tcp_rtt_us, u64::from(s.rtt_us));
                 }
                 (Frame::Ping(pdd_core::wire::Ping { nonce, sent_at_ns: now_ns() }), false)
@@ -618,7 +646,12 @@ pub struct TcpStats {
 #[cfg(target_os = "linux")]
 pub fn tcp_stats(stream: &TcpStream) -> Option<TcpStats> {
     use std::os::fd::AsRawFd;
-    let fd = stream.as_raw_fd();
+    tcp_stats_fd(stream.as_raw_fd())
+}
+
+/// [`tcp_stats`] of a socket by its descriptor (which must stay open meanwhile).
+#[cfg(target_os = "linux")]
+pub fn tcp_stats_fd(fd: std::os::fd::RawFd) -> Option<TcpStats> {
     // SAFETY: tcp_info is plain old data; all-zero is a valid value.
     let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
@@ -647,6 +680,12 @@ pub fn tcp_stats(stream: &TcpStream) -> Option<TcpStats> {
 /// Read TCP_INFO for a socket; `None` where the kernel does not provide it.
 #[cfg(not(target_os = "linux"))]
 pub fn tcp_stats(_stream: &TcpStream) -> Option<TcpStats> {
+    None
+}
+
+/// [`tcp_stats`] of a socket by its descriptor; `None` off Linux.
+#[cfg(not(target_os = "linux"))]
+pub fn tcp_stats_fd(_fd: std::os::fd::RawFd) -> Option<TcpStats> {
     None
 }
 

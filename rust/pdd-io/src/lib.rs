@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod pool;
 pub mod receiver;
 pub mod sender;
+pub mod tls;
 pub mod wanem;
 
 pub use codec::WireCodec;

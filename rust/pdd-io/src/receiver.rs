@@ -33,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::codec::{CodecError, WireCodec};
-use crate::lane::{self, SocketTuning};
+use crate::lane::{self, LaneStream, SocketTuning, TlsConfig};
 use crate::metrics::Metrics;
 use crate::pool::PagePool;
 
@@ -56,8 +56,10 @@ pub struct ReceiverConfig {
     /// from it (match, lock, lease). Without one, every query matches nothing.
     pub prefix_cache: Option<Arc<Mutex<RadixCache>>>,
     /// Listen on a non-loopback address without a root secret
-    /// (`hello.secret`). Off by default: [`KvReceiver::start`] refuses.
+    /// (`hello.secret`) or TLS. Off by default: [`KvReceiver::start`] refuses.
     pub allow_insecure: bool,
+    /// TLS 1.3 on every lane, peers authenticated by certificate.
+    pub tls: Option<TlsConfig>,
 }
 
 impl ReceiverConfig {
@@ -72,6 +74,7 @@ impl ReceiverConfig {
             dead_after: Duration::from_secs(5),
             prefix_cache: None,
             allow_insecure: false,
+            tls: None,
         }
     }
 }
@@ -156,6 +159,9 @@ struct Session {
     /// The secret the session's opening exchange derived: every data lane and
     /// every resumption must prove it.
     secret: AuthBytes,
+    /// The TLS identity (leaf certificate hash) that opened it: every lane of the
+    /// session must come from it too.
+    identity: Option<[u8; 32]>,
     control: lane::ControlTx,
     cancel: CancellationToken,
     peer_addr: SocketAddr,
@@ -227,7 +233,11 @@ pub struct KvReceiver {
 impl KvReceiver {
     /// Bind and start accepting on the current tokio runtime.
     pub async fn start(pool: Arc<PagePool>, cfg: ReceiverConfig) -> Result<KvReceiver, Error> {
-        lane::check_exposure(cfg.listen, &cfg.hello, cfg.allow_insecure)?;
+        lane::check_exposure(
+            cfg.listen,
+            &cfg.hello,
+            cfg.allow_insecure || cfg.tls.is_some(),
+        )?;
         let listener = TcpListener::bind(cfg.listen)
             .await
             .map_err(|e| Error::ConnectionLost {
@@ -744,21 +754,40 @@ fn fail_session_transfers(
     apply(shared, events);
 }
 
-async fn handle_connection(shared: Arc<Shared>, mut stream: TcpStream, peer_addr: SocketAddr) {
-    lane::tune(&stream, &shared.cfg.tuning, true);
-    let hello = &shared.cfg.hello;
+async fn handle_connection(shared: Arc<Shared>, tcp: TcpStream, peer_addr: SocketAddr) {
+    lane::tune(&tcp, &shared.cfg.tuning, true);
+    let hello = &lane::with_aead(&shared.cfg.hello, shared.cfg.tls.is_some());
     let timeout = shared.cfg.hello_timeout;
     // Not answered yet: each kind of lane answers once it is ready to be used.
     let opening = async {
+        // TLS first where configured: the peer's certificate is checked before any
+        // byte of ours is parsed, and its identity binds the session.
+        let (mut stream, identity) = match &shared.cfg.tls {
+            Some(tls) => {
+                let (s, id) = tokio::time::timeout(timeout, tls.accept(tcp))
+                    .await
+                    .map_err(|_| Error::DeadlineExceeded {
+                        what: "TLS handshake of a connecting peer".into(),
+                    })??;
+                (s, Some(id.fingerprint))
+            }
+            None => (LaneStream::Plain(tcp), None),
+        };
         let offered = lane::read_hello(&mut stream, hello, timeout).await?;
         let (id, resume) = (offered.agreed.session_id, offered.agreed.resume);
         // The key the lane must prove: the root secret to open a session whose id is
         // free; the live session's own secret to join or resume it.
         let (live, sessions) = {
             let sessions = lock(&shared.sessions);
-            (sessions.get(&id).map(|s| s.secret), sessions.len())
+            let live = sessions.get(&id).map(|s| (s.secret, s.identity));
+            (live, sessions.len())
         };
+        let other_identity = live.is_some_and(|(_, owner)| owner != identity);
+        let live = live.map(|(secret, _)| secret);
         let key: Result<&[u8], Error> = match (resume, &live) {
+            (_, Some(_)) if other_identity => Err(Error::AuthFailed {
+                detail: "that session belongs to another TLS identity",
+            }),
             (false, None) if sessions >= MAX_SESSIONS => Err(Error::LimitExceeded {
                 what: "sessions on this receiver".into(),
                 limit: MAX_SESSIONS as u64,
@@ -779,14 +808,14 @@ async fn handle_connection(shared: Arc<Shared>, mut stream: TcpStream, peer_addr
             }),
         };
         let derived = lane::authenticate(&mut stream, hello, &offered, key, timeout).await?;
-        Ok::<_, Error>((offered.agreed, live.unwrap_or(derived)))
+        Ok::<_, Error>((stream, identity, offered.agreed, live.unwrap_or(derived)))
     };
     let opened = tokio::select! {
         _ = shared.cancel.cancelled() => None,
         r = opening => Some(r),
     };
     shared.opening.fetch_sub(1, Ordering::Relaxed);
-    let (agreed, secret) = match opened {
+    let (stream, identity, agreed, secret) = match opened {
         None => return,
         Some(Ok(a)) => a,
         Some(Err(_)) => {
@@ -795,7 +824,7 @@ async fn handle_connection(shared: Arc<Shared>, mut stream: TcpStream, peer_addr
         }
     };
     if agreed.lane == 0 {
-        control_session(shared, stream, agreed, secret, peer_addr).await;
+        control_session(shared, stream, agreed, secret, identity, peer_addr).await;
     } else {
         data_lane(shared, stream, agreed, secret).await;
     }
@@ -810,9 +839,10 @@ fn now_ns() -> u64 {
 
 async fn control_session(
     shared: Arc<Shared>,
-    mut stream: TcpStream,
+    mut stream: LaneStream,
     agreed: pdd_core::wire::handshake::Negotiated,
     secret: AuthBytes,
+    identity: Option<[u8; 32]>,
     peer_addr: SocketAddr,
 ) {
     let session_id = agreed.session_id;
@@ -836,6 +866,7 @@ async fn control_session(
                 Session {
                     generation,
                     secret,
+                    identity,
                     control: tx.clone(),
                     cancel: cancel.clone(),
                     peer_addr,
@@ -880,7 +911,11 @@ async fn control_session(
         return;
     }
 
-    let (rd, wr) = stream.into_split();
+    let socket = {
+        use std::os::fd::AsRawFd;
+        stream.tcp().as_raw_fd()
+    };
+    let (rd, wr) = tokio::io::split(stream);
     let mut reader = FramedRead::new(
         rd,
         WireCodec::new(shared.cfg.hello.max_payload, agreed.peer_max_payload),
@@ -895,6 +930,7 @@ async fn control_session(
     let writer_task = tokio::spawn(async move {
         let outcome = lane::control_writer(
             writer,
+            socket,
             rx,
             writer_cancel.clone(),
             shared_heartbeat,
@@ -1100,7 +1136,7 @@ impl Drop for BlockGuard<'_> {
 
 async fn data_lane(
     shared: Arc<Shared>,
-    mut stream: TcpStream,
+    mut stream: LaneStream,
     agreed: pdd_core::wire::handshake::Negotiated,
     secret: AuthBytes,
 ) {
@@ -1157,12 +1193,15 @@ async fn data_lane(
         return;
     };
     let _counted = counted;
+    let _ = stream.tcp().set_nodelay(false);
+    // Inside TLS the AEAD authenticates every byte; the blocks then carry no CRC.
+    let aead = agreed.capabilities & pdd_core::wire::capability::AEAD != 0;
     let max_payload = shared.cfg.hello.max_payload;
     let mut scratch = vec![0u8; 64 << 10];
     loop {
         let r = tokio::select! {
             _ = cancel.cancelled() => return,
-            r = read_block(&shared, owner, &mut stream, max_payload, &mut scratch) => r,
+            r = read_block(&shared, owner, aead, &mut stream, max_payload, &mut scratch) => r,
         };
         match r {
             Ok(true) => {}
@@ -1182,10 +1221,12 @@ async fn data_lane(
 }
 
 /// Read one KV_PAGES block into its pages. `Ok(false)` on a clean EOF between blocks.
+#[allow(clippy::too_many_arguments)]
 async fn read_block(
     shared: &Shared,
     owner: u64,
-    stream: &mut TcpStream,
+    aead: bool,
+    stream: &mut LaneStream,
     max_payload: u32,
     scratch: &mut [u8],
 ) -> Result<bool, Error> {
@@ -1274,11 +1315,13 @@ async fn read_block(
                     detail: "data lane failed mid-block".into(),
                 });
             }
-            for p in &pages {
-                crc = lane::crc32c_append(crc, p);
+            if !aead {
+                for p in &pages {
+                    crc = lane::crc32c_append(crc, p);
+                }
             }
             drop(pages);
-            if crc != header.crc {
+            if !aead && crc != header.crc {
                 Metrics::add(&shared.metrics.checksum_failures_total, 1);
                 guard.finish(Err(Error::ChecksumMismatch {
                     expected: header.crc,
@@ -1297,10 +1340,27 @@ async fn read_block(
 
 /// Fill every page completely, with vectored reads straight into them.
 async fn read_into_pages(
-    stream: &mut TcpStream,
+    stream: &mut LaneStream,
     pages: &mut [&mut [u8]],
     stall: Duration,
 ) -> std::io::Result<()> {
+    let stream = match stream {
+        LaneStream::Plain(s) => s,
+        tls => {
+            // TLS decrypts record by record into each page in turn.
+            for page in pages.iter_mut() {
+                tokio::time::timeout(stall, tls.read_exact(page))
+                    .await
+                    .map_err(|_| {
+                        std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            format!("stalled mid-block: no byte for {stall:?}"),
+                        )
+                    })??;
+            }
+            return Ok(());
+        }
+    };
     // At most this many iovecs per readv (IOV_MAX is 1024 on Linux).
     const BATCH: usize = 256;
     for batch in pages.chunks_mut(BATCH) {

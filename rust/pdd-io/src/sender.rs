@@ -24,13 +24,12 @@ use pdd_core::wire::{
 use pdd_core::wire::{PrefixQuery, PrefixReply};
 use pdd_core::Error;
 use tokio::io::AsyncWriteExt;
-use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::codec::{FramedRead, FramedWrite};
 use tokio_util::sync::CancellationToken;
 
 use crate::codec::{CodecError, WireCodec};
-use crate::lane::{self, LaneKey, SocketTuning};
+use crate::lane::{self, LaneKey, LaneStream, SocketTuning, TlsConfig};
 use crate::metrics::Metrics;
 use crate::pool::PagePool;
 
@@ -57,6 +56,8 @@ pub struct SenderConfig {
     pub max_block_bytes: u32,
     /// Blocks queued per lane before `send_layer` waits.
     pub lane_queue: usize,
+    /// TLS 1.3 on every lane (the receiver must prove its certificate).
+    pub tls: Option<TlsConfig>,
 }
 
 impl SenderConfig {
@@ -73,6 +74,7 @@ impl SenderConfig {
             dead_after: Duration::from_secs(5),
             max_block_bytes: 1 << 20,
             lane_queue: 64,
+            tls: None,
         }
     }
 }
@@ -368,6 +370,7 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
             lane_no,
             &key,
             &cfg.tuning,
+            cfg.tls.as_ref(),
             cfg.connect_timeout,
         )
         .await
@@ -390,7 +393,9 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
     let mut data_streams = Vec::with_capacity(usize::from(cfg.lanes));
     for lane_no in 1..=cfg.lanes {
         let lane = open(LaneKey::Session(control.session_secret), lane_no).await?;
-        data_streams.push(lane.stream);
+        // Inside TLS (both offered AEAD) the blocks carry no CRC32C.
+        let aead = lane.agreed.capabilities & pdd_core::wire::capability::AEAD != 0;
+        data_streams.push((lane.stream, aead));
     }
     let cancel = shared.cancel.child_token();
     let (control_tx, control_rx) =
@@ -410,9 +415,19 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
         peer_max_payload: agreed.peer_max_payload,
         death: Mutex::new(None),
     });
-    for (stream, rx) in data_streams.into_iter().zip(lane_rxs) {
-        let (rd, wr) = stream.into_split();
-        tokio::spawn(lane_writer(shared.clone(), conn.clone(), rd, wr, rx));
+    for ((stream, aead), rx) in data_streams.into_iter().zip(lane_rxs) {
+        let (shared, conn) = (shared.clone(), conn.clone());
+        match stream {
+            // Plain TCP keeps the lock-free owned halves (writev straight from the pool).
+            LaneStream::Plain(tcp) => {
+                let (rd, wr) = tcp.into_split();
+                tokio::spawn(lane_writer(shared, conn, rd, wr, rx, aead));
+            }
+            tls => {
+                let (rd, wr) = tokio::io::split(tls);
+                tokio::spawn(lane_writer(shared, conn, rd, wr, rx, aead));
+            }
+        }
     }
     tokio::spawn(control_loop(
         shared.clone(),
@@ -438,11 +453,15 @@ fn kill(conn: &Conn, error: Error) {
 async fn control_loop(
     shared: Arc<Shared>,
     conn: Arc<Conn>,
-    stream: tokio::net::TcpStream,
+    stream: LaneStream,
     outgoing: lane::ControlRx,
 ) {
     let max = shared.cfg.hello.max_payload;
-    let (rd, wr) = stream.into_split();
+    let socket = {
+        use std::os::fd::AsRawFd;
+        stream.tcp().as_raw_fd()
+    };
+    let (rd, wr) = tokio::io::split(stream);
     let mut reader = FramedRead::new(rd, WireCodec::new(max, conn.peer_max_payload));
     let writer = FramedWrite::new(wr, WireCodec::new(max, conn.peer_max_payload));
     let writer_conn = conn.clone();
@@ -450,6 +469,7 @@ async fn control_loop(
     let writer = tokio::spawn(async move {
         let outcome = lane::control_writer(
             writer,
+            socket,
             outgoing,
             writer_conn.cancel.clone(),
             heartbeat,
@@ -558,13 +578,17 @@ async fn control_loop(
     fail_outbound(&shared, &reason, None);
 }
 
-async fn lane_writer(
+async fn lane_writer<R, W>(
     shared: Arc<Shared>,
     conn: Arc<Conn>,
-    mut rd: tokio::net::tcp::OwnedReadHalf,
-    mut wr: OwnedWriteHalf,
+    mut rd: R,
+    mut wr: W,
     mut jobs: mpsc::Receiver<Job>,
-) {
+    aead: bool,
+) where
+    R: tokio::io::AsyncRead + Unpin,
+    W: tokio::io::AsyncWrite + Unpin,
+{
     let stall = shared.cfg.dead_after;
     loop {
         let job = tokio::select! {
@@ -579,7 +603,7 @@ async fn lane_writer(
                 return;
             }
         };
-        if let Err(e) = write_block(&shared.pool, &mut wr, &job, stall).await {
+        if let Err(e) = write_block(&shared.pool, &mut wr, &job, stall, aead).await {
             // A receiver that ends the session closes its data lanes and says why on
             // the control lane; a write here can fail (EPIPE, reset) before that
             // ABORT is read. Give the control lane a moment so the engine gets the
@@ -596,7 +620,7 @@ async fn lane_writer(
 
 /// Resolves when a data lane's read side shows its end: EOF, a reset, or bytes the
 /// receiver should never have sent.
-async fn lane_closed(rd: &mut tokio::net::tcp::OwnedReadHalf) -> Error {
+async fn lane_closed<R: tokio::io::AsyncRead + Unpin>(rd: &mut R) -> Error {
     use tokio::io::AsyncReadExt;
     let mut byte = [0u8; 1];
     let detail = match rd.read(&mut byte).await {
@@ -610,11 +634,12 @@ async fn lane_closed(rd: &mut tokio::net::tcp::OwnedReadHalf) -> Error {
 /// Write one block; each write must make progress within `stall` (a lane whose
 /// bytes stopped moving, while the control lane may look healthy, ends the session
 /// rather than holding the transfer forever).
-async fn write_block(
+async fn write_block<W: tokio::io::AsyncWrite + Unpin>(
     pool: &PagePool,
-    wr: &mut OwnedWriteHalf,
+    wr: &mut W,
     job: &Job,
     stall: Duration,
+    aead: bool,
 ) -> Result<(), Error> {
     let mut pages: Vec<&[u8]> = Vec::with_capacity(job.src.len());
     for &(layer, page) in &job.src {
@@ -631,13 +656,16 @@ async fn write_block(
         payload_len,
         crc: 0,
     };
-    // What `FrameHeader::compute_crc` does, with the faster CRC32C over the pages.
-    let mut crc = crc32c::crc32c(&header.to_bytes()[..12]);
-    crc = lane::crc32c_append(crc, &fixed);
-    for p in &pages {
-        crc = lane::crc32c_append(crc, p);
+    // What `FrameHeader::compute_crc` does, with the faster CRC32C over the pages;
+    // inside TLS (AEAD negotiated) the CRC is 0 and nobody computes it.
+    if !aead {
+        let mut crc = crc32c::crc32c(&header.to_bytes()[..12]);
+        crc = lane::crc32c_append(crc, &fixed);
+        for p in &pages {
+            crc = lane::crc32c_append(crc, p);
+        }
+        header.crc = crc;
     }
-    header.crc = crc;
     let mut head = [0u8; HEADER_LEN + KV_PAGES_FIXED_LEN];
     head[..HEADER_LEN].copy_from_slice(&header.to_bytes());
     head[HEADER_LEN..].copy_from_slice(&fixed);

@@ -487,6 +487,7 @@ async fn a_peer_without_the_handoff_capability_is_refused_at_hello() {
         0,
         &lane::LaneKey::Root,
         &lane::SocketTuning::default(),
+        None,
         Duration::from_secs(5),
     )
     .await

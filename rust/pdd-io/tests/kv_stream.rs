@@ -215,13 +215,14 @@ async fn a_block_outside_the_grant_aborts_the_session() {
         0,
         &LaneKey::Root,
         &tuning,
+        None,
         BOUND,
     )
     .await
     .unwrap();
     let mut control = opened.stream;
     let key = LaneKey::Session(opened.session_secret);
-    let mut data = lane::connect(rx.local_addr(), &hello, 77, 1, &key, &tuning, BOUND)
+    let mut data = lane::connect(rx.local_addr(), &hello, 77, 1, &key, &tuning, None, BOUND)
         .await
         .unwrap()
         .stream;
@@ -618,11 +619,30 @@ async fn a_data_lane_right_after_its_control_lane_is_always_admitted() {
     let mut lanes = Vec::new();
     for session in 1..=100u64 {
         let root = LaneKey::Root;
-        let opened = lane::connect(rx.local_addr(), &hello, session, 0, &root, &tuning, BOUND)
-            .await
-            .unwrap();
+        let opened = lane::connect(
+            rx.local_addr(),
+            &hello,
+            session,
+            0,
+            &root,
+            &tuning,
+            None,
+            BOUND,
+        )
+        .await
+        .unwrap();
         let (control, key) = (opened.stream, LaneKey::Session(opened.session_secret));
-        let data = lane::connect(rx.local_addr(), &hello, session, 1, &key, &tuning, BOUND).await;
+        let data = lane::connect(
+            rx.local_addr(),
+            &hello,
+            session,
+            1,
+            &key,
+            &tuning,
+            None,
+            BOUND,
+        )
+        .await;
         let data = data
             .unwrap_or_else(|e| panic!("session {session}: {e:?}"))
             .stream;
@@ -633,7 +653,7 @@ async fn a_data_lane_right_after_its_control_lane_is_always_admitted() {
     // An admitted data lane hears nothing from the receiver: no ABORT, no close.
     for (session, _control, data) in &lanes {
         let mut byte = [0u8; 1];
-        match data.try_read(&mut byte) {
+        match data.tcp().try_read(&mut byte) {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             other => panic!("session {session}: data lane got {other:?} after HELLO"),
         }
@@ -651,6 +671,7 @@ async fn a_data_lane_without_a_session_is_refused_at_hello() {
         1,
         &LaneKey::Session([7; 32]),
         &SocketTuning::default(),
+        None,
         BOUND,
     )
     .await

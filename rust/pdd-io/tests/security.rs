@@ -10,7 +10,7 @@ use bytes::Bytes;
 use pdd_core::wire::handshake::LocalHello;
 use pdd_core::wire::{capability, Frame, KvDone, KvPages, Role};
 use pdd_core::Error;
-use pdd_io::lane::{self, LaneKey, SocketTuning};
+use pdd_io::lane::{self, LaneKey, LaneStream, SocketTuning};
 use pdd_io::pool::{MemoryRegion, PagePool};
 use pdd_io::receiver::{KvReceiver, ReceiverConfig};
 use pdd_io::sender::{KvSender, SenderConfig};
@@ -59,14 +59,14 @@ async fn intruder(
     rx: &KvReceiver,
     id: u64,
     secret: Option<&'static [u8]>,
-) -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+) -> (LaneStream, LaneStream) {
     let h = hello(Role::Prefill, secret);
     let t = SocketTuning::default();
-    let c = lane::connect(rx.local_addr(), &h, id, 0, &LaneKey::Root, &t, BOUND)
+    let c = lane::connect(rx.local_addr(), &h, id, 0, &LaneKey::Root, &t, None, BOUND)
         .await
         .unwrap();
     let key = LaneKey::Session(c.session_secret);
-    let d = lane::connect(rx.local_addr(), &h, id, 1, &key, &t, BOUND)
+    let d = lane::connect(rx.local_addr(), &h, id, 1, &key, &t, None, BOUND)
         .await
         .unwrap();
     (c.stream, d.stream)
@@ -154,7 +154,7 @@ async fn a_live_session_cannot_be_taken_over_or_joined() {
         (1, LaneKey::Session([1; 32])),
     ];
     for (lane_no, key) in attempts {
-        let err = lane::connect(rx.local_addr(), &h, 5, lane_no, &key, &t, BOUND)
+        let err = lane::connect(rx.local_addr(), &h, 5, lane_no, &key, &t, None, BOUND)
             .await
             .unwrap_err();
         // Refused by the receiver (an ABORT), or the receiver's proof did not match
@@ -267,7 +267,7 @@ async fn an_open_listener_needs_a_secret_or_an_explicit_insecure() {
 
 /// Write PINGs and never read: until the peer drops us (a write fails) or `max`
 /// frames went out, each write bounded. Returns (frames written, dropped).
-async fn flood_pings(stream: &mut tokio::net::TcpStream, max: usize) -> (usize, bool) {
+async fn flood_pings(stream: &mut LaneStream, max: usize) -> (usize, bool) {
     let ping = pdd_core::wire::encode_frame_to_vec(
         &Frame::Ping(pdd_core::wire::Ping {
             nonce: 1,
@@ -306,7 +306,7 @@ async fn a_peer_that_never_reads_its_replies_is_dropped() {
         buffer_bytes: Some(64 << 10),
         ..SocketTuning::default()
     };
-    let mut c = lane::connect(rx.local_addr(), &h, 9, 0, &LaneKey::Root, &t, BOUND)
+    let mut c = lane::connect(rx.local_addr(), &h, 9, 0, &LaneKey::Root, &t, None, BOUND)
         .await
         .unwrap()
         .stream;
@@ -351,6 +351,7 @@ async fn a_handoff_peer_that_never_reads_is_dropped() {
         0,
         &LaneKey::Root,
         &t,
+        None,
         BOUND,
     )
     .await
@@ -383,9 +384,9 @@ async fn quick_receiver() -> KvReceiver {
 
 /// Keep a scripted peer's control lane alive (PINGs) and drain what the receiver
 /// sends, until dropped.
-fn keep_alive(control: tokio::net::TcpStream) -> tokio::task::JoinHandle<()> {
+fn keep_alive(control: LaneStream) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let (mut rd, mut wr) = control.into_split();
+        let (mut rd, mut wr) = tokio::io::split(control);
         let drain = async move {
             let mut sink = [0u8; 4096];
             while matches!(rd.read(&mut sink).await, Ok(n) if n > 0) {}
@@ -503,18 +504,18 @@ async fn data_lanes_per_session_are_bounded() {
     let rx = receiver(None).await;
     let h = hello(Role::Prefill, None);
     let t = SocketTuning::default();
-    let c = lane::connect(rx.local_addr(), &h, 6, 0, &LaneKey::Root, &t, BOUND)
+    let c = lane::connect(rx.local_addr(), &h, 6, 0, &LaneKey::Root, &t, None, BOUND)
         .await
         .unwrap();
     let key = LaneKey::Session(c.session_secret);
     let mut lanes = Vec::new();
     for n in 1..=MAX_LANES_PER_SESSION as u16 {
-        let l = lane::connect(rx.local_addr(), &h, 6, n, &key, &t, BOUND)
+        let l = lane::connect(rx.local_addr(), &h, 6, n, &key, &t, None, BOUND)
             .await
             .unwrap();
         lanes.push(l.stream);
     }
-    let err = lane::connect(rx.local_addr(), &h, 6, 65, &key, &t, BOUND)
+    let err = lane::connect(rx.local_addr(), &h, 6, 65, &key, &t, None, BOUND)
         .await
         .unwrap_err();
     assert!(
@@ -525,7 +526,7 @@ async fn data_lanes_per_session_are_bounded() {
     drop(lanes.pop());
     bounded(async {
         loop {
-            match lane::connect(rx.local_addr(), &h, 6, 66, &key, &t, BOUND).await {
+            match lane::connect(rx.local_addr(), &h, 6, 66, &key, &t, None, BOUND).await {
                 Ok(l) => return l,
                 Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
             }
@@ -573,4 +574,129 @@ async fn half_open_handshakes_are_bounded() {
     .await;
     bounded(rx.wait_peer(Some(tx.session_id()))).await;
     drop(idle);
+}
+
+mod tls {
+    use super::*;
+    use pdd_io::tls::{TestPki, TlsConfig};
+
+    fn names(n: &[&str]) -> Vec<String> {
+        n.iter().map(|s| s.to_string()).collect()
+    }
+
+    async fn tls_receiver(cfg: TlsConfig) -> KvReceiver {
+        let mut rc = ReceiverConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            hello(Role::MainDecode, None),
+        );
+        rc.tls = Some(cfg);
+        KvReceiver::start(pool(0), rc).await.unwrap()
+    }
+
+    async fn tls_sender(rx: &KvReceiver, cfg: TlsConfig) -> Result<KvSender, Error> {
+        let mut sc = SenderConfig::new(rx.local_addr(), 21, hello(Role::Prefill, None));
+        sc.lanes = 2;
+        sc.tls = Some(cfg);
+        KvSender::connect(pool(0x5A), sc).await
+    }
+
+    /// Mutual TLS: the transfer lands byte for byte, without CRCs (AEAD), and the
+    /// peer was checked against the allow-list.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_transfer_over_mutual_tls_lands_verified() {
+        let pki = TestPki::generate(&names(&["md.example", "p1.example"])).unwrap();
+        let rx = tls_receiver(
+            pki.config("md.example", "md.example", &names(&["p1.example"]))
+                .unwrap(),
+        )
+        .await;
+        let tx = tls_sender(&rx, pki.config("p1.example", "md.example", &[]).unwrap())
+            .await
+            .unwrap();
+        bounded(rx.wait_peer(Some(21))).await;
+        let inbound = rx.grant(4, &[2, 5], None, Some(21), None).unwrap();
+        let out = bounded(tx.wait_grant(4)).await.unwrap();
+        for layer in 0..LAYERS {
+            out.send_layer(layer, layer, &[0, 1]).await.unwrap();
+        }
+        out.finish().await.unwrap();
+        bounded(inbound.wait()).await.unwrap();
+        for layer in 0..LAYERS {
+            for page in [2, 5] {
+                assert!(rx
+                    .pool()
+                    .copy_page(layer, page)
+                    .unwrap()
+                    .iter()
+                    .all(|&b| b == 0x5A));
+            }
+        }
+        let m = rx.metrics();
+        assert_eq!(
+            m.checksum_failures_total
+                .load(std::sync::atomic::Ordering::Relaxed),
+            0
+        );
+    }
+
+    /// A certificate from the CA that is not on the allow-list, one from another CA,
+    /// and a plain-TCP sender are all refused before any session exists.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn only_allowed_certificates_get_in() {
+        let pki =
+            TestPki::generate(&names(&["md.example", "p1.example", "other.example"])).unwrap();
+        let rogue = TestPki::generate(&names(&["p1.example"])).unwrap();
+        let rx = tls_receiver(
+            pki.config("md.example", "md.example", &names(&["p1.example"]))
+                .unwrap(),
+        )
+        .await;
+        let not_allowed = pki.config("other.example", "md.example", &[]).unwrap();
+        let err = tls_sender(&rx, not_allowed).await.err().expect("refused");
+        assert!(
+            matches!(
+                err.reason(),
+                "connection_lost" | "auth_failed" | "peer_aborted"
+            ),
+            "{err:?}"
+        );
+        // Another CA: the receiver's certificate does not verify for the rogue, and
+        // the rogue's does not for the receiver.
+        let err = tls_sender(&rx, rogue.config("p1.example", "md.example", &[]).unwrap())
+            .await
+            .err()
+            .expect("refused");
+        assert_eq!(err.reason(), "auth_failed", "{err:?}");
+        let mut plain = SenderConfig::new(rx.local_addr(), 22, hello(Role::Prefill, None));
+        plain.connect_timeout = Duration::from_secs(2);
+        assert!(KvSender::connect(pool(1), plain).await.is_err());
+        assert!(rx.peers().is_empty());
+    }
+
+    /// A sender that expects `md.example` refuses an acceptor that proves another name
+    /// (an impostor with a certificate from the same CA).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_sender_refuses_an_acceptor_with_the_wrong_name() {
+        let pki = TestPki::generate(&names(&["md.example", "p1.example", "evil.example"])).unwrap();
+        let impostor = tls_receiver(pki.config("evil.example", "evil.example", &[]).unwrap()).await;
+        let err = tls_sender(
+            &impostor,
+            pki.config("p1.example", "md.example", &[]).unwrap(),
+        )
+        .await
+        .err()
+        .expect("refused");
+        assert_eq!(err.reason(), "auth_failed", "{err:?}");
+        assert!(impostor.peers().is_empty());
+    }
+
+    #[test]
+    fn bad_pem_is_a_clear_invalid_argument() {
+        let err = TlsConfig::from_pem(b"nope", b"nope", b"nope", "md", &[]).unwrap_err();
+        assert_eq!(err.reason(), "invalid_argument");
+        assert!(err.to_string().contains("TLS configuration"), "{err}");
+        let pki = TestPki::generate(&names(&["a"])).unwrap();
+        let err = pki.config("b", "a", &[]).unwrap_err();
+        assert!(err.to_string().contains("no leaf"), "{err}");
+    }
 }

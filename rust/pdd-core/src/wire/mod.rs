@@ -293,8 +293,12 @@ pub mod capability {
     pub const PREFIX_CACHE: u64 = 1 << 2;
     /// Peer publishes CACHE_EVENTS.
     pub const CACHE_EVENTS: u64 = 1 << 3;
+    /// The lane runs inside TLS, whose AEAD authenticates every byte: when both
+    /// sides offer it, KV_PAGES carry no CRC32C (the header's `crc32c` is 0 and is
+    /// not checked). Offered only on TLS lanes.
+    pub const AEAD: u64 = 1 << 4;
     /// Every bit defined by this build.
-    pub const ALL_KNOWN: u64 = KV_STREAM | HANDOFF | PREFIX_CACHE | CACHE_EVENTS;
+    pub const ALL_KNOWN: u64 = KV_STREAM | HANDOFF | PREFIX_CACHE | CACHE_EVENTS | AEAD;
 }
 
 /// The fixed header in front of every payload.

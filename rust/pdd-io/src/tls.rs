@@ -1,0 +1,379 @@
+//! TLS 1.3 on lanes, both ends authenticated by certificates from one CA.
+//!
+//! A connector checks that the acceptor's certificate names `server_name`; an
+//! acceptor requires a client certificate from the CA and, when `allowed_peers` is
+//! not empty, one that names one of them. The peer's identity (the SHA-256 of its
+//! leaf certificate) binds sessions: a lane that joins or resumes a session must come
+//! from the identity that opened it. Where TLS runs, its AEAD authenticates every
+//! byte, so the per-block CRC32C of KV_PAGES is negotiated off
+//! ([`pdd_core::wire::capability::AEAD`]).
+//!
+//! [`TestPki`] makes a throwaway CA and leaf certificates for tests, benches and the
+//! demo.
+
+use std::io;
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use pdd_core::Error;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use sha2::{Digest, Sha256};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+
+/// TLS settings of an endpoint (both directions: it may connect and accept).
+#[derive(Clone)]
+pub struct TlsConfig {
+    client: Arc<rustls::ClientConfig>,
+    server: Arc<rustls::ServerConfig>,
+    server_name: ServerName<'static>,
+    allowed_peers: Vec<ServerName<'static>>,
+}
+
+impl std::fmt::Debug for TlsConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsConfig")
+            .field("server_name", &self.server_name)
+            .field("allowed_peers", &self.allowed_peers)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Who is at the other end of a TLS lane.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerIdentity {
+    /// SHA-256 of the peer's leaf certificate (DER).
+    pub fingerprint: [u8; 32],
+    /// The allowed name it proved (acceptor side), or the name we asked for
+    /// (connector side).
+    pub name: Option<String>,
+}
+
+fn bad(what: impl std::fmt::Display) -> Error {
+    Error::InvalidArgument(format!("TLS configuration: {what}"))
+}
+
+fn name(s: &str) -> Result<ServerName<'static>, Error> {
+    ServerName::try_from(s.to_owned()).map_err(|e| bad(format!("name '{s}': {e}")))
+}
+
+impl TlsConfig {
+    /// From PEM bytes: our certificate chain and private key, the CA that signs every
+    /// peer, the name an acceptor's certificate must carry, and the names a connecting
+    /// peer's certificate may carry (empty: any the CA signed).
+    pub fn from_pem(
+        cert_chain: &[u8],
+        key: &[u8],
+        ca: &[u8],
+        server_name: &str,
+        allowed_peers: &[String],
+    ) -> Result<TlsConfig, Error> {
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(cert_chain)
+            .collect::<Result<_, _>>()
+            .map_err(|e| bad(format!("certificate chain: {e}")))?;
+        if certs.is_empty() {
+            return Err(bad("the certificate file holds no certificate"));
+        }
+        let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| bad(format!("key: {e}")))?;
+        let mut roots = rustls::RootCertStore::empty();
+        let mut n = 0;
+        for c in CertificateDer::pem_slice_iter(ca) {
+            let c = c.map_err(|e| bad(format!("CA: {e}")))?;
+            roots.add(c).map_err(|e| bad(format!("CA: {e}")))?;
+            n += 1;
+        }
+        if n == 0 {
+            return Err(bad("the CA file holds no certificate"));
+        }
+        let roots = Arc::new(roots);
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let client = rustls::ClientConfig::builder_with_provider(provider.clone())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(bad)?
+            .with_root_certificates(roots.clone())
+            .with_client_auth_cert(certs.clone(), key.clone_key())
+            .map_err(|e| bad(format!("our certificate and key: {e}")))?;
+        let verifier =
+            rustls::server::WebPkiClientVerifier::builder_with_provider(roots, provider.clone())
+                .build()
+                .map_err(|e| bad(format!("client verifier: {e}")))?;
+        let server = rustls::ServerConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(bad)?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(certs, key)
+            .map_err(|e| bad(format!("our certificate and key: {e}")))?;
+        Ok(TlsConfig {
+            client: Arc::new(client),
+            server: Arc::new(server),
+            server_name: name(server_name)?,
+            allowed_peers: allowed_peers
+                .iter()
+                .map(|s| name(s))
+                .collect::<Result<_, _>>()?,
+        })
+    }
+
+    /// [`TlsConfig::from_pem`] from files.
+    pub fn from_files(
+        cert_chain: &Path,
+        key: &Path,
+        ca: &Path,
+        server_name: &str,
+        allowed_peers: &[String],
+    ) -> Result<TlsConfig, Error> {
+        let read = |p: &Path| {
+            std::fs::read(p).map_err(|e| bad(format!("cannot read {}: {e}", p.display())))
+        };
+        TlsConfig::from_pem(
+            &read(cert_chain)?,
+            &read(key)?,
+            &read(ca)?,
+            server_name,
+            allowed_peers,
+        )
+    }
+
+    /// The name acceptors must prove.
+    pub fn server_name(&self) -> String {
+        self.server_name.to_str().into_owned()
+    }
+
+    /// Client handshake on a connected socket: the acceptor must prove
+    /// `server_name` with a certificate from the CA.
+    pub async fn connect(&self, tcp: TcpStream) -> Result<(LaneStream, PeerIdentity), Error> {
+        let connector = tokio_rustls::TlsConnector::from(self.client.clone());
+        let tls = connector
+            .connect(self.server_name.clone(), tcp)
+            .await
+            .map_err(|e| handshake_error("the accepting peer", e))?;
+        let fingerprint = leaf_fingerprint(tls.get_ref().1.peer_certificates())?;
+        Ok((
+            LaneStream::TlsClient(Box::new(tls)),
+            PeerIdentity {
+                fingerprint,
+                name: Some(self.server_name()),
+            },
+        ))
+    }
+
+    /// Server handshake: the peer must present a certificate from the CA that names
+    /// one of `allowed_peers` (any, if that is empty).
+    pub async fn accept(&self, tcp: TcpStream) -> Result<(LaneStream, PeerIdentity), Error> {
+        let acceptor = tokio_rustls::TlsAcceptor::from(self.server.clone());
+        let tls = acceptor
+            .accept(tcp)
+            .await
+            .map_err(|e| handshake_error("the connecting peer", e))?;
+        let certs = tls.get_ref().1.peer_certificates();
+        let fingerprint = leaf_fingerprint(certs)?;
+        let name = self.allowed_name(certs)?;
+        Ok((
+            LaneStream::TlsServer(Box::new(tls)),
+            PeerIdentity { fingerprint, name },
+        ))
+    }
+
+    fn allowed_name(&self, certs: Option<&[CertificateDer<'_>]>) -> Result<Option<String>, Error> {
+        if self.allowed_peers.is_empty() {
+            return Ok(None);
+        }
+        let leaf = certs.and_then(|c| c.first()).ok_or(Error::AuthFailed {
+            detail: "the peer presented no certificate",
+        })?;
+        let cert = webpki::EndEntityCert::try_from(leaf).map_err(|_| Error::AuthFailed {
+            detail: "the peer's certificate does not parse",
+        })?;
+        for allowed in &self.allowed_peers {
+            if cert.verify_is_valid_for_subject_name(allowed).is_ok() {
+                return Ok(Some(allowed.to_str().into_owned()));
+            }
+        }
+        Err(Error::AuthFailed {
+            detail: "the peer's certificate names nobody on the allow-list",
+        })
+    }
+}
+
+fn handshake_error(who: &str, e: io::Error) -> Error {
+    // A certificate or name refused is an authentication failure; anything else (a
+    // reset, a timeout, a peer speaking plain text) is the connection's.
+    let text = e.to_string();
+    if e.kind() == io::ErrorKind::InvalidData
+        && (text.contains("certificate") || text.contains("Certificate"))
+    {
+        Error::AuthFailed {
+            detail: "TLS: a certificate was refused",
+        }
+    } else {
+        Error::ConnectionLost {
+            detail: format!("TLS handshake with {who}: {text}"),
+        }
+    }
+}
+
+fn leaf_fingerprint(certs: Option<&[CertificateDer<'_>]>) -> Result<[u8; 32], Error> {
+    let leaf = certs.and_then(|c| c.first()).ok_or(Error::AuthFailed {
+        detail: "the peer presented no certificate",
+    })?;
+    Ok(Sha256::digest(leaf.as_ref()).into())
+}
+
+/// A lane's byte stream: plain TCP, or TLS over it.
+#[derive(Debug)]
+pub enum LaneStream {
+    /// Plain TCP (integrity from the per-block CRC32C).
+    Plain(TcpStream),
+    /// TLS, we connected.
+    TlsClient(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+    /// TLS, we accepted.
+    TlsServer(Box<tokio_rustls::server::TlsStream<TcpStream>>),
+}
+
+impl LaneStream {
+    /// The TCP socket underneath.
+    pub fn tcp(&self) -> &TcpStream {
+        match self {
+            LaneStream::Plain(s) => s,
+            LaneStream::TlsClient(s) => s.get_ref().0,
+            LaneStream::TlsServer(s) => s.get_ref().0,
+        }
+    }
+
+    /// Whether TLS runs on this lane.
+    pub fn is_tls(&self) -> bool {
+        !matches!(self, LaneStream::Plain(_))
+    }
+}
+
+macro_rules! delegate {
+    ($self:ident, $s:ident => $e:expr) => {
+        match $self.get_mut() {
+            LaneStream::Plain($s) => {
+                let $s = Pin::new($s);
+                $e
+            }
+            LaneStream::TlsClient($s) => {
+                let $s = Pin::new($s.as_mut());
+                $e
+            }
+            LaneStream::TlsServer($s) => {
+                let $s = Pin::new($s.as_mut());
+                $e
+            }
+        }
+    };
+}
+
+impl AsyncRead for LaneStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        delegate!(self, s => s.poll_read(cx, buf))
+    }
+}
+
+impl AsyncWrite for LaneStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        delegate!(self, s => s.poll_write(cx, buf))
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        delegate!(self, s => s.poll_write_vectored(cx, bufs))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        delegate!(self, s => s.poll_flush(cx))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        delegate!(self, s => s.poll_shutdown(cx))
+    }
+}
+
+/// A throwaway certificate authority and leaf certificates signed by it, as PEM: for
+/// tests, benches and demos, never for production.
+#[derive(Debug, Clone)]
+pub struct TestPki {
+    /// The CA certificate.
+    pub ca_pem: String,
+    /// Per name: (certificate chain, private key).
+    pub leaves: Vec<(String, String, String)>,
+}
+
+impl TestPki {
+    /// A CA and one leaf per name (each leaf certificate names itself, for both TLS
+    /// client and server use).
+    pub fn generate(names: &[String]) -> Result<TestPki, Error> {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+        let fail = |e: rcgen::Error| Error::InvalidArgument(format!("test PKI: {e}"));
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).map_err(fail)?;
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, "pdd_transport test CA");
+        ca_params.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::DigitalSignature,
+        ];
+        let ca_key = KeyPair::generate().map_err(fail)?;
+        let ca_cert = ca_params.self_signed(&ca_key).map_err(fail)?;
+        let issuer = Issuer::new(ca_params, ca_key);
+        let mut leaves = Vec::with_capacity(names.len());
+        for n in names {
+            let mut p = CertificateParams::new(vec![n.clone()]).map_err(fail)?;
+            p.distinguished_name.push(DnType::CommonName, n.as_str());
+            p.use_authority_key_identifier_extension = true;
+            p.extended_key_usages = vec![
+                rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+                rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+            ];
+            let key = KeyPair::generate().map_err(fail)?;
+            let cert = p.signed_by(&key, &issuer).map_err(fail)?;
+            leaves.push((n.clone(), cert.pem(), key.serialize_pem()));
+        }
+        Ok(TestPki {
+            ca_pem: ca_cert.pem(),
+            leaves,
+        })
+    }
+
+    /// The TLS configuration of leaf `name`, expecting acceptors to be `server_name`
+    /// and allowing `allowed_peers` to connect.
+    pub fn config(
+        &self,
+        name: &str,
+        server_name: &str,
+        allowed_peers: &[String],
+    ) -> Result<TlsConfig, Error> {
+        let (_, cert, key) = self
+            .leaves
+            .iter()
+            .find(|(n, _, _)| n == name)
+            .ok_or_else(|| Error::InvalidArgument(format!("test PKI has no leaf '{name}'")))?;
+        TlsConfig::from_pem(
+            cert.as_bytes(),
+            key.as_bytes(),
+            self.ca_pem.as_bytes(),
+            server_name,
+            allowed_peers,
+        )
+    }
+}
