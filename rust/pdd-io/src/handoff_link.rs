@@ -781,9 +781,11 @@ pub struct LinkConfig {
     /// Root secret both ends prove they hold (challenge-response; never sent).
     /// `None`: any peer may open the link (insecure; loopback and tests).
     pub secret: Option<bytes::Bytes>,
-    /// MD: listen on a non-loopback address without a secret. Off by default:
+    /// MD: listen on a non-loopback address without a secret or TLS. Off by default:
     /// [`HandoffLink::listen`] refuses.
     pub allow_insecure: bool,
+    /// TLS 1.3 with mutual authentication (both sides' certificates from one CA).
+    pub tls: Option<lane::TlsConfig>,
     /// RLD: HELLO session id (0: a random one).
     pub session_id: u64,
 }
@@ -805,6 +807,7 @@ impl Default for LinkConfig {
             },
             secret: None,
             allow_insecure: false,
+            tls: None,
             session_id: 0,
         }
     }
@@ -985,11 +988,39 @@ struct Rx {
     generation: u64,
     decoder: FrameDecoder,
     buf: BytesMut,
+    /// The connection's TLS state, when it runs TLS (shared with `Conn`).
+    tls: Option<Tls>,
+}
+
+/// A TLS connection driven by hand over the non-blocking socket (rustls is sans-IO),
+/// so engine threads and the I/O task keep reading and writing the socket directly.
+/// Lock order: `rx` or `conn` first, then this; never held while routing frames.
+type Tls = Arc<Mutex<rustls::Connection>>;
+
+/// The socket as `io::Read`/`io::Write` for rustls: non-blocking, `WouldBlock` when
+/// nothing is ready.
+struct Sock<'a>(&'a TcpStream);
+
+impl std::io::Read for Sock<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.0.try_read(buf)
+    }
+}
+
+impl std::io::Write for Sock<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.try_write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// The current connection's send side.
 struct Conn {
     stream: Option<Arc<TcpStream>>,
+    /// TLS state of the current connection, if it runs TLS.
+    tls: Option<Tls>,
     /// Encoded bytes not yet accepted by the socket.
     pending: BytesMut,
     send_max: u32,
@@ -1000,7 +1031,7 @@ struct Conn {
     /// The session this link serves (MD) or holds (RLD): its id and the secret its
     /// opening exchange derived. A reconnect resumes it by proving the secret; while
     /// a connection is live, nobody else may open a new session.
-    session: Option<(u64, AuthBytes)>,
+    session: Option<(u64, AuthBytes, Option<[u8; 32]>)>,
 }
 
 struct Shared<M: HandoffMachine> {
@@ -1118,6 +1149,9 @@ impl<M: HandoffMachine> Shared<M> {
     /// Write as much of the pending bytes as the socket takes now. Returns true when
     /// some are left (the caller must wait for writability).
     fn flush_locked(&self, conn: &mut Conn, stream: &TcpStream) -> bool {
+        if let Some(tls) = conn.tls.clone() {
+            return self.flush_tls(conn, &tls, stream);
+        }
         while !conn.pending.is_empty() {
             match stream.try_write(&conn.pending) {
                 Ok(n) => conn.pending.advance(n),
@@ -1138,6 +1172,43 @@ impl<M: HandoffMachine> Shared<M> {
             }
         }
         false
+    }
+
+    /// [`Shared::flush_locked`] through TLS: plaintext into rustls (bounded by its
+    /// buffer limit), records out to the socket until it would block.
+    fn flush_tls(&self, conn: &mut Conn, tls: &Tls, stream: &TcpStream) -> bool {
+        use std::io::Write;
+        let mut t = lock(tls);
+        let fail = |conn: &mut Conn, detail: String| {
+            conn.last_error = Some(Error::ConnectionLost { detail });
+            conn.pending.clear();
+            if let Some(stop) = &conn.stop {
+                stop.cancel();
+            }
+            false
+        };
+        loop {
+            if !conn.pending.is_empty() {
+                match t.writer().write(&conn.pending) {
+                    Ok(n) => conn.pending.advance(n),
+                    Err(e) => return fail(conn, format!("TLS write: {e}")),
+                }
+            }
+            if !t.wants_write() {
+                if conn.pending.is_empty() {
+                    return false;
+                }
+                continue;
+            }
+            match t.write_tls(&mut Sock(stream)) {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    self.writer_wake.notify_one();
+                    return true;
+                }
+                Err(e) => return fail(conn, format!("write: {e}")),
+            }
+        }
     }
 
     fn send_control(&self, frame: Frame) {
@@ -1183,8 +1254,10 @@ impl<M: HandoffMachine> Shared<M> {
     fn install(
         &self,
         stream: Arc<TcpStream>,
+        tls: Option<Tls>,
         agreed: &Negotiated,
         secret: AuthBytes,
+        identity: Option<[u8; 32]>,
     ) -> (u64, CancellationToken) {
         let stop = self.shutdown.child_token();
         let generation;
@@ -1196,12 +1269,13 @@ impl<M: HandoffMachine> Shared<M> {
                     old.cancel();
                 }
                 conn.stream = Some(stream);
+                conn.tls = tls;
                 conn.pending.clear();
                 conn.send_max = agreed.peer_max_payload;
                 conn.generation += 1;
                 conn.stop = Some(stop.clone());
                 conn.last_error = None;
-                conn.session = Some((agreed.session_id, secret));
+                conn.session = Some((agreed.session_id, secret, identity));
                 generation = conn.generation;
             }
             let mut out = Outbox::default();
@@ -1225,6 +1299,7 @@ impl<M: HandoffMachine> Shared<M> {
             return; // already replaced
         }
         conn.stream = None;
+        conn.tls = None;
         conn.pending.clear();
         conn.stop = None;
         if error.is_some() {
@@ -1245,11 +1320,22 @@ impl<M: HandoffMachine> Shared<M> {
         generation: u64,
         stop: CancellationToken,
     ) {
-        {
+        let pending_plaintext = {
             let mut rx = lock(&self.rx);
             rx.generation = generation;
             rx.decoder = FrameDecoder::new(DEFAULT_MAX_PAYLOAD);
             rx.buf = BytesMut::with_capacity(64 << 10);
+            rx.tls = lock(&self.conn).tls.clone();
+            // What TLS already decrypted during the handshake never shows up as
+            // socket readiness: route it now.
+            match rx.tls.is_some() {
+                true => self.read_available(&mut rx, &stream).err(),
+                false => None,
+            }
+        };
+        if let Some(e) = pending_plaintext {
+            self.uninstall(generation, Some(e));
+            return;
         }
         self.last_rx_ns
             .store(self.now().as_nanos(), Ordering::Relaxed);
@@ -1357,7 +1443,11 @@ impl<M: HandoffMachine> Shared<M> {
     /// An error means the connection is lost (closed, reset, or its framing broken;
     /// the peer has been sent an ABORT saying why in the last case).
     fn read_available(&self, rx: &mut Rx, stream: &TcpStream) -> Result<bool> {
-        match stream.try_read_buf(&mut rx.buf) {
+        let got = match rx.tls.clone() {
+            None => stream.try_read_buf(&mut rx.buf),
+            Some(tls) => self.read_tls(&tls, &mut rx.buf, stream),
+        };
+        match got {
             Ok(0) => Err(Error::ConnectionLost {
                 detail: "closed by the peer".into(),
             }),
@@ -1388,6 +1478,44 @@ impl<M: HandoffMachine> Shared<M> {
                 detail: format!("read: {e}"),
             }),
         }
+    }
+
+    /// Ciphertext from the socket into rustls, plaintext out into `buf`: like
+    /// `try_read_buf`, `Ok(0)` at the end of the stream and `WouldBlock` when nothing
+    /// (plain) came. Records rustls must answer are flushed on the next write.
+    fn read_tls(
+        &self,
+        tls: &Tls,
+        buf: &mut BytesMut,
+        stream: &TcpStream,
+    ) -> std::io::Result<usize> {
+        use std::io::Read;
+        let mut t = lock(tls);
+        let mut eof = false;
+        match t.read_tls(&mut Sock(stream)) {
+            Ok(0) => eof = true,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+        let state = t
+            .process_new_packets()
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+        let want = state.plaintext_bytes_to_read();
+        if want > 0 {
+            let start = buf.len();
+            buf.resize(start + want, 0);
+            let n = t.reader().read(&mut buf[start..])?;
+            buf.truncate(start + n);
+            if t.wants_write() {
+                self.writer_wake.notify_one();
+            }
+            return Ok(n);
+        }
+        if eof || state.peer_has_closed() {
+            return Ok(0);
+        }
+        Err(std::io::ErrorKind::WouldBlock.into())
     }
 
     /// Read and route what the current connection has waiting, on the calling
@@ -1544,8 +1672,10 @@ impl<M: HandoffMachine> HandoffLink<M> {
                 stop: None,
                 last_error: None,
                 session: None,
+                tls: None,
             }),
             rx: Mutex::new(Rx {
+                tls: None,
                 generation: 0,
                 decoder: FrameDecoder::new(DEFAULT_MAX_PAYLOAD),
                 buf: BytesMut::new(),
@@ -1754,6 +1884,28 @@ fn hello(role: Role, peer: Role, config: &LinkConfig) -> LocalHello {
     h
 }
 
+/// The socket and, on TLS, rustls's connection state (any plaintext it already
+/// decrypted stays in it and is read first), for the link's own non-blocking I/O.
+fn split_stream(stream: lane::LaneStream) -> (TcpStream, Option<Tls>) {
+    match stream {
+        lane::LaneStream::Plain(tcp) => (tcp, None),
+        lane::LaneStream::TlsClient(t) => {
+            let (tcp, c) = t.into_inner();
+            (tcp, Some(tls_state(c.into())))
+        }
+        lane::LaneStream::TlsServer(t) => {
+            let (tcp, c) = t.into_inner();
+            (tcp, Some(tls_state(c.into())))
+        }
+    }
+}
+
+fn tls_state(mut c: rustls::Connection) -> Tls {
+    // Bounds what a peer that stops reading can make rustls buffer for it.
+    c.set_buffer_limit(Some(MAX_UNWRITTEN_BYTES));
+    Arc::new(Mutex::new(c))
+}
+
 fn check_capability(agreed: &Negotiated) -> Result<()> {
     if agreed.capabilities & capability::HANDOFF == 0 {
         return Err(Error::ConnectionLost {
@@ -1793,7 +1945,7 @@ impl HandoffLink<RelaySide> {
                         0,
                         &key,
                         &shared.config.tuning,
-                        None,
+                        shared.config.tls.as_ref(),
                         shared.config.connect_timeout,
                     )
                     .await
@@ -1802,7 +1954,7 @@ impl HandoffLink<RelaySide> {
             while !shared.shutdown.is_cancelled() {
                 // Resume our session while MD still knows it; open a new one when MD
                 // refuses (it restarted).
-                let prior = lock(&shared.conn).session.map(|(_, s)| s);
+                let prior = lock(&shared.conn).session.map(|(_, s, _)| s);
                 let attempt = match prior {
                     Some(secret) => match connect(LaneKey::Session(secret)).await {
                         Err(Error::PeerAborted {
@@ -1817,12 +1969,16 @@ impl HandoffLink<RelaySide> {
                 match attempt {
                     Ok(c) => {
                         backoff = shared.config.reconnect_initial;
-                        let lane::LaneStream::Plain(tcp) = c.stream else {
-                            unreachable!("connected without TLS")
-                        };
+                        let identity = c.peer.as_ref().map(|p| p.fingerprint);
+                        let (tcp, tls) = split_stream(c.stream);
                         let stream = Arc::new(tcp);
-                        let (generation, stop) =
-                            shared.install(Arc::clone(&stream), &c.agreed, c.session_secret);
+                        let (generation, stop) = shared.install(
+                            Arc::clone(&stream),
+                            tls,
+                            &c.agreed,
+                            c.session_secret,
+                            identity,
+                        );
                         Arc::clone(&shared).serve(stream, generation, stop).await;
                     }
                     Err(e) => {
@@ -1880,7 +2036,7 @@ impl HandoffLink<MainSide> {
         config: LinkConfig,
     ) -> Result<MainLink> {
         let local = hello(Role::MainDecode, Role::RelayDecode, &config);
-        lane::check_exposure(addr, &local, config.allow_insecure)?;
+        lane::check_exposure(addr, &local, config.allow_insecure || config.tls.is_some())?;
         let std_listener =
             std::net::TcpListener::bind(addr).map_err(|e| Error::ConnectionLost {
                 detail: format!("bind {addr}: {e}"),
@@ -1911,12 +2067,12 @@ impl HandoffLink<MainSide> {
                     _ = shared.shutdown.cancelled() => break,
                     a = listener.accept() => a,
                 };
-                let Ok((mut stream, _peer)) = accepted else {
+                let Ok((tcp, _peer)) = accepted else {
                     // EMFILE and friends: back off a little rather than spin.
                     tokio::time::sleep(Duration::from_millis(10)).await;
                     continue;
                 };
-                lane::tune(&stream, &shared.config.tuning, true);
+                lane::tune(&tcp, &shared.config.tuning, true);
                 let shared = Arc::clone(&shared);
                 let local = local.clone();
                 tokio::spawn(async move {
@@ -1924,6 +2080,17 @@ impl HandoffLink<MainSide> {
                     // our HELLO) instead of a HELLO and then a close.
                     let timeout = shared.config.connect_timeout;
                     let agreed = async {
+                        let (mut stream, identity) = match &shared.config.tls {
+                            Some(tls) => {
+                                let (s, id) = tokio::time::timeout(timeout, tls.accept(tcp))
+                                    .await
+                                    .map_err(|_| Error::DeadlineExceeded {
+                                        what: "TLS handshake of a connecting RLD".into(),
+                                    })??;
+                                (s, Some(id.fingerprint))
+                            }
+                            None => (lane::LaneStream::Plain(tcp), None),
+                        };
                         let offered = lane::read_hello(&mut stream, &local, timeout).await?;
                         let a = offered.agreed.clone();
                         // The RLD we serve may resume its session (proving its
@@ -1934,7 +2101,12 @@ impl HandoffLink<MainSide> {
                             (c.stream.is_some(), c.session)
                         };
                         let key: Result<&[u8], Error> = match (&session, a.resume) {
-                            (Some((id, secret)), true) if *id == a.session_id => Ok(secret),
+                            (Some((_, _, owner)), true) if *owner != identity => {
+                                Err(Error::AuthFailed {
+                                    detail: "that session belongs to another TLS identity",
+                                })
+                            }
+                            (Some((id, secret, _)), true) if *id == a.session_id => Ok(secret),
                             (_, true) => Err(Error::AuthFailed {
                                 detail: "no session to resume",
                             }),
@@ -1947,19 +2119,20 @@ impl HandoffLink<MainSide> {
                         let derived =
                             lane::authenticate(&mut stream, &local, &offered, key, timeout).await?;
                         let secret = match session {
-                            Some((_, s)) if a.resume => s,
+                            Some((_, s, _)) if a.resume => s,
                             _ => derived,
                         };
                         let admitted = check_capability(&a);
                         lane::answer_hello(&mut stream, &local, &a, admitted, timeout).await?;
-                        Ok::<_, Error>((a, secret))
+                        Ok::<_, Error>((stream, identity, a, secret))
                     }
                     .await;
                     match agreed {
-                        Ok((agreed, secret)) => {
-                            let stream = Arc::new(stream);
+                        Ok((stream, identity, agreed, secret)) => {
+                            let (tcp, tls) = split_stream(stream);
+                            let stream = Arc::new(tcp);
                             let (generation, stop) =
-                                shared.install(Arc::clone(&stream), &agreed, secret);
+                                shared.install(Arc::clone(&stream), tls, &agreed, secret, identity);
                             shared.serve(stream, generation, stop).await;
                         }
                         Err(e) => lock(&shared.conn).last_error = Some(e),

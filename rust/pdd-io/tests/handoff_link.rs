@@ -691,3 +691,58 @@ fn round_trip_floor_with(busy: Option<Duration>) {
     md.close();
     md_engine.join().unwrap();
 }
+
+/// The handoff link over mutual TLS: exactly once across connection drops (each
+/// reconnect is a new TLS handshake that resumes the session), and a peer whose
+/// certificate is not allowed never connects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_link_runs_over_mutual_tls_and_recovers_from_drops() {
+    use pdd_io::tls::TestPki;
+    let names: Vec<String> = ["md.example", "rld.example", "other.example"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let pki = TestPki::generate(&names).unwrap();
+    let rt = tokio::runtime::Handle::current();
+    let mut md_cfg = config();
+    md_cfg.tls = Some(
+        pki.config("md.example", "md.example", &["rld.example".to_string()])
+            .unwrap(),
+    );
+    let md = Arc::new(MainLink::listen(&rt, any_port(), md_cfg).unwrap());
+    let mut rld_cfg = config();
+    rld_cfg.tls = Some(pki.config("rld.example", "md.example", &[]).unwrap());
+    let rld = Arc::new(RelayLink::connect(&rt, md.local_addr().unwrap(), rld_cfg).unwrap());
+    bounded(5, "connect", rld.wait_connected(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    let (r, m) = (Arc::clone(&rld), Arc::clone(&md));
+    let chaos: Chaos = Box::new(move |i| {
+        if i % 2 == 0 {
+            r.drop_connection();
+        } else {
+            m.drop_connection();
+        }
+    });
+    let (rld_tokens, records) = run_requests(
+        Arc::clone(&rld),
+        Arc::clone(&md),
+        40,
+        Some(chaos),
+        MdWait::Await,
+    )
+    .await;
+    check_exactly_once(&rld_tokens, &records, 40);
+    assert!(rld.stats().connects >= 2);
+    rld.close();
+    // A certificate from the same CA that is not on MD's allow-list.
+    let mut other = config();
+    other.tls = Some(pki.config("other.example", "md.example", &[]).unwrap());
+    let intruder = RelayLink::connect(&rt, md.local_addr().unwrap(), other).unwrap();
+    assert!(intruder
+        .wait_connected(Duration::from_millis(500))
+        .await
+        .is_err());
+    intruder.close();
+    md.close();
+}
