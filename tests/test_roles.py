@@ -5,28 +5,38 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
+import pytest
 
-from pdd_transport import kv
 from pdd_transport.engine import Engine, EngineConfig, generate
 from pdd_transport.policy import AnomalyPolicy, PipelinePolicy, WanEstimate
 from pdd_transport.roles import Failed, Finished, MainDecodeRole, Output, PrefillRole, RelayDecodeRole
+from pdd_transport.security import NONE as NO_SECURITY
+from pdd_transport.security import Security, test_pki
 
 
-def test_roles_run_both_pipelines_and_match_a_monolithic_engine() -> None:
+@pytest.mark.parametrize("secured", [False, True], ids=["open", "tls_and_secret"])
+def test_roles_run_both_pipelines_and_match_a_monolithic_engine(secured: bool, tmp_path: Path) -> None:
     cfg = EngineConfig(num_pages=256)
-    md = MainDecodeRole(Engine(cfg))
-    rld = RelayDecodeRole(Engine(cfg), md.handoff_address)
+    # Secured: every lane (P->MD, P->RLD KV; RLD->MD handoff) under mutual TLS with one
+    # certificate for the whole test deployment, and the shared secret on top.
+    security = NO_SECURITY
+    if secured:
+        pki = test_pki(tmp_path, ["pdd.test"])
+        security = Security(secret=b"test deployment", tls=pki.tls("pdd.test", server_name="pdd.test"))
+    md = MainDecodeRole(Engine(cfg), security=security)
+    rld = RelayDecodeRole(Engine(cfg), md.handoff_address, security=security)
     p_engine = Engine(cfg)
-    pool = p_engine.kv_pool()
-    to_md = kv.KvSender(pool, md.kv_address, lanes=2, node_id=1)
-    to_rld = kv.KvSender(pool, rld.kv_address, lanes=2, node_id=1)
     # A budget of 0 ms sends every request with a miss through RLD; a full hit
     # (nothing missing) still goes P-MD.
-    p = PrefillRole(p_engine, to_md, to_rld, kv_bytes_per_token=cfg.kv_bytes_per_token,
-                    wan=WanEstimate(1.0, 30.0), pipeline_policy=PipelinePolicy(ttft_budget_ms=0.0),
-                    anomaly_policy=AnomalyPolicy.disabled())
+    p = PrefillRole.connect(p_engine, md.kv_address, rld.kv_address, security=security,
+                            main_lanes=2, kv_bytes_per_token=cfg.kv_bytes_per_token,
+                            wan=WanEstimate(1.0, 30.0), pipeline_policy=PipelinePolicy(ttft_budget_ms=0.0),
+                            anomaly_policy=AnomalyPolicy.disabled())
+    to_md, to_rld = p.to_main, p.to_relay
+    assert to_rld is not None
     md.receiver.wait_peer(timeout=10)
     rld.receiver.wait_peer(timeout=10)
 

@@ -6,7 +6,7 @@ The public API is re-exported here; the Rust extension lives in
 
 from __future__ import annotations
 
-from pdd_transport import handoff, kv, policy, radix, wanem, wire
+from pdd_transport import handoff, kv, policy, radix, security, wanem, wire
 from pdd_transport._native import __version__
 from pdd_transport.errors import (
     DeadlineExceeded,
@@ -27,6 +27,7 @@ from pdd_transport.handoff import (
     StopDecoding,
 )
 from pdd_transport.model_shapes import ModelShape
+from pdd_transport.security import Security, TlsConfig
 from pdd_transport.wanem import Wanem
 
 __all__ = [
@@ -37,6 +38,9 @@ __all__ = [
     "wire",
     "wanem",
     "handoff",
+    "security",
+    "Security",
+    "TlsConfig",
     "RelayLink",
     "MainLink",
     "HandoffPair",

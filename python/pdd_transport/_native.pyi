@@ -1,5 +1,6 @@
 """Type stubs of the Rust extension ``pdd_transport._native`` (checked by mypy stubtest)."""
 
+import os
 from collections.abc import Awaitable, Coroutine, Sequence
 from typing import Any, Literal, Protocol, TypeAlias, final
 
@@ -56,6 +57,8 @@ __all__ = [
     "MainLink",
     "HandoffPair",
     "BenchWanem",
+    "TlsConfig",
+    "make_test_pki",
 ]
 
 __version__: str
@@ -163,6 +166,7 @@ class KvReceiver:
         role: str = "main_decode",
         secret: bytes | None = None,
         insecure: bool = False,
+        tls: TlsConfig | None = None,
         heartbeat_s: float = 1.0,
         dead_after_s: float = 5.0,
         hello_timeout_s: float = 5.0,
@@ -225,6 +229,7 @@ class KvSender:
         node_id: int | None = None,
         role: str = "prefill",
         secret: bytes | None = None,
+        tls: TlsConfig | None = None,
         heartbeat_s: float = 1.0,
         dead_after_s: float = 5.0,
         connect_timeout_s: float = 5.0,
@@ -617,6 +622,7 @@ class RelayLink:
         dead_after: float = 5.0,
         connect_timeout: float = 5.0,
         secret: bytes | None = None,
+        tls: TlsConfig | None = None,
         wait: bool = True,
     ) -> RelayLink: ...
     def open(self, request_id: int, first_position: int) -> None: ...
@@ -664,6 +670,7 @@ class MainLink:
         connect_timeout: float = 5.0,
         secret: bytes | None = None,
         insecure: bool = False,
+        tls: TlsConfig | None = None,
     ) -> MainLink: ...
     def open(self, request_id: int, first_position: int) -> None: ...
     def report_progress(self, request_id: int, position: int, kv_complete: bool = True) -> None: ...
@@ -726,3 +733,27 @@ class BenchWanem:
     @property
     def address(self) -> str: ...
     def close(self) -> None: ...
+
+@final
+class TlsConfig:
+    """TLS 1.3 with mutual authentication: our certificate chain and key (PEM files),
+    the CA that signs every peer, the name an accepting peer must prove, and the
+    names a connecting peer may prove (empty: any the CA signed)."""
+
+    def __new__(
+        cls,
+        cert: str | os.PathLike[str],
+        key: str | os.PathLike[str],
+        ca: str | os.PathLike[str],
+        *,
+        server_name: str,
+        allowed_peers: Sequence[str] = ...,
+    ) -> TlsConfig: ...
+    @property
+    def server_name(self) -> str: ...
+    @property
+    def allowed_peers(self) -> list[str]: ...
+
+def make_test_pki(directory: str | os.PathLike[str], names: Sequence[str]) -> dict[str, Any]:
+    """A throwaway CA (``ca.pem``) and per-name certificates (``<name>.pem``,
+    ``<name>.key``) in ``directory``; returns ``{"ca": path, name: (cert, key)}``."""

@@ -71,6 +71,7 @@ def _bench_stream(args: argparse.Namespace) -> dict[str, Any]:
         congestion=args.congestion,
         seed=args.seed,
         timeout=args.timeout,
+        tls=args.tls,
     )
 
     def progress(rep: int, one: dict[str, Any]) -> None:
@@ -269,6 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
     stream.add_argument("--congestion", help="TCP congestion control of the lanes (e.g. bbr, cubic)")
     stream.add_argument("--seed", type=int, default=0, help="seed of the data and the permutations")
     stream.add_argument("--timeout", type=float, help="bound per transfer in seconds (default from --bytes)")
+    stream.add_argument(
+        "--tls",
+        action="store_true",
+        help="our path over mutual TLS 1.3 (a test CA made for the run), with the plain path measured "
+        "in the same run (plain_gbytes_per_s, ratio_vs_plain)",
+    )
     stream.add_argument("-v", "--verbose", action="store_true", help="print each repetition to stderr")
     stream.set_defaults(run=_bench_stream)
 

@@ -145,6 +145,31 @@ class PrefillRole:
         self.page_tokens = engine.config.page_tokens
         self.cache = RadixCache(self.page_tokens)
 
+    @classmethod
+    def connect(
+        cls,
+        engine: Engine,
+        main_kv: str,
+        relay_kv: str | None = None,
+        *,
+        security: Security = NO_SECURITY,
+        node_id: int = 1,
+        main_lanes: int = 4,
+        relay_lanes: int = 2,
+        **kwargs: Any,
+    ) -> PrefillRole:
+        """Connect the KV senders to MainDecode (``main_kv``, over the WAN) and
+        RelayDecode (``relay_kv``) with ``security`` on every lane, then build the
+        role (``kwargs`` as for the constructor)."""
+        pool = engine.kv_pool()
+        to_main = kv.KvSender(pool, main_kv, lanes=main_lanes, node_id=node_id, secret=security.secret,
+                              tls=security.tls)
+        to_relay = None
+        if relay_kv is not None:
+            to_relay = kv.KvSender(pool, relay_kv, lanes=relay_lanes, node_id=node_id, secret=security.secret,
+                                   tls=security.tls)
+        return cls(engine, to_main, to_relay, **kwargs)
+
     def plan(self, request_id: int, prompt: list[int], expected_output_tokens: int | None = None) -> Plan:
         """Ask MainDecode what it holds (pinning it for ``lease_s``), then choose the
         pipeline. One WAN round trip; safe to call from any thread."""
@@ -255,7 +280,7 @@ class _DecodeRole:
         self.page_tokens = engine.config.page_tokens
         self.cache = cache
         self.receiver = kv.KvReceiver(engine.kv_pool(), listen, prefix_cache=cache, role=role,
-                                      secret=security.secret, insecure=security.insecure)
+                                      secret=security.secret, insecure=security.insecure, tls=security.tls)
         self.requests: dict[int, _Request] = {}
         self.leases: dict[int, int] = {}
         self.decoded_tokens = 0
@@ -363,7 +388,7 @@ class RelayDecodeRole(_DecodeRole):
         from pdd_transport.handoff import RelayLink
 
         super().__init__(engine, listen, "relay_decode", None, security)
-        self.link = RelayLink.connect(main_handoff, policy=policy, secret=security.secret)
+        self.link = RelayLink.connect(main_handoff, policy=policy, secret=security.secret, tls=security.tls)
         self.modes: dict[str, int] = {}
 
     def poll(self) -> list[Event]:
@@ -431,7 +456,8 @@ class MainDecodeRole(_DecodeRole):
         from pdd_transport.handoff import MainLink
 
         super().__init__(engine, listen, "main_decode", RadixCache(engine.config.page_tokens), security)
-        self.link = MainLink.listen(listen_handoff, secret=security.secret, insecure=security.insecure)
+        self.link = MainLink.listen(listen_handoff, secret=security.secret, insecure=security.insecure,
+                                    tls=security.tls)
 
     @property
     def handoff_address(self) -> str:

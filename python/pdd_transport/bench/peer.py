@@ -67,10 +67,17 @@ class _Receiver:
         page_bytes: int,
         socket_buffer: int = 8 << 20,
         congestion: str | None = None,
+        tls: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         arrays = [np.zeros(pages * page_bytes, dtype=np.uint8) for _ in range(layers)]
         pool = kv.pool_from_buffers(arrays, page_bytes)
-        rx = kv.KvReceiver(pool, "127.0.0.1:0", socket_buffer=socket_buffer, congestion=congestion)
+        tls_config = None
+        if tls is not None:
+            from pdd_transport.security import TlsConfig
+
+            tls_config = TlsConfig(tls["cert"], tls["key"], tls["ca"], server_name=tls["server_name"],
+                                   allowed_peers=tls["allowed_peers"])
+        rx = kv.KvReceiver(pool, "127.0.0.1:0", socket_buffer=socket_buffer, congestion=congestion, tls=tls_config)
         self.slots[slot] = _Slot(arrays, page_bytes, pages, rx)
         host, port = rx.address
         return {"address": f"{host}:{port}"}

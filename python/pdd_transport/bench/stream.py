@@ -34,6 +34,7 @@ import random
 import select
 import shutil
 import socket
+import tempfile
 import statistics
 import subprocess
 import sys
@@ -73,6 +74,9 @@ NOTES = {
 """The codes a report's ``notes`` may hold, and what each means (the CLI prints these
 on stderr)."""
 
+TLS_RECEIVER, TLS_SENDER = "bench-receiver.test", "bench-sender.test"
+"""Certificate names of the throwaway CA a ``--tls`` run makes."""
+
 CHUNK = MiB
 """Message / write size of the baselines (iperf3 ``-l 1M``, pyzmq messages, sendall)."""
 
@@ -93,6 +97,9 @@ class StreamConfig:
     congestion: str | None = None
     seed: int = 0
     timeout: float | None = None
+    tls: bool = False
+    """Run our path over mutual TLS (a test CA made for the run) and measure the
+    plain path in the same run, paired (``plain_gbytes_per_s``, ``ratio_vs_plain``)."""
 
     def check(self) -> None:
         def bad(msg: str) -> InvalidArgument:
@@ -259,7 +266,15 @@ def _random_layers(layers: int, nbytes: int, seed: int) -> list[np.ndarray[Any, 
 class PddPath:
     """Our transport: a KvSender here, a KvReceiver (slot ``slot``) in the peer."""
 
-    def __init__(self, peer: Peer, cfg: StreamConfig, page_bytes: int, slot: int, stack: ExitStack) -> None:
+    def __init__(
+        self,
+        peer: Peer,
+        cfg: StreamConfig,
+        page_bytes: int,
+        slot: int,
+        stack: ExitStack,
+        pki: Any = None,
+    ) -> None:
         from pdd_transport import kv
 
         self.peer, self.cfg, self.page_bytes, self.slot = peer, cfg, page_bytes, slot
@@ -278,6 +293,10 @@ class PddPath:
             page_bytes=page_bytes,
             socket_buffer=cfg.socket_buffer,
             congestion=cfg.congestion,
+            tls=None if pki is None else {
+                "cert": str(pki.certs[TLS_RECEIVER][0]), "key": str(pki.certs[TLS_RECEIVER][1]),
+                "ca": str(pki.ca), "server_name": TLS_RECEIVER, "allowed_peers": [TLS_SENDER],
+            },
         )
         address = stack.enter_context(_via_wan(r["address"], cfg.wan))
         self.pool = kv.pool_from_buffers(self.src, page_bytes)
@@ -288,6 +307,7 @@ class PddPath:
             block_bytes=cfg.block_bytes,
             socket_buffer=cfg.socket_buffer,
             congestion=cfg.congestion,
+            tls=None if pki is None else pki.tls(TLS_SENDER, server_name=TLS_RECEIVER),
         )
         stack.callback(self.tx.close)
         peer.request("pdd_wait_peer", slot=slot, timeout=30.0)
@@ -493,6 +513,13 @@ def _compare_step(into: dict[str, Any], path: PddPath, rep: int) -> None:
     into.update(page_bytes=path.page_bytes, **path.run_once(rep))
 
 
+def _plain_step(into: dict[str, Any], path: PddPath, rep: int) -> None:
+    r = path.run_once(rep)
+    into["plain_gbytes_per_s"] = r["gbytes_per_s"]
+    into["plain_cpu_s_per_gbyte"] = r["cpu_s_per_gbyte"]
+    into["plain_verified"] = r["verified"]
+
+
 def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
     """Run the benchmark; the result is what ``bench stream --json`` prints."""
     cfg.check()
@@ -508,8 +535,15 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
     with ExitStack() as stack:
         peer = Peer(timeout)
         stack.callback(peer.close)
-        main = PddPath(peer, cfg, cfg.page_bytes, 0, stack)
-        others = [PddPath(peer, cfg, p, i + 1, stack) for i, p in enumerate(cfg.compare_page_bytes)]
+        pki = None
+        if cfg.tls:
+            from pdd_transport.security import test_pki
+
+            pki = test_pki(stack.enter_context(tempfile.TemporaryDirectory()), [TLS_RECEIVER, TLS_SENDER])
+        main = PddPath(peer, cfg, cfg.page_bytes, 0, stack, pki)
+        others = [PddPath(peer, cfg, p, i + 1, stack, pki) for i, p in enumerate(cfg.compare_page_bytes)]
+        # With --tls, the plain path in the same run, paired repetition by repetition.
+        plain = PddPath(peer, cfg, cfg.page_bytes, len(others) + 1, stack) if cfg.tls else None
         flat = main.src[0] if cfg.layers == 1 else np.concatenate(main.src)
         # Each repetition measures every path once, in a shuffled order, so that a
         # neighbour's build starting mid-repetition does not always land on the same one.
@@ -519,6 +553,8 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
             steps: list[Callable[[], None]] = [lambda: one.update(main.run_once(rep))]
             for i, o in enumerate(others):
                 steps.append(functools.partial(_compare_step, one["compare"][i], o, rep))
+            if plain is not None:
+                steps.append(functools.partial(_plain_step, one, plain, rep))
             if cfg.baselines:
                 steps += [
                     lambda: _baseline_step(one, "iperf3", iperf3_baseline(cfg.bytes, cfg.lanes, cfg.wan, timeout)),
@@ -550,7 +586,9 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
         "block_bytes": cfg.block_bytes,
         "socket_buffer": cfg.socket_buffer,
         "shuffled": True,
-        "verified": all(r["verified"] and all(c["verified"] for c in r["compare"]) for r in runs),
+        "verified": all(r["verified"] and all(c["verified"] for c in r["compare"]) and r.get("plain_verified", True)
+                        for r in runs),
+        "tls": cfg.tls,
         "repeat": cfg.repeat,
         "wan": None,
         "baseline_iperf3_gbytes_per_s": _round(med("iperf3_gbytes_per_s")),
@@ -566,6 +604,10 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
         "baseline_pyzmq_cpu_s_per_gbyte": _round(med("pyzmq_cpu_s_per_gbyte")),
         "baseline_socket_cpu_s_per_gbyte": _round(med("socket_cpu_s_per_gbyte")),
     }
+    if cfg.tls:
+        result["plain_gbytes_per_s"] = _round(med("plain_gbytes_per_s"))
+        result["ratio_vs_plain"] = _round(paired("plain_gbytes_per_s"), 3)
+        result["plain_cpu_s_per_gbyte"] = _round(med("plain_cpu_s_per_gbyte"))
     if cfg.wan is not None:
         cap = cfg.wan.cap_gbytes_per_s
         result["wan"] = cfg.wan.to_json()

@@ -739,6 +739,7 @@ fn link_config(
     connect_timeout: f64,
     secret: Option<&[u8]>,
     insecure: bool,
+    tls: Option<&crate::tls::TlsConfig>,
 ) -> PyResult<LinkConfig> {
     let config = LinkConfig {
         policy: policy_of(policy),
@@ -748,6 +749,7 @@ fn link_config(
         connect_timeout: secs("connect_timeout", connect_timeout)?,
         secret: secret.map(bytes::Bytes::copy_from_slice),
         allow_insecure: insecure,
+        tls: tls.map(|t| t.inner.clone()),
         ..LinkConfig::default()
     };
     config.validate().map_err(PddErr)?;
@@ -1077,7 +1079,7 @@ common_link_methods!(RelayLink, RelayBackend, relay_events, relay_event_to_py, {
     /// until the first connection is up, raising DeadlineExceeded after
     /// `connect_timeout`.
     #[staticmethod]
-    #[pyo3(signature = (address, *, policy = None, timers = None, heartbeat_interval = 1.0, dead_after = 5.0, connect_timeout = 5.0, secret = None, wait = true))]
+    #[pyo3(signature = (address, *, policy = None, timers = None, heartbeat_interval = 1.0, dead_after = 5.0, connect_timeout = 5.0, secret = None, tls = None, wait = true))]
     #[allow(clippy::too_many_arguments)]
     fn connect(
         py: Python<'_>,
@@ -1088,6 +1090,7 @@ common_link_methods!(RelayLink, RelayBackend, relay_events, relay_event_to_py, {
         dead_after: f64,
         connect_timeout: f64,
         secret: Option<&[u8]>,
+        tls: Option<PyRef<'_, crate::tls::TlsConfig>>,
         wait: bool,
     ) -> PyResult<Self> {
         let config = link_config(
@@ -1098,6 +1101,7 @@ common_link_methods!(RelayLink, RelayBackend, relay_events, relay_event_to_py, {
             connect_timeout,
             secret,
             false,
+            tls.as_deref(),
         )?;
         let addr = resolve(address)?;
         let handle = runtime()?.handle().clone();
@@ -1249,7 +1253,7 @@ common_link_methods!(MainLink, MainBackend, main_events, main_event_to_py, {
     /// Listen on `address` ("host:port"; port 0 picks one, see `address`) for RLD's
     /// connection; a new connection replaces the current one.
     #[staticmethod]
-    #[pyo3(signature = (address = "127.0.0.1:0", *, timers = None, heartbeat_interval = 1.0, dead_after = 5.0, connect_timeout = 5.0, secret = None, insecure = false))]
+    #[pyo3(signature = (address = "127.0.0.1:0", *, timers = None, heartbeat_interval = 1.0, dead_after = 5.0, connect_timeout = 5.0, secret = None, insecure = false, tls = None))]
     #[allow(clippy::too_many_arguments)]
     fn listen(
         address: &str,
@@ -1259,6 +1263,7 @@ common_link_methods!(MainLink, MainBackend, main_events, main_event_to_py, {
         connect_timeout: f64,
         secret: Option<&[u8]>,
         insecure: bool,
+        tls: Option<PyRef<'_, crate::tls::TlsConfig>>,
     ) -> PyResult<Self> {
         let config = link_config(
             None,
@@ -1268,6 +1273,7 @@ common_link_methods!(MainLink, MainBackend, main_events, main_event_to_py, {
             connect_timeout,
             secret,
             insecure,
+            tls.as_deref(),
         )?;
         let addr = resolve(address)?;
         let handle = runtime()?.handle().clone();

@@ -182,7 +182,7 @@ pub struct KvReceiver {
 #[pymethods]
 impl KvReceiver {
     #[new]
-    #[pyo3(signature = (pool, listen = "127.0.0.1:0", *, role = "main_decode", secret = None, insecure = false, heartbeat_s = 1.0, dead_after_s = 5.0, hello_timeout_s = 5.0, socket_buffer = 8388608, congestion = None, max_payload = 16777216, prefix_cache = None))]
+    #[pyo3(signature = (pool, listen = "127.0.0.1:0", *, role = "main_decode", secret = None, insecure = false, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, hello_timeout_s = 5.0, socket_buffer = 8388608, congestion = None, max_payload = 16777216, prefix_cache = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -191,6 +191,7 @@ impl KvReceiver {
         role: &str,
         secret: Option<PyBackedBytes>,
         insecure: bool,
+        tls: Option<PyRef<'_, crate::tls::TlsConfig>>,
         heartbeat_s: f64,
         dead_after_s: f64,
         hello_timeout_s: f64,
@@ -209,6 +210,7 @@ impl KvReceiver {
         hello.max_payload = max_payload;
         let mut cfg = ReceiverConfig::new(address(listen)?, hello);
         cfg.allow_insecure = insecure;
+        cfg.tls = tls.map(|t| t.inner.clone());
         cfg.heartbeat = seconds(heartbeat_s, "heartbeat_s")?;
         cfg.dead_after = seconds(dead_after_s, "dead_after_s")?;
         cfg.hello_timeout = seconds(hello_timeout_s, "hello_timeout_s")?;
@@ -467,7 +469,7 @@ pub struct KvSender {
 #[pymethods]
 impl KvSender {
     #[new]
-    #[pyo3(signature = (pool, connect, *, lanes = 4, node_id = None, role = "prefill", secret = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, block_bytes = 1048576, socket_buffer = 8388608, congestion = None, max_payload = 16777216))]
+    #[pyo3(signature = (pool, connect, *, lanes = 4, node_id = None, role = "prefill", secret = None, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, block_bytes = 1048576, socket_buffer = 8388608, congestion = None, max_payload = 16777216))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -477,6 +479,7 @@ impl KvSender {
         node_id: Option<u64>,
         role: &str,
         secret: Option<PyBackedBytes>,
+        tls: Option<PyRef<'_, crate::tls::TlsConfig>>,
         heartbeat_s: f64,
         dead_after_s: f64,
         connect_timeout_s: f64,
@@ -498,6 +501,7 @@ impl KvSender {
             return Err(invalid("lanes must be >= 1"));
         }
         cfg.lanes = lanes;
+        cfg.tls = tls.map(|t| t.inner.clone());
         cfg.heartbeat = seconds(heartbeat_s, "heartbeat_s")?;
         cfg.dead_after = seconds(dead_after_s, "dead_after_s")?;
         cfg.connect_timeout = seconds(connect_timeout_s, "connect_timeout_s")?;

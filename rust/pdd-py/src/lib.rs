@@ -15,6 +15,7 @@ mod kv;
 mod policy;
 mod radix;
 mod runtime;
+mod tls;
 mod wanem;
 mod wire;
 
@@ -28,5 +29,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     wanem::register(m)?;
     policy::register(m)?;
     handoff::register(m)?;
+    tls::register(m)?;
     Ok(())
 }

@@ -61,6 +61,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ("handoff", capability::HANDOFF),
         ("prefix_cache", capability::PREFIX_CACHE),
         ("cache_events", capability::CACHE_EVENTS),
+        ("aead", capability::AEAD),
     ] {
         caps.set_item(name, bit)?;
     }
