@@ -501,7 +501,18 @@ class MainDecodeRole(_DecodeRole):
                     req.next_token = greedy(logits[-1])
                 self.link.report_progress(rid, hev.end_position)
                 if hev.final:
-                    if len(req.outputs) >= req.out_tokens:
+                    if req.next_token is None:
+                        # Nothing was handed (MD's KV was in before RLD decoded a
+                        # token, so RLD stopped at once): MD decodes the first token
+                        # from the prompt itself, as in P-MD.
+                        first = self._first_token(req)
+                        req.outputs.append(first)
+                        req.next_token = first
+                        events.append(Output(rid, len(req.outputs) - 1, [first]))
+                        req.decoding = len(req.outputs) < req.out_tokens
+                        if not req.decoding:
+                            events.append(self._finish(rid))
+                    elif len(req.outputs) >= req.out_tokens:
                         events.append(self._finish(rid))
                     else:
                         # MD owns the request: its next token continues the output.
