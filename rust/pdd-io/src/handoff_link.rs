@@ -1886,24 +1886,34 @@ fn hello(role: Role, peer: Role, config: &LinkConfig) -> LocalHello {
 
 /// The socket and, on TLS, rustls's connection state (any plaintext it already
 /// decrypted stays in it and is read first), for the link's own non-blocking I/O.
-fn split_stream(stream: lane::LaneStream) -> (TcpStream, Option<Tls>) {
+fn split_stream(stream: lane::LaneStream) -> Result<(TcpStream, Option<Tls>)> {
     match stream {
-        lane::LaneStream::Plain(tcp) => (tcp, None),
+        lane::LaneStream::Plain(tcp) => Ok((tcp, None)),
         lane::LaneStream::TlsClient(t) => {
-            let (tcp, c) = t.into_inner();
-            (tcp, Some(tls_state(c.into())))
+            let (io, c) = t.into_inner();
+            tls_state(io, c.into())
         }
         lane::LaneStream::TlsServer(t) => {
-            let (tcp, c) = t.into_inner();
-            (tcp, Some(tls_state(c.into())))
+            let (io, c) = t.into_inner();
+            tls_state(io, c.into())
         }
     }
 }
 
-fn tls_state(mut c: rustls::Connection) -> Tls {
+fn tls_state(io: crate::tls::TlsIo, mut c: rustls::Connection) -> Result<(TcpStream, Option<Tls>)> {
+    // Ciphertext the read buffer already holds goes to rustls before the socket's.
+    let mut held: &[u8] = io.buffer();
+    while !held.is_empty() {
+        c.read_tls(&mut held).map_err(|e| Error::ConnectionLost {
+            detail: format!("TLS: {e}"),
+        })?;
+        c.process_new_packets().map_err(|e| Error::ConnectionLost {
+            detail: format!("TLS: {e}"),
+        })?;
+    }
     // Bounds what a peer that stops reading can make rustls buffer for it.
     c.set_buffer_limit(Some(MAX_UNWRITTEN_BYTES));
-    Arc::new(Mutex::new(c))
+    Ok((io.into_inner(), Some(Arc::new(Mutex::new(c)))))
 }
 
 fn check_capability(agreed: &Negotiated) -> Result<()> {
@@ -1970,7 +1980,14 @@ impl HandoffLink<RelaySide> {
                     Ok(c) => {
                         backoff = shared.config.reconnect_initial;
                         let identity = c.peer.as_ref().map(|p| p.fingerprint);
-                        let (tcp, tls) = split_stream(c.stream);
+                        let (tcp, tls) = match split_stream(c.stream) {
+                            Ok(s) => s,
+                            Err(e) => {
+                                lock(&shared.conn).last_error = Some(e);
+                                tokio::time::sleep(backoff).await;
+                                continue;
+                            }
+                        };
                         let stream = Arc::new(tcp);
                         let (generation, stop) = shared.install(
                             Arc::clone(&stream),
@@ -2129,7 +2146,13 @@ impl HandoffLink<MainSide> {
                     .await;
                     match agreed {
                         Ok((stream, identity, agreed, secret)) => {
-                            let (tcp, tls) = split_stream(stream);
+                            let (tcp, tls) = match split_stream(stream) {
+                                Ok(s) => s,
+                                Err(e) => {
+                                    lock(&shared.conn).last_error = Some(e);
+                                    return;
+                                }
+                            };
                             let stream = Arc::new(tcp);
                             let (generation, stop) =
                                 shared.install(Arc::clone(&stream), tls, &agreed, secret, identity);
