@@ -7,6 +7,7 @@
 //! emulator (a delaying, shaping TCP proxy) the tests run the lanes through.
 
 pub mod codec;
+pub mod event_queue;
 pub mod handoff_link;
 pub mod lane;
 pub mod metrics;

@@ -23,6 +23,7 @@
 mod main_decode;
 mod policy;
 mod relay_decode;
+pub mod router;
 
 pub use main_decode::{MainEvent, MainSide, MainState};
 pub use policy::{
