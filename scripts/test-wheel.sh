@@ -7,7 +7,8 @@
 # nothing on these machines: the registry's responses are not cacheable). Steps:
 #   1. scripts/build-wheels.sh: sdist + abi3 manylinux2014 wheel, auditwheel, size.
 #   2. The sdist builds into the same wheel: unpack it, build with the same maturin
-#      flags, compare the file lists, every non-binary file byte for byte, and the
+#      flags, compare the file lists, every other file byte for byte (the SBOM by the
+#      crates it lists: its serial, timestamp and build paths differ), and the
 #      extension's exported symbols, needed libraries and size.
 #   3. A fresh venv with the wheel alone: pip pulls numpy and nothing else,
 #      `import pdd_transport` works and does not import torch; install + import timed.
@@ -47,6 +48,11 @@ t=$(date +%s)
 mkdir -p "$WORK/sdist" "$WORK/from-sdist"
 tar -xzf "$sdist" -C "$WORK/sdist"
 srcdir=$(ls -d "$WORK"/sdist/*/)
+# The shared target dir keys the workspace crates by workspace-relative paths, so cargo
+# would call the tree's artifacts fresh for the sdist's (older) files and compile nothing:
+# newer mtimes make it compile pdd-core, pdd-io and pdd-py from the sdist's own sources
+# (the registry crates are reused).
+find "$srcdir" -type f -exec touch {} +
 (
     cd "$srcdir"
     export PATH="$ROOT/.venv-release/bin:$PATH"
@@ -55,6 +61,7 @@ srcdir=$(ls -d "$WORK"/sdist/*/)
 )
 python3 - "$wheel" "$WORK"/from-sdist/*.whl <<'EOF'
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -87,10 +94,23 @@ def elf_facts(data: bytes) -> tuple[list[str], list[str]]:
     return exported, libs
 
 
+def sbom_facts(data: bytes) -> list[tuple[str, str, str]]:
+    """The crates an SBOM lists: its serial number, timestamp and the absolute paths of
+    the workspace crates differ from build to build."""
+    doc = json.loads(data)
+    comps = [doc["metadata"]["component"], *doc.get("components", [])]
+    return sorted((c.get("name", ""), c.get("version", ""), c.get("purl", "").split("?")[0])
+                  for c in comps)
+
+
 for name in names_a:
     if name.endswith(".dist-info/RECORD"):
         continue  # holds the .so's hash; the .so is compared below
     da, db = a.read(name), b.read(name)
+    if "/sboms/" in name:
+        if sbom_facts(da) != sbom_facts(db):
+            sys.exit(f"{name}: the two SBOMs list different crates")
+        continue
     if name.endswith(".so"):
         fa, fb = elf_facts(da), elf_facts(db)
         if fa != fb:
@@ -103,7 +123,7 @@ for name in names_a:
             sys.exit(f"{name}: sizes differ by more than 1%")
     elif da != db:
         sys.exit(f"{name} differs between the tree's wheel and the sdist's")
-print(f"same {len(names_a)} files; every non-binary file byte-identical")
+print(f"same {len(names_a)} files; every other file byte-identical (the SBOM: same crates)")
 EOF
 lap "sdist -> wheel" "$t"
 
