@@ -16,7 +16,8 @@
 #      suite runs from a temporary copy of tests/ (with docs/, Cargo.toml and the pytest
 #      config from pyproject.toml, which some tests read), with no Rust toolchain on PATH
 #      and no python/ source tree importable: it tests the installed wheel.
-# Prints the seconds of each step. PDD_SKIP_WHEEL_BUILD=1 reuses dist/ as it is.
+# They run in the order 1, 3, 2, 4, the test venv of 4 installing in the background during
+# 2. Prints the seconds of each step. PDD_SKIP_WHEEL_BUILD=1 reuses dist/ as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -31,7 +32,14 @@ t0=$(date +%s)
 lap() { echo "[test-wheel] $1: $(( $(date +%s) - $2 )) s"; }
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/pdd-wheel.XXXXXX")
-trap 'rm -rf "$WORK"' EXIT
+# The two fresh venvs (about 4.5 GB with torch) live in .wheel-venvs/, emptied at the start
+# of each run rather than deleted at the end: removing them took 35 to 90 s here, which a
+# CI run on a fresh clone never pays, and they stay for a look after a failure.
+VENVS=$ROOT/.wheel-venvs
+rm -rf "$VENVS"
+mkdir -p "$VENVS"
+venv_pid=
+trap 'if [ -n "$venv_pid" ]; then kill "$venv_pid" 2>/dev/null; wait "$venv_pid"; fi; rm -rf "$WORK"' EXIT
 
 # 1. Build.
 t=$(date +%s)
@@ -41,6 +49,55 @@ fi
 wheel=$(ls "$ROOT/$DIST"/*.whl)
 sdist=$(ls "$ROOT/$DIST"/*.tar.gz)
 lap "build wheel + sdist" "$t"
+
+# The wheel's dependencies into the wheelhouse: only what it lacks is downloaded (nothing,
+# after test-all.sh's editable install). The wheel itself is not kept there.
+step "wheelhouse ($WHEELHOUSE)"
+t=$(date +%s)
+timeout 1200 python3 -m pip download --quiet -d "$WHEELHOUSE" "$wheel[test]"
+rm -f "$WHEELHOUSE"/pdd_transport-*.whl
+du -sh "$WHEELHOUSE"
+lap "wheelhouse" "$t"
+PIP_LOCAL=(--no-index --find-links "$WHEELHOUSE")
+
+# 3. The wheel alone: numpy and nothing else, no torch at import.
+step "fresh venv, the wheel alone (numpy from the wheelhouse)"
+t=$(date +%s)
+python3 -m venv "$VENVS/min"
+t_install=$(date +%s.%N)
+timeout 300 "$VENVS/min/bin/python" -m pip install --quiet "${PIP_LOCAL[@]}" "$wheel"
+(cd "$WORK" && timeout 60 "$VENVS/min/bin/python" -c "import pdd_transport")
+t_done=$(date +%s.%N)
+install_import=$(python3 -c "print(f'{$t_done - $t_install:.1f}')")
+(cd "$WORK" && timeout 60 "$VENVS/min/bin/python" - <<'EOF'
+import importlib.metadata as md
+import sys
+
+import pdd_transport
+
+assert "torch" not in sys.modules, "import pdd_transport imported torch"
+dists = sorted(d.metadata["Name"].lower() for d in md.distributions())
+extra = set(dists) - {"pdd_transport", "pdd-transport", "numpy", "pip", "setuptools"}
+assert not extra, f"pip install pdd_transport pulled more than numpy: {sorted(extra)}"
+print(f"pdd_transport {pdd_transport.__version__} from {pdd_transport.__file__}; "
+      f"installed: {', '.join(dists)}")
+EOF
+)
+echo "[test-wheel] pip install wheel + import pdd_transport: $install_import s (target <= 20 s)"
+lap "minimal venv" "$t"
+
+# 4, first half. The test venv installs (torch: mostly unpacking, one core) in the
+# background while the sdist rebuild (cargo, both cores) runs, to shorten the step.
+step "fresh venv, the wheel with its test extra (torch from the wheelhouse), in the background"
+t_venv=$(date +%s)
+python3 -m venv "$VENVS/test"
+(
+    rc=0
+    timeout 1200 "$VENVS/test/bin/python" -m pip install --quiet "${PIP_LOCAL[@]}" "$wheel[test]" \
+        >"$WORK/venv-test.log" 2>&1 || rc=$?
+    echo "$rc" >"$WORK/venv-test.rc"
+) &
+venv_pid=$!
 
 # 2. sdist -> wheel.
 step "the sdist builds into the same wheel"
@@ -127,48 +184,16 @@ print(f"same {len(names_a)} files; every other file byte-identical (the SBOM: sa
 EOF
 lap "sdist -> wheel" "$t"
 
-# The wheel's dependencies into the wheelhouse: only what it lacks is downloaded (nothing,
-# after test-all.sh's editable install). The wheel itself is not kept there.
-step "wheelhouse ($WHEELHOUSE)"
-t=$(date +%s)
-timeout 1200 python3 -m pip download --quiet -d "$WHEELHOUSE" "$wheel[test]"
-rm -f "$WHEELHOUSE"/pdd_transport-*.whl
-du -sh "$WHEELHOUSE"
-lap "wheelhouse" "$t"
-PIP_LOCAL=(--no-index --find-links "$WHEELHOUSE")
-
-# 3. The wheel alone: numpy and nothing else, no torch at import.
-step "fresh venv, the wheel alone (numpy from the wheelhouse)"
-t=$(date +%s)
-python3 -m venv "$WORK/venv-min"
-t_install=$(date +%s.%N)
-timeout 300 "$WORK/venv-min/bin/python" -m pip install --quiet "${PIP_LOCAL[@]}" "$wheel"
-(cd "$WORK" && timeout 60 "$WORK/venv-min/bin/python" -c "import pdd_transport")
-t_done=$(date +%s.%N)
-install_import=$(python3 -c "print(f'{$t_done - $t_install:.1f}')")
-(cd "$WORK" && timeout 60 "$WORK/venv-min/bin/python" - <<'EOF'
-import importlib.metadata as md
-import sys
-
-import pdd_transport
-
-assert "torch" not in sys.modules, "import pdd_transport imported torch"
-dists = sorted(d.metadata["Name"].lower() for d in md.distributions())
-extra = set(dists) - {"pdd_transport", "pdd-transport", "numpy", "pip", "setuptools"}
-assert not extra, f"pip install pdd_transport pulled more than numpy: {sorted(extra)}"
-print(f"pdd_transport {pdd_transport.__version__} from {pdd_transport.__file__}; "
-      f"installed: {', '.join(dists)}")
-EOF
-)
-echo "[test-wheel] pip install wheel + import pdd_transport: $install_import s (target <= 20 s)"
-lap "minimal venv" "$t"
-
-# 4. The test suite against the installed wheel.
-step "fresh venv, the wheel with its test extra (torch from the wheelhouse)"
-t=$(date +%s)
-python3 -m venv "$WORK/venv-test"
-timeout 1200 "$WORK/venv-test/bin/python" -m pip install --quiet "${PIP_LOCAL[@]}" "$wheel[test]"
-lap "test venv install" "$t"
+# 4, second half. The test suite against the installed wheel.
+step "waiting for the test venv"
+wait "$venv_pid"
+venv_pid=
+cat "$WORK/venv-test.log"
+if [ "$(cat "$WORK/venv-test.rc")" != 0 ]; then
+    echo "installing $wheel[test] into a fresh venv failed" >&2
+    exit 1
+fi
+lap "test venv install (overlapping the sdist rebuild)" "$t_venv"
 
 step "pytest against the installed wheel, from a copy of tests/"
 t=$(date +%s)
@@ -178,7 +203,7 @@ find "$WORK/run" -name __pycache__ -prune -exec rm -rf {} +
 (
     cd "$WORK/run"
     # No cargo, rustc or maturin: only the venv and the system's own directories.
-    export PATH="$WORK/venv-test/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    export PATH="$VENVS/test/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
     unset PYTHONPATH VIRTUAL_ENV
     for tool in cargo rustc maturin; do
         if command -v "$tool" >/dev/null; then
