@@ -3,7 +3,8 @@
 #     bash scripts/test-all.sh
 # Creates .venv (if missing) and installs the package with its test extras into it, so
 # it works on a fresh machine with python3 >= 3.10, a Rust toolchain and PyPI/crates.io.
-# PDD_FUZZ_SECONDS (default 30) bounds the fuzz smoke run.
+# PDD_FUZZ_SECONDS (default 30) bounds the fuzz smoke run. PDD_SKIP_WHEEL=1 skips the
+# last step (the release wheel, built and tested as users install it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,8 +15,14 @@ if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
+# pip's HTTP cache stores nothing on these machines (the registry's responses are not
+# cacheable), so the dependencies, torch's several GB above all, are downloaded once into
+# a wheelhouse that this install and the wheel step's fresh venvs install from. `pip
+# download` skips files already there, so a second run downloads nothing.
+export PDD_WHEELHOUSE=${PDD_WHEELHOUSE:-$HOME/.cache/pdd_transport/wheelhouse}
+timeout 1200 .venv/bin/python -m pip download --quiet -d "$PDD_WHEELHOUSE" ".[test,torch]"
 # Builds the Rust extension (release) and installs pdd_transport in editable mode.
-.venv/bin/python -m pip install --quiet -e ".[test,torch]"
+.venv/bin/python -m pip install --quiet --find-links "$PDD_WHEELHOUSE" -e ".[test,torch]"
 export PATH="$PWD/.venv/bin:$PATH"
 
 step "cargo fmt --check"
@@ -36,3 +43,10 @@ python -m mypy.stubtest pdd_transport._native
 
 step "pytest (tests, and benches run once each without timing)"
 python -m pytest tests benches --benchmark-disable
+
+if [ "${PDD_SKIP_WHEEL:-0}" != 1 ]; then
+    step "release wheel: build, audit, install into clean venvs, test (scripts/test-wheel.sh)"
+    wheel_start=$(date +%s)
+    bash scripts/test-wheel.sh
+    echo "wheel step: $(( $(date +%s) - wheel_start )) s"
+fi
