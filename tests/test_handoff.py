@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -397,6 +398,11 @@ def test_links_hand_off_many_requests_over_tcp(links: tuple[RelayLink, MainLink]
         if len(finished) == n:
             break
     assert finished == set(accepted)
+    # drop_connection only asks the link's task to drop it: wait (bounded) until the
+    # reconnect (HELLO, AUTH both ways, HELLO reply) has happened.
+    deadline = time.monotonic() + 10.0
+    while relay.stats()["connects"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert relay.ping(5.0) > 0
     stats = relay.stats()
     assert stats["connects"] >= 2 and stats["frames_sent"] > 0
