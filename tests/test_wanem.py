@@ -263,6 +263,50 @@ def test_reset_all_resets_current_connections_only(wan: Wanem) -> None:
         ping(s)
 
 
+def test_one_connection_is_reset_closed_or_stalled_alone(wan: Wanem) -> None:
+    assert wan.connections() == []
+    a, b, c = connect(wan), connect(wan), connect(wan)
+    with a, b, c:
+        for s in (a, b, c):
+            ping(s)
+        assert wan.connections() == [0, 1, 2]  # accept order
+        # Connection 1 goes silent; 0 and 2 still flow.
+        assert wan.stall_connection(1, 30, "client_to_upstream")
+        b.sendall(b"held")
+        b.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            b.recv(4)
+        b.settimeout(BOUND)
+        ping(a)
+        ping(c)
+        assert wan.stall_connection(1, 0)
+        assert recv_exactly(b, 4) == b"held"  # nothing lost
+        # A RST of connection 0 only.
+        assert wan.reset_connection(0)
+        try:
+            seen = a.recv(16)
+        except ConnectionResetError:
+            seen = b""
+        assert seen == b""
+        wait_for(lambda: wan.connections() == [1, 2] and wan.stats()["resets"] == 1)
+        # A FIN of connection 2 only: an EOF, not a reset.
+        assert wan.close_connection(2)
+        assert c.recv(16) == b""
+        c.shutdown(socket.SHUT_WR)
+        wait_for(lambda: wan.connections() == [1])
+        assert wan.stats()["resets"] == 1
+        ping(b)
+        assert not wan.reset_connection(2) and not wan.close_connection(0)
+        assert not wan.stall_connection(7, 1)
+    for bad in (-1, 2**64, "1", 1.0, True):
+        with pytest.raises(InvalidArgument):
+            wan.reset_connection(bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument):
+        wan.stall_connection(1, -1)
+    with pytest.raises(InvalidArgument):
+        wan.stall_connection(1, 1, "sideways")  # type: ignore[arg-type]
+
+
 def test_corrupt_next_flips_exactly_one_byte(wan: Wanem) -> None:
     payload = bytes(range(256)) * 4
     with connect(wan) as s:

@@ -293,6 +293,14 @@ class Wanem:
         """Hold every byte of ``direction`` for ``seconds``; 0 lifts a stall."""
     def reset_all(self) -> None:
         """Reset (RST) every current connection."""
+    def connections(self) -> list[int]:
+        """The live connections' numbers, in accept order."""
+    def reset_connection(self, conn: int) -> bool:
+        """RST connection ``conn`` only; whether it was live."""
+    def close_connection(self, conn: int) -> bool:
+        """FIN connection ``conn`` only; whether it was live."""
+    def stall_connection(self, conn: int, direction: str, seconds: float) -> bool:
+        """Hold ``direction`` of connection ``conn`` for ``seconds``; whether it was live."""
     def corrupt_next(self, direction: str) -> None:
         """Flip one byte of the next chunk written in ``direction``."""
     def blackhole(self, on: bool) -> None:

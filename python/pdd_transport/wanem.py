@@ -142,6 +142,13 @@ def _count(name: str, value: object, optional: bool = True) -> int | None:
     return int(value)
 
 
+def _conn(value: object) -> int:
+    """A connection number (see :meth:`Wanem.connections`)."""
+    conn = _count("conn", value, optional=False)
+    assert conn is not None
+    return conn
+
+
 def _direction(value: object) -> str:
     if not isinstance(value, str) or value not in ("both", *DIRECTIONS):
         raise _bad(
@@ -292,6 +299,35 @@ class Wanem:
         """Reset (RST) both sides of every current connection, dropping what was in
         flight. Later connections are not affected."""
         self._inner.reset_all()
+
+    # -- one connection ----------------------------------------------------------
+
+    def connections(self) -> list[int]:
+        """The live connections' numbers, in accept order: the first connection the
+        emulator accepted is ``0`` and numbers are never reused. A KV sender opens
+        its control lane first, so through a fresh emulator its lane ``i`` is
+        connection ``i``. A connection is listed from its accept until both its
+        sides are closed."""
+        return self._inner.connections()
+
+    def reset_connection(self, conn: int) -> bool:
+        """Reset (RST) both sides of connection ``conn`` only, dropping what it had in
+        flight; the others are not affected. Counted in ``resets``. Returns whether
+        it was live."""
+        return self._inner.reset_connection(_conn(conn))
+
+    def close_connection(self, conn: int) -> bool:
+        """Close connection ``conn`` only with a FIN to both sides (what it had in
+        flight is dropped), then discard what either side still sends until it
+        closes too (at most 2 s). Returns whether it was live."""
+        return self._inner.close_connection(_conn(conn))
+
+    def stall_connection(self, conn: int, seconds: float, direction: Direction = "both") -> bool:
+        """Hold every byte of ``direction`` on connection ``conn`` only, for
+        ``seconds`` from now (at most 600; ``0`` lifts it), as :meth:`stall` does for
+        all: that connection goes silent while the others flow. Nothing is lost.
+        Returns whether it was live."""
+        return self._inner.stall_connection(_conn(conn), _direction(direction), _number("seconds", seconds))
 
     def corrupt_next(self, direction: Direction = "both") -> None:
         """Flip (XOR 0xFF) one byte, at a seeded random offset, of the next chunk

@@ -390,6 +390,100 @@ async fn reset_all_resets_both_ends_promptly() {
     wan.shutdown().await.unwrap();
 }
 
+/// Three connections through one emulator, each with its accepted upstream side.
+async fn three_connections(
+    wan: &WanemHandle,
+    listener: &TcpListener,
+) -> Vec<(TcpStream, TcpStream)> {
+    let mut pairs = Vec::new();
+    for _ in 0..3 {
+        let client = TcpStream::connect(wan.local_addr()).await.unwrap();
+        let (server, _) = bounded(5, "upstream accept", listener.accept())
+            .await
+            .unwrap();
+        pairs.push((client, server));
+    }
+    pairs
+}
+
+/// `client` writes `msg`, `server` reads it back whole within `secs`.
+async fn relayed(client: &mut TcpStream, server: &mut TcpStream, msg: &[u8], secs: u64) {
+    client.write_all(msg).await.unwrap();
+    let mut got = vec![0u8; msg.len()];
+    bounded(secs, "relay", server.read_exact(&mut got))
+        .await
+        .unwrap();
+    assert_eq!(got, msg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_connection_can_be_reset_closed_or_stalled_alone() {
+    let listener = TcpListener::bind(any_port()).await.unwrap();
+    let wan = start(WanemConfig::new(any_port(), listener.local_addr().unwrap())).await;
+    assert!(wan.connections().is_empty());
+    let mut pairs = three_connections(&wan, &listener).await;
+    assert_eq!(wan.connections(), vec![0, 1, 2], "accept order");
+    assert!(!wan.reset_connection(7) && !wan.close_connection(7));
+    assert!(!wan.stall_connection(7, C2U, Duration::from_secs(1)));
+
+    // Stall connection 1 only: its bytes are held, the others flow.
+    assert!(wan.stall_connection(1, C2U, Duration::from_secs(30)));
+    let (c1, s1) = &mut pairs[1];
+    c1.write_all(b"held").await.unwrap();
+    let mut b = [0u8; 4];
+    assert!(timeout(Duration::from_millis(300), s1.read_exact(&mut b))
+        .await
+        .is_err());
+    for i in [0, 2] {
+        let (c, s) = &mut pairs[i];
+        relayed(c, s, b"flows", 5).await;
+    }
+    // The other direction of the stalled connection is not held.
+    let (c1, s1) = &mut pairs[1];
+    relayed(s1, c1, b"back", 5).await;
+    // Lifted: what was held arrives, nothing lost.
+    assert!(wan.stall_connection(1, C2U, Duration::ZERO));
+    bounded(5, "held bytes after the lift", s1.read_exact(&mut b))
+        .await
+        .unwrap();
+    assert_eq!(&b, b"held");
+
+    // A RST of connection 0 only.
+    assert!(wan.reset_connection(0));
+    let (c0, s0) = &mut pairs[0];
+    let mut buf = [0u8; 16];
+    let c = bounded(2, "client 0 sees the reset", c0.read(&mut buf)).await;
+    let s = bounded(2, "server 0 sees the reset", s0.read(&mut buf)).await;
+    assert_eq!(c.unwrap_err().kind(), ErrorKind::ConnectionReset);
+    assert_eq!(s.unwrap_err().kind(), ErrorKind::ConnectionReset);
+    stats_until(&wan, 2, |s| s.resets == 1 && s.connections_active == 2).await;
+    assert_eq!(wan.connections(), vec![1, 2]);
+
+    // A FIN of connection 2 only: both ends read EOF, not a reset.
+    assert!(wan.close_connection(2));
+    let (c2, s2) = &mut pairs[2];
+    let c = bounded(2, "client 2 sees the FIN", c2.read(&mut buf)).await;
+    let s = bounded(2, "server 2 sees the FIN", s2.read(&mut buf)).await;
+    assert_eq!(c.unwrap(), 0);
+    assert_eq!(s.unwrap(), 0);
+    c2.shutdown().await.unwrap();
+    s2.shutdown().await.unwrap();
+    stats_until(&wan, 4, |s| s.connections_active == 1).await;
+    assert_eq!(wan.connections(), vec![1]);
+    assert_eq!(wan.stats().resets, 1, "a FIN is not a reset");
+
+    // Connection 1 still works both ways, and new connections get new numbers.
+    let (c1, s1) = &mut pairs[1];
+    relayed(c1, s1, b"still", 5).await;
+    let _c3 = TcpStream::connect(wan.local_addr()).await.unwrap();
+    let (_s3, _) = bounded(5, "upstream accept", listener.accept())
+        .await
+        .unwrap();
+    stats_until(&wan, 2, |s| s.connections_accepted == 4).await;
+    assert_eq!(wan.connections(), vec![1, 3]);
+    wan.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupt_next_changes_exactly_one_byte() {
     let listener = TcpListener::bind(any_port()).await.unwrap();

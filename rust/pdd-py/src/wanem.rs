@@ -321,6 +321,34 @@ impl Wanem {
         Ok(())
     }
 
+    /// The live connections' numbers, in accept order.
+    fn connections(&self) -> PyResult<Vec<u64>> {
+        Ok(self.live()?.connections())
+    }
+
+    /// RST connection `conn` only, both sides; whether it was live.
+    fn reset_connection(&self, conn: u64) -> PyResult<bool> {
+        Ok(self.live()?.reset_connection(conn))
+    }
+
+    /// FIN connection `conn` only, both sides; whether it was live.
+    fn close_connection(&self, conn: u64) -> PyResult<bool> {
+        Ok(self.live()?.close_connection(conn))
+    }
+
+    /// Hold the bytes of `direction` on connection `conn` only for `seconds`; 0
+    /// lifts it. Whether it was live.
+    fn stall_connection(&self, conn: u64, direction: &str, seconds: f64) -> PyResult<bool> {
+        let dirs = parse_direction(direction, true)?;
+        let duration = duration_from("seconds", seconds, 1.0)?;
+        let handle = self.live()?;
+        let mut live = true;
+        for &d in dirs {
+            live &= handle.stall_connection(conn, d, duration);
+        }
+        Ok(live)
+    }
+
     /// Flip one byte of the next chunk written in `direction` (each, for "both").
     fn corrupt_next(&self, direction: &str) -> PyResult<()> {
         let dirs = parse_direction(direction, true)?;

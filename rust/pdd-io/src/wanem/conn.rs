@@ -5,6 +5,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::BytesMut;
 use rand::rngs::StdRng;
@@ -15,7 +16,68 @@ use tokio::sync::{mpsc, watch, Semaphore};
 use tokio::time::{sleep_until, Instant};
 
 use super::config::Direction;
-use super::Shared;
+use super::{Shared, FIN_LINGER};
+
+/// How one connection is ended by its own control (`reset_connection`,
+/// `close_connection`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ConnEnd {
+    /// RST both sides.
+    Reset,
+    /// FIN both sides.
+    Fin,
+}
+
+/// The controls of one connection, shared by its task and the handle.
+#[derive(Debug)]
+pub(crate) struct ConnControl {
+    /// Per direction: `Some(t)` holds this connection's bytes until `t`.
+    stall: [watch::Sender<Option<Instant>>; 2],
+    /// Set once to end the connection.
+    end: watch::Sender<Option<ConnEnd>>,
+}
+
+impl ConnControl {
+    pub(crate) fn new() -> Self {
+        ConnControl {
+            stall: [watch::Sender::new(None), watch::Sender::new(None)],
+            end: watch::Sender::new(None),
+        }
+    }
+
+    /// Asks the task to end the connection `how`; the first request wins. Returns
+    /// true (the connection was live when asked).
+    pub(crate) fn end(&self, how: ConnEnd) -> bool {
+        self.end.send_if_modified(|end| {
+            if end.is_none() {
+                *end = Some(how);
+                true
+            } else {
+                false
+            }
+        });
+        true
+    }
+
+    pub(crate) fn stall(&self, dir: Direction, duration: Duration) {
+        let until = if duration.is_zero() {
+            None
+        } else {
+            Some(Instant::now() + duration)
+        };
+        self.stall[dir.index()].send_replace(until);
+    }
+}
+
+/// Returns how the connection is to end, once its control asks.
+async fn ended(end: &mut watch::Receiver<Option<ConnEnd>>) -> ConnEnd {
+    let how = end.wait_for(Option::is_some).await.map(|how| *how);
+    match how {
+        Ok(how) => how.unwrap_or(ConnEnd::Reset),
+        // The control lives as long as the task (it holds an Arc): never closed.
+        Err(_) => std::future::pending().await,
+    }
+}
 
 /// Largest single read. Big enough that an unshaped relay moves several Gbit/s with
 /// one task per connection, small enough to keep the pacing of a capped line smooth.
@@ -35,8 +97,10 @@ enum Outcome {
     Done,
     /// A socket failed: pass it on as a reset to both ends.
     Failed,
-    /// `reset_all` was called.
+    /// `reset_all` or `reset_connection` was called.
     Reset,
+    /// `close_connection` was called.
+    Fin,
     /// The emulator is shutting down.
     Shutdown,
 }
@@ -87,12 +151,14 @@ fn reset(stream: TcpStream) {
 pub(crate) async fn serve(
     shared: Arc<Shared>,
     conn_id: u64,
+    control: Arc<ConnControl>,
     client: TcpStream,
     mut reset_rx: watch::Receiver<u64>,
 ) {
     let _ = client.set_nodelay(true);
+    let mut end_rx = control.end.subscribe();
     if shared.blackholed() {
-        sink(&shared, client, &mut reset_rx).await;
+        sink(&shared, client, &mut reset_rx, &mut end_rx).await;
         return;
     }
 
@@ -105,6 +171,14 @@ pub(crate) async fn serve(
         _ = reset_rx.changed() => {
             shared.resets.fetch_add(1, Ordering::Relaxed);
             reset(client);
+            return;
+        }
+        how = ended(&mut end_rx) => {
+            if how == ConnEnd::Reset {
+                shared.resets.fetch_add(1, Ordering::Relaxed);
+                reset(client);
+            }
+            // A FIN: dropping the client closes it gracefully.
             return;
         }
         () = shared.shutdown.cancelled() => return,
@@ -126,6 +200,7 @@ pub(crate) async fn serve(
         let (upstream_rd, upstream_wr) = upstream.split();
         let c2u = relay(
             &shared,
+            &control,
             Direction::ClientToUpstream,
             conn_id,
             client_rd,
@@ -133,6 +208,7 @@ pub(crate) async fn serve(
         );
         let u2c = relay(
             &shared,
+            &control,
             Direction::UpstreamToClient,
             conn_id,
             upstream_rd,
@@ -144,11 +220,29 @@ pub(crate) async fn serve(
                 Err(_) => Outcome::Failed,
             },
             _ = reset_rx.changed() => Outcome::Reset,
+            how = ended(&mut end_rx) => match how {
+                ConnEnd::Reset => Outcome::Reset,
+                ConnEnd::Fin => Outcome::Fin,
+            },
             () = shared.shutdown.cancelled() => Outcome::Shutdown,
         }
     };
     match outcome {
         Outcome::Done | Outcome::Shutdown => {}
+        Outcome::Fin => {
+            let _ = client.shutdown().await;
+            let _ = upstream.shutdown().await;
+            // Read and drop what the ends still send until they close their side, so
+            // that the close that follows is a FIN, not a RST for unread data.
+            let drain = async {
+                let (mut a, mut b) = (vec![0u8; 16 << 10], vec![0u8; 16 << 10]);
+                tokio::join!(discard(&mut client, &mut a), discard(&mut upstream, &mut b));
+            };
+            tokio::select! {
+                _ = tokio::time::timeout(FIN_LINGER, drain) => {}
+                () = shared.shutdown.cancelled() => {}
+            }
+        }
         Outcome::Reset => {
             shared.resets.fetch_add(1, Ordering::Relaxed);
             reset(client);
@@ -161,9 +255,23 @@ pub(crate) async fn serve(
     }
 }
 
+/// Reads and drops until EOF or an error.
+async fn discard(stream: &mut TcpStream, buf: &mut [u8]) {
+    while let Ok(n) = stream.read(buf).await {
+        if n == 0 {
+            return;
+        }
+    }
+}
+
 /// A connection accepted while the blackhole is on: never connected upstream, every
 /// byte read and dropped, until the client leaves, a reset or the shutdown.
-async fn sink(shared: &Shared, mut client: TcpStream, reset_rx: &mut watch::Receiver<u64>) {
+async fn sink(
+    shared: &Shared,
+    mut client: TcpStream,
+    reset_rx: &mut watch::Receiver<u64>,
+    end_rx: &mut watch::Receiver<Option<ConnEnd>>,
+) {
     let link = shared.link(Direction::ClientToUpstream);
     let mut buf = vec![0u8; 64 << 10];
     let drain = async {
@@ -180,6 +288,7 @@ async fn sink(shared: &Shared, mut client: TcpStream, reset_rx: &mut watch::Rece
     let was_reset = tokio::select! {
         () = drain => false,
         _ = reset_rx.changed() => true,
+        how = ended(end_rx) => how == ConnEnd::Reset,
         () = shared.shutdown.cancelled() => false,
     };
     if was_reset {
@@ -192,6 +301,7 @@ async fn sink(shared: &Shared, mut client: TcpStream, reset_rx: &mut watch::Rece
 /// been passed on (as a write shutdown, after the same delay as the data).
 async fn relay<R, W>(
     shared: &Shared,
+    control: &ConnControl,
     dir: Direction,
     conn_id: u64,
     mut src: R,
@@ -266,6 +376,7 @@ where
     let writer = async {
         let mut rng = StdRng::seed_from_u64(stream_seed(seed, conn_id, dir, 2));
         let mut stall = link.subscribe_stall();
+        let mut conn_stall = control.stall[dir.index()].subscribe();
         while let Some(item) = rx.recv().await {
             let release = match &item {
                 Item::Data { release, .. } | Item::Eof { release } => *release,
@@ -273,7 +384,14 @@ where
             if release > Instant::now() {
                 sleep_until(release).await;
             }
-            wait_out_stall(&mut stall).await;
+            // The line's stall and this connection's, until neither holds.
+            loop {
+                wait_out_stall(&mut stall).await;
+                wait_out_stall(&mut conn_stall).await;
+                if !stalled(&stall) {
+                    break;
+                }
+            }
             match item {
                 Item::Eof { .. } => {
                     // Held while the blackhole is on, like a FIN TCP keeps resending.
@@ -320,6 +438,11 @@ fn chunk_size(rate_bps: Option<u64>, in_flight: usize) -> usize {
             .clamp(MIN_CHUNK, MAX_CHUNK),
     };
     by_rate.min(in_flight).max(1)
+}
+
+/// Whether a stall is in force now.
+fn stalled(stall: &watch::Receiver<Option<Instant>>) -> bool {
+    matches!(*stall.borrow(), Some(t) if t > Instant::now())
 }
 
 /// Returns once no stall is in force (a stall set or extended meanwhile is honoured).

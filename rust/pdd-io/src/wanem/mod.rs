@@ -42,11 +42,12 @@ mod conn;
 mod error;
 mod link;
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpSocket};
@@ -61,10 +62,15 @@ pub use config::{
 pub use error::WanemError;
 pub use link::LinkStats;
 
+use conn::{ConnControl, ConnEnd};
 use link::Link;
 
 /// How long [`WanemHandle::shutdown`] waits for the connection tasks to finish.
 pub const SHUTDOWN_BOUND: Duration = Duration::from_secs(5);
+
+/// How long [`WanemHandle::close_connection`] waits, after its FINs, for both ends
+/// to close their side before it closes the sockets anyway.
+pub const FIN_LINGER: Duration = Duration::from_secs(2);
 
 /// Backlog of the listening socket.
 const LISTEN_BACKLOG: u32 = 1024;
@@ -85,9 +91,21 @@ pub(crate) struct Shared {
     active: AtomicU64,
     resets: AtomicU64,
     connect_failures: AtomicU64,
+    /// The live connections by number (accept order), for the per-connection
+    /// controls; a connection removes itself when its task ends.
+    conns: Mutex<BTreeMap<u64, Arc<ConnControl>>>,
 }
 
 impl Shared {
+    fn conns(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Arc<ConnControl>>> {
+        // Only inserts, removes and clones of Arcs happen under it.
+        self.conns.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn conn(&self, conn: u64) -> Option<Arc<ConnControl>> {
+        self.conns().get(&conn).cloned()
+    }
+
     fn link(&self, dir: Direction) -> &Link {
         &self.links[dir.index()]
     }
@@ -177,6 +195,7 @@ impl Wanem {
             active: AtomicU64::new(0),
             resets: AtomicU64::new(0),
             connect_failures: AtomicU64::new(0),
+            conns: Mutex::new(BTreeMap::new()),
         });
         let accept = accept_loop(Arc::clone(&shared), listener);
         runtime.spawn(shared.tracker.track_future(accept));
@@ -205,11 +224,13 @@ fn bind(addr: SocketAddr, buffer: Option<usize>) -> io::Result<TcpListener> {
     socket.listen(LISTEN_BACKLOG)
 }
 
-/// Decrements `connections_active` when a connection task ends, however it ends.
-struct ActiveGuard(Arc<Shared>);
+/// Decrements `connections_active` and unlists the connection when its task ends,
+/// however it ends.
+struct ActiveGuard(Arc<Shared>, u64);
 
 impl Drop for ActiveGuard {
     fn drop(&mut self) {
+        self.0.conns().remove(&self.1);
         self.0.active.fetch_sub(1, Ordering::Relaxed);
     }
 }
@@ -227,12 +248,16 @@ async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
                 next_id = next_id.wrapping_add(1);
                 shared.accepted.fetch_add(1, Ordering::Relaxed);
                 shared.active.fetch_add(1, Ordering::Relaxed);
-                let guard = ActiveGuard(Arc::clone(&shared));
+                // Listed before the task starts, so that `connections()` shows a
+                // connection as soon as it has been accepted.
+                let control = Arc::new(ConnControl::new());
+                shared.conns().insert(conn_id, Arc::clone(&control));
+                let guard = ActiveGuard(Arc::clone(&shared), conn_id);
                 let reset_rx = shared.reset_tx.subscribe();
                 let task_shared = Arc::clone(&shared);
                 shared.tracker.spawn(async move {
                     let _guard = guard;
-                    conn::serve(task_shared, conn_id, stream, reset_rx).await;
+                    conn::serve(task_shared, conn_id, control, stream, reset_rx).await;
                 });
             }
             Err(_) => {
@@ -301,6 +326,43 @@ impl WanemHandle {
         self.shared
             .reset_tx
             .send_modify(|epoch| *epoch = epoch.wrapping_add(1));
+    }
+
+    /// The live connections, by number, in accept order (the first connection
+    /// accepted is 0, and numbers are never reused). A connection is listed from its
+    /// accept until its task ends (both sides closed, reset or shut down).
+    pub fn connections(&self) -> Vec<u64> {
+        self.shared.conns().keys().copied().collect()
+    }
+
+    /// Closes connection `conn` only with a RST on both sides, like
+    /// [`reset_all`](Self::reset_all) does to all; counted in
+    /// [`WanemStats::resets`]. Returns whether that connection was live.
+    pub fn reset_connection(&self, conn: u64) -> bool {
+        self.shared
+            .conn(conn)
+            .is_some_and(|c| c.end(ConnEnd::Reset))
+    }
+
+    /// Closes connection `conn` only with a FIN on both sides (a write shutdown of
+    /// each socket, what it has in flight dropped), then reads and discards what
+    /// either end still sends until it closes too (at most [`FIN_LINGER`], then a
+    /// plain close). Returns whether that connection was live.
+    pub fn close_connection(&self, conn: u64) -> bool {
+        self.shared.conn(conn).is_some_and(|c| c.end(ConnEnd::Fin))
+    }
+
+    /// Holds every byte of `dir` on connection `conn` only, for `duration` from now,
+    /// as [`stall`](Self::stall) does for all (the proxy keeps reading until that
+    /// connection's in-flight limit is full, so its sender soon stops too): the other
+    /// connections keep flowing. Replaces that connection's stall in progress;
+    /// `Duration::ZERO` lifts it. A whole-line stall applies on top. Returns whether
+    /// that connection was live.
+    pub fn stall_connection(&self, conn: u64, dir: Direction, duration: Duration) -> bool {
+        self.shared.conn(conn).is_some_and(|c| {
+            c.stall(dir, duration);
+            true
+        })
     }
 
     /// Flips (XOR 0xFF) one byte, at a seeded random offset, of the next chunk
