@@ -1,7 +1,7 @@
 """The ``pdd-transport`` command: it parses the arguments and dispatches.
 
 Each command's work lives with its concept: ``demo`` in :mod:`pdd_transport.demo`,
-``bench handoff`` / ``radix`` / ``stream`` in :mod:`pdd_transport.bench`, ``wanem`` in
+``bench handoff`` / ``radix`` / ``soak`` / ``stream`` in :mod:`pdd_transport.bench`, ``wanem`` in
 :mod:`pdd_transport.wanem`. With ``--json`` stdout carries exactly one JSON object;
 progress and notes go to stderr either way.
 """
@@ -85,6 +85,23 @@ def _bench_stream(args: argparse.Namespace) -> dict[str, Any]:
     for code in result["notes"]:
         _progress(f"bench stream: {stream.NOTES[code]}")
     return result
+
+
+def _bench_soak(args: argparse.Namespace) -> dict[str, Any]:
+    from pdd_transport.bench import soak
+
+    cfg = soak.SoakConfig(
+        seconds=args.seconds,
+        concurrency=args.concurrency,
+        page_bytes=parse_size(args.page_bytes),
+        layers=args.layers,
+        lanes=args.lanes,
+        handoff_window=args.handoff_window,
+        warmup_s=args.warmup,
+        wan=_wan(args),
+        seed=args.seed,
+    )
+    return soak.run(cfg, _progress)
 
 
 def _wanem(args: argparse.Namespace) -> None:
@@ -236,6 +253,32 @@ def build_parser() -> argparse.ArgumentParser:
     radix.add_argument("--leaves", type=int, default=20_000, help="leaves for the eviction test (default 20000)")
     radix.add_argument("--seed", type=int, default=0)
     radix.set_defaults(run=_bench_radix)
+
+    soak = bench_sub.add_parser(
+        "soak",
+        help="concurrent KV transfers and token handoffs through wanem for a bounded time, all checked",
+        description="Keep --concurrency KV transfers live and --handoff-window handoffs open through "
+        "wanem for --seconds, verify every page's bytes and every handoff's tokens, and report "
+        "counts, rates, lost/duplicated/corrupted and the RSS growth after warm-up. See "
+        "docs/benchmarks.md.",
+    )
+    soak.add_argument("--json", action="store_true", help="print one JSON object")
+    soak.add_argument("--seconds", type=float, default=60.0, help="how long to run (default %(default)s)")
+    soak.add_argument(
+        "--warmup", type=float, help="seconds before the RSS baseline (default a third of --seconds, at most 20)"
+    )
+    soak.add_argument(
+        "--concurrency", type=int, default=1000, help="KV transfers kept live at once (default %(default)s)"
+    )
+    soak.add_argument("--page-bytes", default="4K", help="page size, one page per transfer (default %(default)s)")
+    soak.add_argument("--layers", type=int, default=2, help="layers per transfer (default %(default)s)")
+    soak.add_argument("--lanes", type=int, default=4, help="data lanes (default %(default)s)")
+    soak.add_argument(
+        "--handoff-window", type=int, default=512, help="handoff requests kept open at once (default %(default)s)"
+    )
+    _add_wan(soak, "the emulated line of both the KV lanes and the handoff link", "2", 0.0)
+    soak.add_argument("--seed", type=int, default=0)
+    soak.set_defaults(run=_bench_soak)
 
     stream = bench_sub.add_parser(
         "stream",

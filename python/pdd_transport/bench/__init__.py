@@ -7,7 +7,9 @@ the KV it replaces, round trips against pyzmq, handoffs through the WAN emulator
 generated agentic workload (``docs/radix.md``); :mod:`pdd_transport.bench.stream` KV
 streaming between two processes against baselines (iperf3, pyzmq PUSH/PULL, a plain
 Python socket) measured in the same run, with :mod:`pdd_transport.bench.peer` its
-receiving process (``docs/benchmarks.md``).
+receiving process; :mod:`pdd_transport.bench.soak` concurrent KV transfers and
+handoffs through wanem for a bounded time, every page and token checked
+(``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
