@@ -1,5 +1,6 @@
 """Faults on the real stack, through wanem: resets, one lane reset or closed, one lane
-gone silent, stalls, a blackhole, corrupted bytes, a receiver killed and restarted,
+gone silent, stalls, a blackhole, corrupted bytes, a receiver closed and restarted on
+the same port, a sender process killed (SIGKILL) mid-transfer and restarted,
 and the handoff link under a reset and under corruption.
 
 What every KV test holds the transport to:
@@ -24,6 +25,8 @@ and its data lanes the connections after it (``Wanem.connections``).
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -455,6 +458,123 @@ def test_receiver_killed_and_restarted_on_the_same_port(rig: Rig) -> None:
     rig.clean_transfer(DST, SRC, bound=20)
     rig.clean_transfer(DST2, SRC2)
     rig.check_ledger()
+
+
+# A sender in its own process: it connects (retrying while the receiver still holds a
+# previous session under the same node id), then for each request id read from stdin
+# queues the transfer of SRC and says so, and with "wait" also waits for the
+# receiver's confirmation.
+_SENDER = """
+import sys, time
+import numpy as np
+from pdd_transport import PddError, kv
+addr, layers, pages, page, src = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5]
+mem = np.random.default_rng(7).integers(0, 256, (layers, pages, page), dtype=np.uint8)
+pool = kv.pool_from_buffers(mem, page, num_layers=layers)
+deadline = time.monotonic() + 15
+while True:
+    try:
+        tx = kv.KvSender(pool, addr, lanes=2, node_id=42, block_bytes=page,
+                         heartbeat_s=0.1, dead_after_s=1.0, connect_timeout_s=2.0)
+        break
+    except PddError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.1)
+print("connected", flush=True)
+for line in sys.stdin:
+    rid, mode = line.split()
+    out = tx.wait_grant(int(rid), timeout=10)
+    for layer in range(layers):
+        out.send_layer(layer, [int(p) for p in src.split(",")])
+    out.finish()
+    print("queued", flush=True)
+    if mode == "wait":
+        print("done", out.wait(timeout=20), flush=True)
+"""
+
+
+class _SenderProcess:
+    def __init__(self, address: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SENDER, address, str(LAYERS), str(PAGES), str(PAGE), ",".join(map(str, SRC))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.line(30) == "connected"
+
+    def line(self, bound: float) -> str:
+        assert self.proc.stdout is not None
+        got: list[str] = []
+        reader = threading.Thread(target=lambda: got.append(self.proc.stdout.readline()))  # type: ignore[union-attr]
+        reader.start()
+        reader.join(bound)
+        if not got:
+            self.proc.kill()
+            pytest.fail(f"the sender process said nothing within {bound} s")
+        return got[0].strip()
+
+    def send(self, request_id: int, mode: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{request_id} {mode}\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                f.close()
+
+
+def test_sender_process_killed_mid_transfer_then_restarted() -> None:
+    rx_mem = np.zeros((LAYERS, PAGES, PAGE), dtype=np.uint8)
+    rx = kv.KvReceiver(kv.pool_from_buffers(rx_mem, PAGE, num_layers=LAYERS), heartbeat_s=HEARTBEAT, dead_after_s=DEAD_AFTER)
+    wan = Wanem(rx.address, rtt_ms=2)
+    src_mem = np.random.default_rng(7).integers(0, 256, (LAYERS, PAGES, PAGE), dtype=np.uint8)
+    first = _SenderProcess(wan.address_str)
+    second: _SenderProcess | None = None
+    try:
+        rx.wait_peer(42, timeout=10)
+        wan.stall(30, "client_to_upstream")  # the transfer is in flight when it dies
+        inbound = rx.grant(1, DST, peer=42)
+        first.send(1, "queue")
+        assert first.line(10) == "queued"
+        first.proc.kill()
+        first.proc.wait(10)
+        wan.stall(0)
+        # The receiver fails the transfer, typed, within its bound.
+        wait_until(lambda: inbound.status()["state"] != "in_progress", DEAD_AFTER + 5, "the receiver ends it")
+        status = inbound.status()
+        assert status["state"] == "failed" and status["reason"] in FAULT_REASONS, status
+        # A new process with the same node id takes over; the pages carry its transfer.
+        second = _SenderProcess(wan.address_str)
+        rx.wait_peer(42, timeout=10)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                again = rx.grant(2, DST, peer=42)
+                break
+            except PddError as exc:  # pages still draining, or the old session ending
+                assert exc.reason in ("pages_busy", "connection_lost"), exc
+                assert time.monotonic() < deadline, exc
+                time.sleep(0.05)
+        rx_mem[:, DST] = 0
+        second.send(2, "wait")
+        assert second.line(10) == "queued"
+        assert second.line(20) == f"done {LAYERS * len(DST) * PAGE}"
+        assert again.wait(timeout=10) == LAYERS * len(DST) * PAGE
+        for d, s in zip(DST, SRC):
+            assert np.array_equal(rx_mem[:, d], src_mem[:, s])
+        m = rx.metrics()
+        assert m["transfers_completed_total"] == 1 and m["transfers_in_flight"] == 0, m
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+        wan.close()
+        rx.close()
 
 
 # ---- the handoff link ----------------------------------------------------------------
