@@ -674,6 +674,16 @@ def _run_handoffs(fault: Callable[[Wanem, RelayLink], None]) -> None:
                 position = h.end_position
             assert [h.final for h in handoffs] == [False] * (len(handoffs) - 1) + [True]
             assert np.concatenate([h.token_ids for h in handoffs]).tolist() == tokens
+        # The fault did happen (a corruption fires on the next chunk, a heartbeat at
+        # the latest).
+        stats = wan.stats()
+        fired = (
+            stats["resets"]
+            + stats["client_to_upstream"]["chunks_corrupted"]
+            + stats["upstream_to_client"]["chunks_corrupted"]
+        )
+        assert fired == 1, stats
+        assert relay.stats()["connects"] >= 2, "the link reconnected after the fault"
     finally:
         relay.close()
         wan.close()
