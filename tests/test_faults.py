@@ -474,7 +474,7 @@ pool = kv.pool_from_buffers(mem, page, num_layers=layers)
 deadline = time.monotonic() + 15
 while True:
     try:
-        tx = kv.KvSender(pool, addr, lanes=2, node_id=42, block_bytes=page,
+        tx = kv.KvSender(pool, addr, lanes=2, node_id=42, block_bytes=page, socket_buffer=1 << 16,
                          heartbeat_s=0.1, dead_after_s=1.0, connect_timeout_s=2.0)
         break
     except PddError:
@@ -531,7 +531,10 @@ class _SenderProcess:
 def test_sender_process_killed_mid_transfer_then_restarted() -> None:
     rx_mem = np.zeros((LAYERS, PAGES, PAGE), dtype=np.uint8)
     rx = kv.KvReceiver(kv.pool_from_buffers(rx_mem, PAGE, num_layers=LAYERS), heartbeat_s=HEARTBEAT, dead_after_s=DEAD_AFTER)
-    wan = Wanem(rx.address, rtt_ms=2)
+    # Small buffers on the way (64 KiB socket buffers at the sender, 64 KiB in flight
+    # per connection in wanem), so that most of the 1 MiB is still in the sender's
+    # process when it dies.
+    wan = Wanem(rx.address, rtt_ms=2, max_in_flight=1 << 16)
     src_mem = np.random.default_rng(7).integers(0, 256, (LAYERS, PAGES, PAGE), dtype=np.uint8)
     first = _SenderProcess(wan.address_str)
     second: _SenderProcess | None = None
@@ -544,10 +547,16 @@ def test_sender_process_killed_mid_transfer_then_restarted() -> None:
         first.proc.kill()
         first.proc.wait(10)
         wan.stall(0)
-        # The receiver fails the transfer, typed, within its bound.
+        # The receiver ends the transfer within its bound: failed, typed, or (if every
+        # byte had left the process before it died: the kernel still delivers what
+        # was in its socket buffers) complete with every page intact.
         wait_until(lambda: inbound.status()["state"] != "in_progress", DEAD_AFTER + 5, "the receiver ends it")
         status = inbound.status()
-        assert status["state"] == "failed" and status["reason"] in FAULT_REASONS, status
+        if status["state"] == "complete":
+            for d, s in zip(DST, SRC):
+                assert np.array_equal(rx_mem[:, d], src_mem[:, s])
+        else:
+            assert status["reason"] in FAULT_REASONS, status
         # A new process with the same node id takes over; the pages carry its transfer.
         second = _SenderProcess(wan.address_str)
         rx.wait_peer(42, timeout=10)
@@ -568,7 +577,8 @@ def test_sender_process_killed_mid_transfer_then_restarted() -> None:
         for d, s in zip(DST, SRC):
             assert np.array_equal(rx_mem[:, d], src_mem[:, s])
         m = rx.metrics()
-        assert m["transfers_completed_total"] == 1 and m["transfers_in_flight"] == 0, m
+        completed = 1 + (status["state"] == "complete")
+        assert m["transfers_completed_total"] == completed and m["transfers_in_flight"] == 0, m
     finally:
         first.stop()
         if second is not None:
