@@ -31,6 +31,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -48,7 +50,23 @@ from pdd_transport import (
     TransportError,
     kv,
 )
+from pdd_transport import security as pdd_security
 from pdd_transport.wanem import Wanem
+
+SECRET = b"fault-suite secret"
+
+
+def secured(mode: str, tmp: Path, accepting: str, connecting: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Keyword arguments of the accepting and the connecting endpoint: ``"plain"``
+    (nothing), or ``"mtls"`` (TLS 1.3 with mutual authentication and a secret: every
+    byte under an AEAD, so a flipped byte is a record the receiver cannot open)."""
+    if mode == "plain":
+        return {}, {}
+    pki = pdd_security.test_pki(tmp, [accepting, connecting])
+    return (
+        {"secret": SECRET, "tls": pki.tls(accepting, server_name=accepting, allowed_peers=[connecting])},
+        {"secret": SECRET, "tls": pki.tls(connecting, server_name=accepting)},
+    )
 
 LAYERS, PAGES, PAGE = 2, 32, 64 << 10
 HEARTBEAT, DEAD_AFTER = 0.1, 1.0
@@ -91,7 +109,15 @@ class Ledger:
 class Rig:
     """A receiver, wanem in front of it, and a sender through wanem."""
 
-    def __init__(self, *, lanes: int = 2, block_bytes: int = PAGE, rx_dead_after: float = DEAD_AFTER) -> None:
+    def __init__(
+        self,
+        *,
+        lanes: int = 2,
+        block_bytes: int = PAGE,
+        rx_dead_after: float = DEAD_AFTER,
+        security: tuple[dict[str, Any], dict[str, Any]] = ({}, {}),
+    ) -> None:
+        self.rx_security, tx_security = security
         self.rx_mem = np.zeros((LAYERS, PAGES, PAGE), dtype=np.uint8)
         self.rx_pool = kv.pool_from_buffers(self.rx_mem, PAGE, num_layers=LAYERS)
         self.tx_mem = np.random.default_rng(7).integers(0, 256, (LAYERS, PAGES, PAGE), dtype=np.uint8)
@@ -108,6 +134,7 @@ class Rig:
             heartbeat_s=HEARTBEAT,
             dead_after_s=DEAD_AFTER,
             connect_timeout_s=2.0,
+            **tx_security,
         )
         self.rx.wait_peer(42, timeout=10)
         wait_until(lambda: len(self.wan.connections()) == 1 + lanes, 10, "all lanes connected")
@@ -116,7 +143,7 @@ class Rig:
 
     def _receiver(self, listen: str) -> kv.KvReceiver:
         return kv.KvReceiver(
-            self.rx_pool, listen, heartbeat_s=HEARTBEAT, dead_after_s=self.rx_dead_after
+            self.rx_pool, listen, heartbeat_s=HEARTBEAT, dead_after_s=self.rx_dead_after, **self.rx_security
         )
 
     def restart_receiver(self) -> None:
@@ -264,6 +291,14 @@ def rig() -> Iterator[Rig]:
     r.close()
 
 
+@pytest.fixture(params=["plain", "mtls"])
+def any_rig(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Rig]:
+    """A rig over plain TCP, and one under mutual TLS and a secret."""
+    r = Rig(security=secured(request.param, tmp_path, "md.test", "p.test"))
+    yield r
+    r.close()
+
+
 DST, SRC = list(range(8)), list(range(16, 24))
 DST2, SRC2 = list(range(8, 16)), list(range(24, 32))
 
@@ -281,7 +316,8 @@ def held_transfer(r: Rig, deadline_s: float | None = None) -> tuple[kv.InboundTr
 # ---- the whole line -------------------------------------------------------------------
 
 
-def test_reset_all_mid_transfer_fails_typed_and_the_sender_goes_on(rig: Rig) -> None:
+def test_reset_all_mid_transfer_fails_typed_and_the_sender_goes_on(any_rig: Rig) -> None:
+    rig = any_rig
     rig.clean_transfer(DST2, SRC2)
     inbound, out = held_transfer(rig)
     rig.wan.reset_all()
@@ -328,7 +364,8 @@ def test_blackhole_fails_typed_and_the_sender_recovers_after_the_lift(rig: Rig) 
 
 
 @pytest.mark.parametrize("direction", ["client_to_upstream", "upstream_to_client"])
-def test_a_corrupted_byte_fails_typed_and_never_lands(rig: Rig, direction: str) -> None:
+def test_a_corrupted_byte_fails_typed_and_never_lands(any_rig: Rig, direction: str) -> None:
+    rig = any_rig
     inbound, out = held_transfer(rig)
     rig.wan.corrupt_next(direction)  # type: ignore[arg-type]
     rig.wan.stall(0)
@@ -617,11 +654,21 @@ def _md_engine(main: MainLink, requests: int, out: dict[int, list[Handoff]], fai
             main.report_progress(event.request_id, event.end_position)
 
 
-def _run_handoffs(fault: Callable[[Wanem, RelayLink], None]) -> None:
-    main = MainLink.listen("127.0.0.1:0", timers=TIMERS, heartbeat_interval=HEARTBEAT, dead_after=DEAD_AFTER)
+def _run_handoffs(
+    fault: Callable[[Wanem, RelayLink], None], security: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
+) -> None:
+    md_security, rld_security = security
+    main = MainLink.listen(
+        "127.0.0.1:0", timers=TIMERS, heartbeat_interval=HEARTBEAT, dead_after=DEAD_AFTER, **md_security
+    )
     wan = Wanem(main.address, rtt_ms=2)
     relay = RelayLink.connect(
-        wan.address_str, policy=CATCH_UP, timers=TIMERS, heartbeat_interval=HEARTBEAT, dead_after=DEAD_AFTER
+        wan.address_str,
+        policy=CATCH_UP,
+        timers=TIMERS,
+        heartbeat_interval=HEARTBEAT,
+        dead_after=DEAD_AFTER,
+        **rld_security,
     )
     try:
         main.wait_connected(5.0)
@@ -701,13 +748,17 @@ def _run_handoffs(fault: Callable[[Wanem, RelayLink], None]) -> None:
         main.close()
 
 
-def test_handoff_link_survives_a_reset_exactly_once_in_order() -> None:
-    _run_handoffs(lambda wan, relay: wan.reset_all())
+@pytest.mark.parametrize("mode", ["plain", "mtls"])
+def test_handoff_link_survives_a_reset_exactly_once_in_order(mode: str, tmp_path: Path) -> None:
+    _run_handoffs(lambda wan, relay: wan.reset_all(), secured(mode, tmp_path, "md.test", "rld.test"))
 
 
+@pytest.mark.parametrize("mode", ["plain", "mtls"])
 @pytest.mark.parametrize("direction", ["client_to_upstream", "upstream_to_client"])
-def test_handoff_link_recovers_from_a_corrupted_byte_like_from_a_reset(direction: str) -> None:
+def test_handoff_link_recovers_from_a_corrupted_byte_like_from_a_reset(
+    direction: str, mode: str, tmp_path: Path
+) -> None:
     def corrupt(wan: Wanem, relay: RelayLink) -> None:
         wan.corrupt_next(direction)  # type: ignore[arg-type]
 
-    _run_handoffs(corrupt)
+    _run_handoffs(corrupt, secured(mode, tmp_path, "md.test", "rld.test"))
