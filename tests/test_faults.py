@@ -354,7 +354,7 @@ def test_a_reset_fails_transfers_connection_lost_never_cancelled(rig: Rig) -> No
     can fail (writing a PING into the reset socket) before its reader sees the reset;
     the writer cancels the session without recording why
     (rust/pdd-io/src/receiver.rs:941-943), and the reader then ends it with
-    ``Cancelled { "session closed" }`` (receiver.rs:949-955), so the transfers fail
+    ``Cancelled { "session closed" }`` (receiver.rs:949-957), so the transfers fail
     with reason ``cancelled``, which docs/kv.md reserves for "the receiver cancels".
     Expected: ``connection_lost`` every time (the writer should record a
     ConnectionLost in ``death`` before cancelling). This test repeats the reset to
