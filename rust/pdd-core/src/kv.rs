@@ -201,6 +201,8 @@ pub struct ReceiverState {
     /// Transfers that ended recently, with their owners: late blocks for them from
     /// their owner are drained, not fatal.
     recently_ended: VecDeque<(u64, u64)>,
+    /// The same ids, for lookups in O(1): id -> owner.
+    ended_owner: HashMap<u64, u64>,
     next_transfer_id: u64,
 }
 
@@ -232,6 +234,7 @@ impl ReceiverState {
             live: HashMap::new(),
             draining: HashMap::new(),
             recently_ended: VecDeque::new(),
+            ended_owner: HashMap::new(),
             next_transfer_id: 1,
         })
     }
@@ -268,7 +271,7 @@ impl ReceiverState {
         transfer_id == 0
             || self.live.contains_key(&transfer_id)
             || self.draining.contains_key(&transfer_id)
-            || self.recently_ended.iter().any(|&(id, _)| id == transfer_id)
+            || self.ended_owner.contains_key(&transfer_id)
     }
 
     /// Grant pool pages `dest_pages` (in grant order) on layers `0..layer_count` for a
@@ -376,7 +379,7 @@ impl ReceiverState {
                 .draining
                 .get(&block.transfer_id)
                 .is_some_and(|d| d.2 == owner)
-                || self.recently_ended.contains(&(block.transfer_id, owner))
+                || self.ended_owner.get(&block.transfer_id) == Some(&owner)
             {
                 return Ok(BlockDisposition::Drain);
             }
@@ -483,7 +486,7 @@ impl ReceiverState {
             .get_mut(&done.transfer_id)
             .filter(|t| t.owner == owner)
         else {
-            if self.recently_ended.contains(&(done.transfer_id, owner)) {
+            if self.ended_owner.get(&done.transfer_id) == Some(&owner) {
                 return Ok(Vec::new());
             }
             return Err(Error::UnknownTransfer {
@@ -594,9 +597,12 @@ impl ReceiverState {
             self.release_pages(transfer_id, &t.dest_pages);
         }
         if self.recently_ended.len() == RECENTLY_ENDED {
-            self.recently_ended.pop_front();
+            if let Some((old, _)) = self.recently_ended.pop_front() {
+                self.ended_owner.remove(&old);
+            }
         }
         self.recently_ended.push_back((transfer_id, t.owner));
+        self.ended_owner.insert(transfer_id, t.owner);
         let request_id = t.grant.request_id;
         vec![match error {
             None => TransferEvent::Complete {

@@ -927,6 +927,7 @@ async fn control_session(
     let (shared_heartbeat, writer_metrics) = (shared.cfg.heartbeat, shared.metrics.clone());
 
     let writer_cancel = cancel.clone();
+    let writer_death = death.clone();
     let writer_task = tokio::spawn(async move {
         let outcome = lane::control_writer(
             writer,
@@ -938,7 +939,10 @@ async fn control_session(
             now_ns,
         )
         .await;
-        if outcome.is_err() {
+        if let Err(detail) = outcome {
+            // The write can fail (a reset) before the reader sees it: say why, or the
+            // session's transfers would fail as if the receiver had cancelled them.
+            lock(&writer_death).get_or_insert(Error::ConnectionLost { detail });
             writer_cancel.cancel();
         }
     });
