@@ -107,7 +107,11 @@ pub async fn write_frame<S: AsyncWrite + Unpin>(
 ) -> Result<(), Error> {
     let mut buf = BytesMut::new();
     encode_frame(frame, max_payload, &mut buf)?;
-    stream.write_all(&buf).await.map_err(|e| lost(e, "write"))
+    stream.write_all(&buf).await.map_err(|e| lost(e, "write"))?;
+    // On TLS, bytes a write accepted may still sit in rustls's record buffer (the
+    // socket would have blocked): flush, or they wait for the next write. A no-op on
+    // plain TCP.
+    stream.flush().await.map_err(|e| lost(e, "write"))
 }
 
 /// Refuse to listen on a non-loopback address without a root secret, unless

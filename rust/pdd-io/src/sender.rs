@@ -691,6 +691,18 @@ async fn write_block<W: tokio::io::AsyncWrite + Unpin>(
         }
         IoSlice::advance_slices(&mut bufs, n);
     }
+    // A TLS write that found the socket full still reports the bytes it took into
+    // rustls's record buffer; they leave only on the next write or a flush, and the
+    // next block may be long in coming (or go to another lane): flush now. A no-op on
+    // plain TCP.
+    tokio::time::timeout(stall, wr.flush())
+        .await
+        .map_err(|_| Error::ConnectionLost {
+            detail: format!("data lane stalled: no byte taken for {stall:?}"),
+        })?
+        .map_err(|e| Error::ConnectionLost {
+            detail: format!("data lane write: {e}"),
+        })?;
     Ok(())
 }
 
