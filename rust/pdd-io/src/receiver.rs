@@ -1241,12 +1241,6 @@ async fn read_block(
     // the dead-peer bound, or the lane (and its session) is lost: a lane stalled
     // mid-frame while the control lane stays healthy must not hold its transfer.
     let stall = shared.cfg.dead_after;
-    let stalled = |_| {
-        std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("stalled mid-block: no byte for {stall:?}"),
-        )
-    };
     let mut head = [0u8; HEADER_LEN + KV_PAGES_FIXED_LEN];
     // One read usually brings the frame header and the block's fixed fields together
     // (a KV_PAGES frame is never shorter, so this never reads into the next frame);
@@ -1257,10 +1251,8 @@ async fn read_block(
         return Ok(false);
     }
     if got < HEADER_LEN {
-        tokio::time::timeout(stall, stream.read_exact(&mut head[got..HEADER_LEN]))
+        within_stall(stall, stream.read_exact(&mut head[got..HEADER_LEN]))
             .await
-            .map_err(stalled)
-            .and_then(|r| r)
             .map_err(lost)?;
         got = HEADER_LEN;
     }
@@ -1274,10 +1266,8 @@ async fn read_block(
             detail: "only KV_PAGES travels on a data lane".into(),
         });
     }
-    tokio::time::timeout(stall, stream.read_exact(&mut head[got..]))
+    within_stall(stall, stream.read_exact(&mut head[got..]))
         .await
-        .map_err(stalled)
-        .and_then(|r| r)
         .map_err(lost)?;
     let mut fixed = [0u8; KV_PAGES_FIXED_LEN];
     fixed.copy_from_slice(&head[HEADER_LEN..]);
@@ -1290,10 +1280,8 @@ async fn read_block(
             let mut left = block.data_len();
             while left > 0 {
                 let n = left.min(scratch.len() as u64) as usize;
-                tokio::time::timeout(stall, stream.read_exact(&mut scratch[..n]))
+                within_stall(stall, stream.read_exact(&mut scratch[..n]))
                     .await
-                    .map_err(stalled)
-                    .and_then(|r| r)
                     .map_err(lost)?;
                 left -= n as u64;
             }
@@ -1342,6 +1330,19 @@ async fn read_block(
     }
 }
 
+/// One read inside a block, which must bring bytes within `stall`.
+async fn within_stall<T>(
+    stall: Duration,
+    step: impl std::future::Future<Output = std::io::Result<T>>,
+) -> std::io::Result<T> {
+    tokio::time::timeout(stall, step).await.unwrap_or_else(|_| {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("stalled mid-block: no byte for {stall:?}"),
+        ))
+    })
+}
+
 /// Fill every page completely, with vectored reads straight into them.
 async fn read_into_pages(
     stream: &mut LaneStream,
@@ -1353,14 +1354,7 @@ async fn read_into_pages(
         tls => {
             // TLS decrypts record by record into each page in turn.
             for page in pages.iter_mut() {
-                tokio::time::timeout(stall, tls.read_exact(page))
-                    .await
-                    .map_err(|_| {
-                        std::io::Error::new(
-                            std::io::ErrorKind::TimedOut,
-                            format!("stalled mid-block: no byte for {stall:?}"),
-                        )
-                    })??;
+                within_stall(stall, tls.read_exact(page)).await?;
             }
             return Ok(());
         }
@@ -1372,14 +1366,7 @@ async fn read_into_pages(
             batch.iter_mut().map(|p| IoSliceMut::new(p)).collect();
         let mut bufs: &mut [IoSliceMut<'_>] = &mut slices;
         while !bufs.is_empty() {
-            tokio::time::timeout(stall, stream.readable())
-                .await
-                .map_err(|_| {
-                    std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        format!("stalled mid-block: no byte for {stall:?}"),
-                    )
-                })??;
+            within_stall(stall, stream.readable()).await?;
             match stream.try_read_vectored(bufs) {
                 Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
                 Ok(n) => IoSliceMut::advance_slices(&mut bufs, n),

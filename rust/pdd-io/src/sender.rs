@@ -676,14 +676,7 @@ async fn write_block<W: tokio::io::AsyncWrite + Unpin>(
     while !bufs.is_empty() {
         // At most IOV_MAX (1024) slices per writev.
         let upto = bufs.len().min(1024);
-        let n = tokio::time::timeout(stall, wr.write_vectored(&bufs[..upto]))
-            .await
-            .map_err(|_| Error::ConnectionLost {
-                detail: format!("data lane stalled: no byte taken for {stall:?}"),
-            })?
-            .map_err(|e| Error::ConnectionLost {
-                detail: format!("data lane write: {e}"),
-            })?;
+        let n = progress(stall, wr.write_vectored(&bufs[..upto])).await?;
         if n == 0 {
             return Err(Error::ConnectionLost {
                 detail: "data lane closed".into(),
@@ -695,15 +688,22 @@ async fn write_block<W: tokio::io::AsyncWrite + Unpin>(
     // rustls's record buffer; they leave only on the next write or a flush, and the
     // next block may be long in coming (or go to another lane): flush now. A no-op on
     // plain TCP.
-    tokio::time::timeout(stall, wr.flush())
+    progress(stall, wr.flush()).await
+}
+
+/// One data-lane write step, which must make progress within `stall`.
+async fn progress<T>(
+    stall: Duration,
+    step: impl std::future::Future<Output = std::io::Result<T>>,
+) -> Result<T, Error> {
+    tokio::time::timeout(stall, step)
         .await
         .map_err(|_| Error::ConnectionLost {
             detail: format!("data lane stalled: no byte taken for {stall:?}"),
         })?
         .map_err(|e| Error::ConnectionLost {
             detail: format!("data lane write: {e}"),
-        })?;
-    Ok(())
+        })
 }
 
 /// The sender's handle on one grant.
