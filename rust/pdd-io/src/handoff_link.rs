@@ -32,7 +32,8 @@ use pdd_core::handoff::{HandoffPolicy, HandoffTimers, MainSide, RelayDecision, R
 use pdd_core::time::Timestamp;
 use pdd_core::wire::handshake::{AuthBytes, LocalHello, Negotiated};
 use pdd_core::wire::{
-    capability, encode_frame, AbortReason, Frame, FrameDecoder, Ping, Role, DEFAULT_MAX_PAYLOAD,
+    capability, encode_frame, AbortReason, Frame, FrameDecoder, HandoffAck, Ping, Role,
+    DEFAULT_MAX_PAYLOAD,
 };
 use pdd_core::Error;
 use tokio::net::{TcpListener, TcpStream};
@@ -55,6 +56,9 @@ pub use pdd_core::handoff::router::{
 /// Bytes a link may hold encoded but not taken by the socket (beyond the kernel's
 /// buffers). Handoff traffic is small: this only fills when the peer stops reading.
 pub const MAX_UNWRITTEN_BYTES: usize = 4 << 20;
+
+/// HANDOFFs awaiting their ack whose send time is kept for the round-trip histogram.
+const MAX_HANDOFFS_TIMED: u64 = 65_536;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -268,6 +272,13 @@ impl LinkStats {
 
 #[derive(Default)]
 struct Counters {
+    /// Seconds from a HANDOFF's first send to the HANDOFF_ACK that covers it.
+    handoff_round_trip: crate::metrics::Histogram,
+    /// HANDOFFs sent and not acked yet: request -> (seq, first send in ns of the
+    /// link clock), in send order.
+    handoff_sent: Mutex<HashMap<u64, Vec<(u32, u64)>>>,
+    /// Entries of `handoff_sent`, against [`MAX_HANDOFFS_TIMED`].
+    handoffs_timed: AtomicU64,
     connects: AtomicU64,
     connections_lost: AtomicU64,
     dead_peer: AtomicU64,
@@ -423,6 +434,7 @@ impl<M: HandoffMachine> Shared<M> {
         };
         let send_max = conn.send_max;
         let mut sent = 0;
+        self.note_handoffs_sent(frames);
         for f in frames {
             // Machines only emit valid frames under the 64 KiB floor; an error here
             // is a bug, counted as a drop rather than a broken connection.
@@ -514,6 +526,54 @@ impl<M: HandoffMachine> Shared<M> {
         }
     }
 
+    /// Remember when each HANDOFF first left (a replay keeps the first time), for
+    /// the round-trip histogram. Bounded: handoffs of requests that ended without
+    /// an ack stay until the cap, when the table starts over (the handoffs then in
+    /// flight go unmeasured).
+    fn note_handoffs_sent(&self, frames: &[Frame]) {
+        let mut sent = None;
+        for f in frames {
+            let Frame::Handoff(h) = f else { continue };
+            let map = sent.get_or_insert_with(|| lock(&self.counters.handoff_sent));
+            let timed = &self.counters.handoffs_timed;
+            if timed.load(Ordering::Relaxed) >= MAX_HANDOFFS_TIMED {
+                map.clear();
+                timed.store(0, Ordering::Relaxed);
+            }
+            let seqs = map.entry(h.request_id).or_default();
+            if !seqs.iter().any(|&(seq, _)| seq == h.seq) {
+                seqs.push((h.seq, self.now().as_nanos()));
+                timed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// A HANDOFF_ACK covers every handoff of its request up to `acked_seq` (all of
+    /// them when final): each one's round trip is recorded once.
+    fn note_handoff_ack(&self, ack: &HandoffAck) {
+        let now = self.now().as_nanos();
+        let mut map = lock(&self.counters.handoff_sent);
+        let Some(seqs) = map.get_mut(&ack.request_id) else {
+            return;
+        };
+        let before = seqs.len();
+        seqs.retain(|&(seq, at)| {
+            let covered = ack.final_ || seq <= ack.acked_seq;
+            if covered {
+                let rtt = Duration::from_nanos(now.saturating_sub(at));
+                self.counters.handoff_round_trip.observe(rtt);
+            }
+            !covered
+        });
+        let done = (before - seqs.len()) as u64;
+        if seqs.is_empty() {
+            map.remove(&ack.request_id);
+        }
+        self.counters
+            .handoffs_timed
+            .fetch_sub(done, Ordering::Relaxed);
+    }
+
     fn send_control(&self, frame: Frame) {
         // Control frames (PING/PONG) never touch a machine; ordering against handoff
         // frames does not matter, so the router lock is not needed.
@@ -536,6 +596,10 @@ impl<M: HandoffMachine> Shared<M> {
                     if let Some(tx) = lock(&self.pings).remove(&p.nonce) {
                         let _ = tx.send(rtt);
                     }
+                }
+                Frame::HandoffAck(a) => {
+                    self.note_handoff_ack(&a);
+                    handoff.push(Frame::HandoffAck(a));
                 }
                 other => handoff.push(other),
             }
@@ -1134,6 +1198,25 @@ impl<M: HandoffMachine> HandoffLink<M> {
     /// Counters.
     pub fn stats(&self) -> LinkStats {
         self.shared.stats()
+    }
+
+    /// Round trips of handoffs: first send of a HANDOFF to the HANDOFF_ACK covering
+    /// it (RLD's side; MD sends acks and records nothing).
+    pub fn handoff_round_trip(&self) -> crate::metrics::HistogramSnapshot {
+        self.shared.counters.handoff_round_trip.snapshot()
+    }
+
+    /// Prometheus text: the counters ([`LinkStats::prometheus`]) and the handoff
+    /// round-trip histogram.
+    pub fn prometheus(&self, endpoint: &str) -> String {
+        let mut out = self.stats().prometheus(endpoint);
+        self.handoff_round_trip().prometheus_into(
+            &mut out,
+            "pdd_transport_handoff_round_trip_seconds",
+            "seconds from a HANDOFF's first send to the HANDOFF_ACK covering it",
+            endpoint,
+        );
+        out
     }
 
     /// Drop the current connection as if the network had reset it (tests, and

@@ -577,6 +577,7 @@ fn apply(shared: &Shared, events: Vec<TransferEvent>) {
             } => {
                 Metrics::add(&shared.metrics.transfers_completed_total, 1);
                 if let Some(t) = transfers.remove(transfer_id) {
+                    shared.metrics.transfer_seconds.observe(t.started.elapsed());
                     let seconds = t.started.elapsed().as_secs_f64();
                     if seconds > 0.0 {
                         Metrics::set(
