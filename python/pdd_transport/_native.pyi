@@ -62,7 +62,6 @@ __all__ = [
     "RelayLink",
     "MainLink",
     "HandoffPair",
-    "BenchWanem",
     "TlsConfig",
     "make_test_pki",
 ]
@@ -830,16 +829,6 @@ class HandoffPair:
     def in_flight(self) -> int: ...
     def reconnect(self) -> None: ...
     def drop_in_flight(self) -> int: ...
-
-@final
-class BenchWanem:
-    """WAN emulator for ``bench handoff --wan``: delay ``rtt_ms/2`` and uniform jitter
-    ``+-jitter_ms/2`` each way."""
-
-    def __new__(cls, upstream: str, rtt_ms: float, jitter_ms: float, *, seed: int = 0) -> BenchWanem: ...
-    @property
-    def address(self) -> str: ...
-    def close(self) -> None: ...
 
 @final
 class TlsConfig:

@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from typing import Literal, TypeAlias
 
 from pdd_transport._native import (
-    BenchWanem,
     Handoff,
     HandoffFailed,
     HandoffFinished,
@@ -39,7 +38,6 @@ from pdd_transport._native import (
 )
 
 __all__ = [
-    "BenchWanem",
     "Decision",
     "Handoff",
     "HandoffFailed",

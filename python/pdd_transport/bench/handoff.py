@@ -241,7 +241,8 @@ class _HandoffBench:
     """
 
     def __init__(self, token_ids: list[int], wan: tuple[float, float] | None, seed: int, processes: bool) -> None:
-        from pdd_transport.handoff import BenchWanem, HandoffPolicy, RelayLink
+        from pdd_transport.handoff import HandoffPolicy, RelayLink
+        from pdd_transport.wanem import Wanem
 
         self.token_ids = token_ids
         policy = HandoffPolicy(
@@ -249,11 +250,12 @@ class _HandoffBench:
             max_eager_tokens=min(16_000, len(token_ids) + 2),
         )
         self.md: _MdEngine | _MdRemote = _MdRemote() if processes else _MdEngine()
-        self.wanem = None
+        self.wanem: Wanem | None = None
         target = self.md.address
         if wan is not None:
-            self.wanem = BenchWanem(self.md.address, wan[0], wan[1], seed=seed)
-            target = self.wanem.address
+            # One-way delay RTT/2 and uniform jitter +-J/2 each way, no rate cap.
+            self.wanem = Wanem(self.md.address, rtt_ms=wan[0], jitter_ms=wan[1] / 2, seed=seed)
+            target = self.wanem.address_str
         self.rld = RelayLink.connect(
             target, policy=policy, timers=_bench_timers(), connect_timeout=10.0
         )

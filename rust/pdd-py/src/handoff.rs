@@ -9,23 +9,22 @@
 //! emulator for `pdd-transport bench handoff --wan` (the wanem binding proper is a
 //! separate module).
 
-use std::collections::VecDeque;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use numpy::PyArray1;
+use pdd_core::handoff::pair::Pair as SimPair;
 use pdd_core::handoff::{
     HandoffPolicy as CorePolicy, HandoffTimers as CoreTimers, MainEvent, RelayDecision, RelayEvent,
 };
 use pdd_core::time::Timestamp;
-use pdd_core::wire::{AbortReason, Frame};
+use pdd_core::wire::AbortReason;
 use pdd_core::Error;
 use pdd_io::handoff_link::{
     EventQueue, LinkConfig, LinkEvent, MainLink as IoMainLink, MainRouter, Outbox,
     RelayLink as IoRelayLink, RelayRouter,
 };
-use pdd_io::wanem::{Jitter, LinkProfile, Wanem, WanemConfig, WanemHandle};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
@@ -43,7 +42,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RelayLink>()?;
     m.add_class::<MainLink>()?;
     m.add_class::<HandoffPair>()?;
-    m.add_class::<BenchWanem>()?;
     Ok(())
 }
 
@@ -435,180 +433,55 @@ fn decision_name(d: RelayDecision) -> &'static str {
 // The in-process pair.
 // ---------------------------------------------------------------------------------
 
-struct PairState {
-    relay: RelayRouter,
-    main: MainRouter,
-    now: Timestamp,
-    to_main: VecDeque<Frame>,
-    to_relay: VecDeque<Frame>,
-    auto_deliver: bool,
-    delivered: u64,
-}
-
+/// The core's [`SimPair`] behind a lock, and the engine-facing event queues its events
+/// are moved to after each call (the Python side waits on those like on a link's).
 struct PairInner {
-    state: Mutex<PairState>,
+    pair: Mutex<SimPair>,
     relay_events: EventQueue<LinkEvent<RelayEvent>>,
     main_events: EventQueue<LinkEvent<MainEvent>>,
 }
 
-/// Most timer firings one `advance` runs, so a machine that re-arms in the past
-/// cannot spin forever.
-const MAX_TIMER_STEPS: usize = 1_000_000;
-
 impl PairInner {
+    /// Run `f` on the pair, then hand both sides' new events to their queues.
+    fn with<T>(&self, f: impl FnOnce(&mut SimPair) -> T) -> T {
+        let mut pair = lock(&self.pair);
+        let v = f(&mut pair);
+        self.relay_events.push_all(pair.take_relay_events());
+        self.main_events.push_all(pair.take_main_events());
+        v
+    }
+
     fn relay_op<T>(
         &self,
         f: impl FnOnce(&mut RelayRouter, Timestamp, &mut Outbox<RelayEvent>) -> T,
     ) -> T {
-        let mut st = lock(&self.state);
-        let mut out = Outbox::default();
-        let now = st.now;
-        let v = f(&mut st.relay, now, &mut out);
-        st.to_main.extend(out.frames);
-        self.relay_events.push_all(out.events);
-        if st.auto_deliver {
-            self.pump(&mut st);
-        }
-        v
+        self.with(|p| p.relay_op(f))
     }
 
     fn main_op<T>(
         &self,
         f: impl FnOnce(&mut MainRouter, Timestamp, &mut Outbox<MainEvent>) -> T,
     ) -> T {
-        let mut st = lock(&self.state);
-        let mut out = Outbox::default();
-        let now = st.now;
-        let v = f(&mut st.main, now, &mut out);
-        st.to_relay.extend(out.frames);
-        self.main_events.push_all(out.events);
-        if st.auto_deliver {
-            self.pump(&mut st);
-        }
-        v
-    }
-
-    /// Move frames both ways until none is in flight. Returns frames delivered.
-    fn pump(&self, st: &mut PairState) -> u64 {
-        self.pump_at_most(st, u64::MAX)
-    }
-
-    /// Move at most `limit` frames, oldest direction first, in rounds.
-    fn pump_at_most(&self, st: &mut PairState, limit: u64) -> u64 {
-        let mut n = 0;
-        while n < limit {
-            let mut moved = false;
-            while n < limit {
-                let Some(f) = st.to_main.pop_front() else {
-                    break;
-                };
-                let mut out = Outbox::default();
-                let now = st.now;
-                // Rejections are counted by the router; a pair has no one to tell.
-                let _ = st.main.handle_frame(f, now, &mut out);
-                st.to_relay.extend(out.frames);
-                self.main_events.push_all(out.events);
-                n += 1;
-                moved = true;
-            }
-            while n < limit {
-                let Some(f) = st.to_relay.pop_front() else {
-                    break;
-                };
-                let mut out = Outbox::default();
-                let now = st.now;
-                let _ = st.relay.handle_frame(f, now, &mut out);
-                st.to_main.extend(out.frames);
-                self.relay_events.push_all(out.events);
-                n += 1;
-                moved = true;
-            }
-            if !moved {
-                break;
-            }
-        }
-        st.delivered += n;
-        n
-    }
-
-    fn fire_timers(&self, st: &mut PairState) {
-        let now = st.now;
-        let mut out = Outbox::default();
-        st.relay.handle_timeout(now, &mut out);
-        st.to_main.extend(out.frames);
-        self.relay_events.push_all(out.events);
-        let mut out = Outbox::default();
-        st.main.handle_timeout(now, &mut out);
-        st.to_relay.extend(out.frames);
-        self.main_events.push_all(out.events);
-        if st.auto_deliver {
-            self.pump(st);
-        }
-    }
-
-    fn advance(&self, by: Duration) -> PyResult<()> {
-        let mut st = lock(&self.state);
-        let target = st
-            .now
-            .checked_add(by)
-            .ok_or_else(|| invalid("the pair's clock would overflow"))?;
-        for _ in 0..MAX_TIMER_STEPS {
-            let next = match (st.relay.poll_timeout(), st.main.poll_timeout()) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, None) => a,
-                (None, b) => b,
-            };
-            match next {
-                Some(t) if t <= target => {
-                    st.now = st.now.max(t);
-                    self.fire_timers(&mut st);
-                }
-                _ => {
-                    st.now = target;
-                    self.fire_timers(&mut st);
-                    return Ok(());
-                }
-            }
-        }
-        Err(invalid(
-            "timers kept firing without end; a machine re-arms in the past",
-        ))
+        self.with(|p| p.main_op(f))
     }
 
     fn reconnect(&self) {
-        let mut st = lock(&self.state);
-        st.to_main.clear();
-        st.to_relay.clear();
-        let now = st.now;
-        let mut out = Outbox::default();
-        st.relay.on_reconnect(now, &mut out);
-        st.to_main.extend(out.frames);
-        self.relay_events.push_all(out.events);
-        let mut out = Outbox::default();
-        st.main.on_reconnect(now, &mut out);
-        st.to_relay.extend(out.frames);
-        self.main_events.push_all(out.events);
-        if st.auto_deliver {
-            self.pump(&mut st);
-        }
+        self.with(SimPair::reconnect)
     }
 
     fn stats(&self, relay: bool) -> Vec<(&'static str, u64)> {
-        let st = lock(&self.state);
+        let pair = lock(&self.pair);
         let (s, n) = if relay {
-            (st.relay.stats(), st.relay.len())
+            (pair.relay().stats(), pair.relay().len())
         } else {
-            (st.main.stats(), st.main.len())
+            (pair.main().stats(), pair.main().len())
         };
         vec![
             ("requests", n as u64),
             ("frames_unroutable", s.frames_unroutable),
             ("frames_rejected", s.frames_rejected),
-            (
-                "frames_in_flight",
-                (st.to_main.len() + st.to_relay.len()) as u64,
-            ),
-            ("frames_delivered", st.delivered),
+            ("frames_in_flight", pair.in_flight() as u64),
+            ("frames_delivered", pair.delivered()),
         ]
     }
 }
@@ -638,15 +511,7 @@ impl HandoffPair {
     ) -> PyResult<Self> {
         let (p, t) = (policy_of(policy), timers_of(timers));
         let inner = Arc::new(PairInner {
-            state: Mutex::new(PairState {
-                relay: RelayRouter::new(p, t).map_err(PddErr)?,
-                main: MainRouter::new(p, t).map_err(PddErr)?,
-                now: Timestamp::ZERO,
-                to_main: VecDeque::new(),
-                to_relay: VecDeque::new(),
-                auto_deliver,
-                delivered: 0,
-            }),
+            pair: Mutex::new(SimPair::new(p, t, auto_deliver).map_err(PddErr)?),
             relay_events: EventQueue::default(),
             main_events: EventQueue::default(),
         });
@@ -668,8 +533,8 @@ impl HandoffPair {
     /// The manual clock, seconds since the pair was made.
     #[getter]
     fn now(&self) -> f64 {
-        lock(&self.inner.state)
-            .now
+        lock(&self.inner.pair)
+            .now()
             .duration_since_origin()
             .as_secs_f64()
     }
@@ -677,24 +542,21 @@ impl HandoffPair {
     /// Move the clock forward, firing every timer that falls due, in time order.
     fn advance(&self, py: Python<'_>, seconds: f64) -> PyResult<()> {
         let by = secs("seconds", seconds)?;
-        py.detach(|| self.inner.advance(by))
+        py.detach(|| self.inner.with(|p| p.advance(by)))
+            .map_err(|e| PddErr(e).into())
     }
 
     /// Deliver the frames in flight and the answers they cause, at most `limit`
     /// frames (all with None). Returns how many were delivered.
     #[pyo3(signature = (limit = None))]
     fn deliver(&self, py: Python<'_>, limit: Option<u64>) -> u64 {
-        py.detach(|| {
-            let mut st = lock(&self.inner.state);
-            self.inner.pump_at_most(&mut st, limit.unwrap_or(u64::MAX))
-        })
+        py.detach(|| self.inner.with(|p| p.deliver(limit.unwrap_or(u64::MAX))))
     }
 
     /// Frames sent and not yet delivered.
     #[getter]
     fn in_flight(&self) -> usize {
-        let st = lock(&self.inner.state);
-        st.to_main.len() + st.to_relay.len()
+        lock(&self.inner.pair).in_flight()
     }
 
     /// Lose every frame in flight, then tell both sides the connection was replaced
@@ -706,11 +568,7 @@ impl HandoffPair {
     /// Lose every frame in flight without reconnecting (retransmission timers must
     /// recover them).
     fn drop_in_flight(&self) -> usize {
-        let mut st = lock(&self.inner.state);
-        let n = st.to_main.len() + st.to_relay.len();
-        st.to_main.clear();
-        st.to_relay.clear();
-        n
+        self.inner.with(SimPair::drop_in_flight)
     }
 }
 
@@ -1198,7 +1056,7 @@ impl RelayLink {
     ) -> PyResult<T> {
         let r = py.detach(|| match &self.backend {
             RelayBackend::Link(l) => l.with_machine(request_id, f),
-            RelayBackend::Pair(p) => lock(&p.state).relay.get(request_id).map(f),
+            RelayBackend::Pair(p) => lock(&p.pair).relay().get(request_id).map(f),
         });
         Ok(r.map_err(PddErr)?)
     }
@@ -1243,7 +1101,7 @@ impl MainLink {
     ) -> PyResult<T> {
         let r = py.detach(|| match &self.backend {
             MainBackend::Link(l) => l.with_machine(request_id, f),
-            MainBackend::Pair(p) => lock(&p.state).main.get(request_id).map(f),
+            MainBackend::Pair(p) => lock(&p.pair).main().get(request_id).map(f),
         });
         Ok(r.map_err(PddErr)?)
     }
@@ -1328,48 +1186,3 @@ common_link_methods!(MainLink, MainBackend, main_events, main_event_to_py, {
         self.read(py, request_id, |m| m.next_position())
     }
 });
-
-// ---------------------------------------------------------------------------------
-// WAN emulator for the bench.
-// ---------------------------------------------------------------------------------
-
-/// A WAN emulator (`pdd_io::wanem`) on the shared runtime, for `bench handoff
-/// --wan`: one-way delay `rtt_ms / 2` and uniform jitter `+-jitter_ms / 2` in each
-/// direction, no rate cap.
-#[pyclass(frozen, module = "pdd_transport._native")]
-pub struct BenchWanem {
-    handle: WanemHandle,
-}
-
-#[pymethods]
-impl BenchWanem {
-    #[new]
-    #[pyo3(signature = (upstream, rtt_ms, jitter_ms, *, seed = 0))]
-    fn new(upstream: &str, rtt_ms: f64, jitter_ms: f64, seed: u64) -> PyResult<Self> {
-        let upstream = resolve(upstream)?;
-        let delay = secs("rtt_ms", rtt_ms / 2000.0)?;
-        let jitter = secs("jitter_ms", jitter_ms / 2000.0)?;
-        let mut config = WanemConfig::new("127.0.0.1:0".parse().expect("literal"), upstream)
-            .symmetric(LinkProfile {
-                delay,
-                jitter: Jitter::Uniform(jitter),
-                rate_bps: None,
-            });
-        config.seed = seed;
-        let handle = Wanem::start_on(runtime()?.handle(), config)
-            .map_err(|e| invalid(format!("wanem: {e}")))?;
-        Ok(BenchWanem { handle })
-    }
-
-    /// "host:port" to connect to instead of the upstream.
-    #[getter]
-    fn address(&self) -> String {
-        self.handle.local_addr().to_string()
-    }
-
-    /// Stop the emulator (bounded wait).
-    fn close(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.handle.shutdown_blocking())
-            .map_err(|e| invalid(format!("wanem: {e}")))
-    }
-}

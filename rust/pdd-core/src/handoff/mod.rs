@@ -21,6 +21,7 @@
 //! The protocol, its guarantees and the policy are documented in `docs/handoff.md`.
 
 mod main_decode;
+pub mod pair;
 mod policy;
 mod relay_decode;
 pub mod router;
