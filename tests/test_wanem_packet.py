@@ -364,3 +364,41 @@ def test_a_lane_stalled_for_two_seconds_does_not_fail_the_transfer() -> None:
     # about 3 x 4.5 MiB.)
     others = sum(blocked_at[p] - during.get(p, 0) for p in blocked_at if p != lane)
     assert others >= 0.6 * 2 * 25e6, f"{others / 1e6:.1f} MB moved by the other lanes during the stall"
+
+
+def test_loss_and_packet_options_are_checked() -> None:
+    from pdd_transport.bench.stream import LossSpec, StreamConfig, parse_loss
+    from pdd_transport.specs import WanSpec
+
+    assert parse_loss("0.1") == LossSpec(0.1)
+    burst = parse_loss("1/100:2000")
+    assert burst == LossSpec(1.0, 100.0, 2000.0) and burst.label() == "1% in 100 ms bursts every 2 s"
+    for bad in ("x", "1/100", "1/100:50", "30/100:2000"):
+        with pytest.raises(InvalidArgument):
+            parse_loss(bad)
+    with pytest.raises(InvalidArgument, match="--packet needs --wan"):
+        StreamConfig(packet=True).check()
+    with pytest.raises(InvalidArgument, match="WINDOW"):
+        StreamConfig(packet=True, wan=WanSpec(30, 1, 2 << 20)).check()
+    cfg = StreamConfig(packet=True, wan=WanSpec(30, 1), loss=burst, packet_end={"ns_b": "x", "addr_b": "y"})
+    assert StreamConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+
+
+def test_sweep_plot_draws_every_point(tmp_path: Any) -> None:
+    from pdd_transport.bench.sweep_plot import plot_sweep
+
+    levels = ["0% random", "0.1% random"]
+    points: list[dict[str, Any]] = []
+    for label in levels:
+        for cc in ("cubic", "bbr"):
+            for n in (1, 4):
+                failed = cc == "bbr" and n == 4 and label == levels[1]
+                points.append({"loss_label": label, "congestion": cc, "lanes": n,
+                               "gbytes_per_s": None if failed else 0.01 * n})
+        points.append({"loss_label": label, "baselines": {"baseline_iperf3_1stream_gbytes_per_s": 0.05}})
+    swept = {"points": points, "lanes": [1, 4], "congestions": ["cubic", "bbr"],
+             "wan": {"rtt_ms": 30.0, "rate_gbit": 1.0, "cap_gbytes_per_s": 0.125}}
+    out = tmp_path / "sweep.png"
+    assert "written" in plot_sweep(swept, str(out))
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000

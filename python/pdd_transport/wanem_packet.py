@@ -500,7 +500,10 @@ class PacketWan:
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
-            self.close()
+            try:
+                self.close()
+            except Exception:  # at interpreter exit subprocess may be half torn down
+                pass
 
     def __repr__(self) -> str:
         return f"<PacketWan {self.ns_a} <-> {self.ns_b} ({self.backend}){' closed' if self._closed else ''}>"

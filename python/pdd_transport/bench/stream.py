@@ -76,7 +76,10 @@ DEFAULT_LANES = 4
 """Data lanes when ``--lanes`` is not given (the same as ``KvSender``'s). Chosen by
 measurement, see ``docs/benchmarks.md``: on loopback (CPU-bound) 2, 4 and 8 lanes are
 within noise of each other; through 30 ms / 1 Gbit/s with a 2 MiB window per
-connection one lane gets 0.48 of the cap, two 0.94, four 0.97, eight no more."""
+connection one lane gets 0.48 of the cap, two 0.94, four 0.97, eight no more. Through
+the packet-level line (``--packet``: TCP feels the RTT and the loss) the congestion
+control matters far more than the count; :func:`pdd_transport.lanes.recommended_lanes`
+is the rule, and ``docs/benchmarks.md`` ("Packet-level WAN") the sweep."""
 
 NOTES = {
     "iperf3_missing": "iperf3 not installed (scripts/bench-deps.sh installs it): baseline_iperf3 is null",
@@ -736,7 +739,19 @@ def sweep(
                 wan.a_to_b, loss_pct=loss.pct, burst_ms=loss.burst_ms, burst_every_ms=loss.every_ms
             )
             wan.set_line(line, line)
-            base = _run_in_end_a(wan, dataclasses.replace(cfg, loss=loss, baselines=True, repeat=1))
+            base_keys = (
+                "gbytes_per_s",
+                "lanes",
+                "congestion",
+                "baseline_iperf3_1stream_gbytes_per_s",
+                "baseline_iperf3_gbytes_per_s",
+                "baseline_pyzmq_gbytes_per_s",
+                "baseline_socket_gbytes_per_s",
+            )
+            try:
+                base = _run_in_end_a(wan, dataclasses.replace(cfg, loss=loss, baselines=True, repeat=1))
+            except PddError as exc:
+                base = {k: None for k in base_keys} | {"error": str(exc)}
             one = base["baseline_iperf3_1stream_gbytes_per_s"]
             for cc in congestions:
                 for n in lanes:
@@ -748,37 +763,35 @@ def sweep(
                     point_cfg = dataclasses.replace(
                         cfg, loss=loss, lanes=n, congestion=cc, baselines=False, bytes=nbytes, repeat=cfg.repeat
                     )
-                    r = _run_in_end_a(wan, point_cfg)
                     point = {
                         "loss": loss.to_json(),
                         "loss_label": loss.label(),
                         "lanes": n,
                         "congestion": cc,
                         "bytes": nbytes,
-                        "gbytes_per_s": r["gbytes_per_s"],
-                        "ratio_vs_cap": r.get("ratio_vs_cap"),
-                        "ratio_vs_iperf3_1stream": _round(_ratio(r["gbytes_per_s"], one), 3),
-                        "verified": r["verified"],
-                        "emulator_cpu_ns_per_packet": r["emulator"].get("cpu_ns_per_packet"),
                     }
+                    try:
+                        r = _run_in_end_a(wan, point_cfg)
+                    except PddError as exc:
+                        # A failed transfer is a result too (a lane stalled past its
+                        # bound, say): recorded, and the sweep goes on.
+                        point |= {"gbytes_per_s": None, "ratio_vs_cap": None, "verified": False,
+                                  "error": str(exc), "reason": exc.reason}
+                    else:
+                        point |= {
+                            "gbytes_per_s": r["gbytes_per_s"],
+                            "ratio_vs_cap": r.get("ratio_vs_cap"),
+                            "ratio_vs_iperf3_1stream": _round(_ratio(r["gbytes_per_s"], one), 3),
+                            "verified": r["verified"],
+                            "emulator_cpu_ns_per_packet": r["emulator"].get("cpu_ns_per_packet"),
+                        }
                     points.append(point)
                     if progress is not None:
                         progress(point)
             points.append({
                 "loss": loss.to_json(),
                 "loss_label": loss.label(),
-                "baselines": {
-                    k: base[k]
-                    for k in (
-                        "gbytes_per_s",
-                        "lanes",
-                        "congestion",
-                        "baseline_iperf3_1stream_gbytes_per_s",
-                        "baseline_iperf3_gbytes_per_s",
-                        "baseline_pyzmq_gbytes_per_s",
-                        "baseline_socket_gbytes_per_s",
-                    )
-                },
+                "baselines": {k: base.get(k) for k in (*base_keys, "error")},
             })
         line_json = wan.to_json()
     return {"emulation": "packet", "wan": cfg.wan.to_json() | line_json, "points": points,
@@ -792,10 +805,8 @@ def sweep_cli(
     through ``say``, and the plot written to ``plot`` (a PNG) if given."""
 
     def point(p: dict[str, Any]) -> None:
-        say(
-            f"bench stream sweep: {p['loss_label']}, {p['congestion']} x {p['lanes']} lanes: "
-            f"{p['gbytes_per_s']} GB/s ({p['ratio_vs_cap']} of the cap)"
-        )
+        figure = f"failed: {p['error']}" if "error" in p else f"{p['gbytes_per_s']} GB/s ({p['ratio_vs_cap']} of the cap)"
+        say(f"bench stream sweep: {p['loss_label']}, {p['congestion']} x {p['lanes']} lanes: {figure}")
 
     try:
         lane_counts = [int(n) for n in lanes.split(",")]

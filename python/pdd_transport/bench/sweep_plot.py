@@ -59,7 +59,7 @@ def plot_sweep(swept: dict[str, Any], path: str) -> str:
             for j, label in enumerate(labels):
                 match = [p["gbytes_per_s"] for p in points
                          if p["congestion"] == cc and p["lanes"] == n and p["loss_label"] == label]
-                if not match:
+                if not match or match[0] is None:  # a failed point: a gap in the line
                     prev = None
                     continue
                 cur = xy(j, match[0] / cap)
