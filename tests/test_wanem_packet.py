@@ -120,23 +120,31 @@ def test_ping_rtt_and_spread_match_the_settings() -> None:
         rtts = _ping(wan, 20, 0.02)
         assert len(rtts) == 20
         assert min(rtts) >= 30.0, rtts
-        assert sorted(rtts)[len(rtts) // 2] < 31.5, rtts
+        assert sorted(rtts)[len(rtts) // 2] < 31.5, rtts  # median: a few late replies under load
         s = wan.stats()["a_to_b"]
         assert s["packets_out"] >= 20 and s["dropped_loss"] == 0
-    # ±2 ms per direction, uniform: RTT = 30 + U(-2,2) + U(-2,2): mean 30, sd
-    # sqrt(2 * 4/3) = 1.63 ms, all within 26..34 (plus wake-up slack). Packets 20 ms apart:
-    # the order-keeping clamp never binds.
+        # As root the emulator's threads run SCHED_FIFO, ahead of a busy host.
+        assert s["realtime"] == 1 and wan.stats()["b_to_a"]["realtime"] == 1
+    # ±2 ms per direction, uniform: RTT = 30 + U(-2,2) + U(-2,2), a triangular law on
+    # 26..34 ms: median 30, quartiles 30 ± 1.17 (IQR 2.34 ms), nothing below 26.
+    # Packets 20 ms apart: the order-keeping clamp never binds. A loaded host delays
+    # some replies by scheduling (seen: a few at 60-70 ms with a load average of 11),
+    # which only lifts the top of the sample: the checks are on the median, the
+    # quartiles and the minimum.
     with PacketWan(30, jitter_ms=2, seed=3, backend="tun") as wan:
-        rtts = _ping(wan, 100, 0.02)
+        rtts = sorted(_ping(wan, 100, 0.02))
     assert len(rtts) >= 95
-    mean = sum(rtts) / len(rtts)
-    sd = math.sqrt(sum((r - mean) ** 2 for r in rtts) / len(rtts))
-    assert 29.5 <= mean <= 31.5, (mean, rtts)
-    assert 1.2 <= sd <= 2.2, (sd, rtts)
-    # Never early (the emulator cannot deliver before the drawn time); late only by
-    # scheduling on a loaded host, so the upper bound is on the 95th percentile.
-    assert min(rtts) >= 26.0, rtts
-    assert sorted(rtts)[int(0.95 * len(rtts))] <= 34.5, rtts
+    n = len(rtts)
+    median, q1, q3 = rtts[n // 2], rtts[n // 4], rtts[(3 * n) // 4]
+    assert 29.3 <= median <= 31.0, rtts
+    assert 1.5 <= q3 - q1 <= 3.3, (q1, q3, rtts)
+    assert q1 >= 28.0, rtts
+    # Never early: the emulator cannot deliver before the drawn time.
+    assert rtts[0] >= 26.0, rtts
+    # Without jitter the spread collapses: the same line with jitter 0 has IQR ~0.
+    with PacketWan(30, backend="tun") as wan:
+        flat = sorted(_ping(wan, 40, 0.02))
+    assert flat[(3 * len(flat)) // 4] - flat[len(flat) // 4] < 0.6, flat
 
 
 def _iperf3(wan: PacketWan, args: list[str], seconds: int, omit: int = 2) -> dict[str, Any]:
@@ -176,7 +184,9 @@ def test_one_cubic_stream_gets_what_mathis_predicts(loss_pct: float) -> None:
 
 def test_a_rate_cap_is_held_within_5_percent() -> None:
     _need("iperf3")
-    cap = 0.5  # Gbit/s: far below what the emulator can carry on two busy cores
+    # Gbit/s: far below what the emulator and both stacks can carry even on two cores
+    # shared with a load average of 12 (0.5 Gbit/s was not, at 9 µs of CPU a packet).
+    cap = 0.1
     with PacketWan(10, rate_gbit=cap, backend="tun") as wan:
         before = wan.stats()["a_to_b"]
         t0 = time.monotonic()
@@ -364,6 +374,7 @@ def test_a_lane_stalled_for_two_seconds_does_not_fail_the_transfer() -> None:
     # about 3 x 4.5 MiB.)
     others = sum(blocked_at[p] - during.get(p, 0) for p in blocked_at if p != lane)
     assert others >= 0.6 * 2 * 25e6, f"{others / 1e6:.1f} MB moved by the other lanes during the stall"
+    print(f"{others / 1e6:.1f} MB moved by the other lanes during the stall")
 
 
 def test_loss_and_packet_options_are_checked() -> None:

@@ -434,8 +434,9 @@ class PacketWan:
 
     def stats(self) -> dict[str, dict[str, int]]:
         """The emulator's counters per direction (``a_to_b``, ``b_to_a``): packets and
-        bytes in and out, drops by cause, reordered, ``cpu_ns`` of its thread. Empty
-        with the netem backend."""
+        bytes in and out, drops by cause, reordered, ``cpu_ns`` of its thread,
+        ``realtime`` (1 when its thread got ``SCHED_FIFO``). Empty with the netem
+        backend."""
         if self._emu is None:
             return {}
         return dict(self._emu.stats())

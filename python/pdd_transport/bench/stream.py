@@ -690,6 +690,7 @@ def _run_in_end_a(wan: Any, cfg: StreamConfig, progress: Any = None) -> dict[str
         packets = sum(after[d]["packets_in"] - before[d]["packets_in"] for d in after)
         cpu = sum(after[d]["cpu_ns"] - before[d]["cpu_ns"] for d in after)
         em |= {
+            "realtime": bool(after["a_to_b"]["realtime"] and after["b_to_a"]["realtime"]),
             "packets": packets,
             "cpu_ns_per_packet": round(cpu / packets) if packets else None,
             **{

@@ -99,6 +99,7 @@ fn stats_to_dict<'py>(py: Python<'py>, s: &PacketStats) -> PyResult<Bound<'py, P
     d.set_item("reordered", s.reordered)?;
     d.set_item("write_errors", s.write_errors)?;
     d.set_item("cpu_ns", s.cpu_ns)?;
+    d.set_item("realtime", s.realtime)?;
     Ok(d)
 }
 
