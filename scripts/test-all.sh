@@ -25,6 +25,21 @@ timeout 1200 .venv/bin/python -m pip download --quiet -d "$PDD_WHEELHOUSE" ".[te
 .venv/bin/python -m pip install --quiet --find-links "$PDD_WHEELHOUSE" -e ".[test,torch]"
 export PATH="$PWD/.venv/bin:$PATH"
 
+step "system tools of the packet-level WAN tests (iperf3, ping)"
+# tests/test_wanem_packet.py runs iperf3 and ping inside network namespaces (as root,
+# as CI runs). Installed here when missing; without root they cannot be, and those
+# tests then fail in CI (env CI set) with a message saying so, or skip outside it.
+if ! command -v iperf3 >/dev/null 2>&1 || ! command -v ping >/dev/null 2>&1; then
+    if [ "$(id -u)" -eq 0 ]; then
+        # The Debian package asks (debconf) whether to run a daemon; answer no.
+        echo "iperf3 iperf3/start_daemon boolean false" | debconf-set-selections 2>/dev/null || true
+        timeout 600 apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq iperf3 iputils-ping
+    else
+        echo "iperf3 or ping missing and not root: tests/test_wanem_packet.py cannot run them" >&2
+    fi
+fi
+
 step "cargo fmt --check"
 cargo fmt --all --check
 

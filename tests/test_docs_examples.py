@@ -9,6 +9,7 @@ loop. Those still compile, so their syntax and names stay honest.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -21,6 +22,9 @@ DOCS = sorted((ROOT / "docs").glob("*.md"))
 _BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 _NO_RUN = re.compile(r"<!-- no-run: (\S.*?) -->\s*$")
 _NEEDS_TORCH = ("pdd_transport.engine", "import torch")
+# The packet-level WAN makes network namespaces: root. CI runs as root; elsewhere a
+# block using it skips when not root (as tests/test_wanem_packet.py does).
+_NEEDS_ROOT = ("PacketWan(",)
 
 
 def _blocks() -> list[tuple[str, str, str | None]]:
@@ -53,6 +57,8 @@ def test_python_block(where: str, code: str, reason: str | None, tmp_path: Path)
         return
     if any(n in code for n in _NEEDS_TORCH):
         pytest.importorskip("torch")
+    if any(n in code for n in _NEEDS_ROOT) and os.geteuid() != 0 and not os.environ.get("CI"):
+        pytest.skip("needs root (network namespaces); runs in CI")
     out = subprocess.run(
         [sys.executable, "-W", "error", "-c", code],
         cwd=tmp_path,

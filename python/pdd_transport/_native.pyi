@@ -41,6 +41,7 @@ __all__ = [
     "PrefixMirror",
     "chain_hashes",
     "Wanem",
+    "PacketEmulator",
     "WanEstimate",
     "PipelinePolicy",
     "AnomalyPolicy",
@@ -353,6 +354,33 @@ class KvSender:
     def metrics(self) -> dict[str, int]: ...
     def prometheus(self, endpoint: str = "kv_sender") -> str: ...
     def close(self) -> None: ...
+@final
+class PacketEmulator:
+    """The packet-level WAN emulator between two TUN devices (``fd_a``, ``fd_b``, opened
+    with ``IFF_TUN | IFF_NO_PI``; duplicated, the caller keeps its own). Each direction's
+    line is a dict: ``delay_ms``, ``jitter_ms``, ``loss_good``, ``loss_bad``,
+    ``mean_good_ms``, ``mean_bad_ms``, ``rate_bps``, ``queue_bytes``, ``reorder``,
+    ``reorder_delay_ms``. Use ``pdd_transport.wanem_packet.PacketWan``, which makes the
+    namespaces and devices; this is the thin binding."""
+
+    def __new__(
+        cls,
+        fd_a: int,
+        fd_b: int,
+        *,
+        a_to_b: dict[str, Any],
+        b_to_a: dict[str, Any],
+        seed: int = 0,
+        mtu: int = 1500,
+    ) -> PacketEmulator: ...
+    def stats(self) -> dict[str, dict[str, int]]: ...
+    def block_port(self, port: int | None) -> None: ...
+    @property
+    def blocked_port(self) -> int | None: ...
+    @property
+    def running(self) -> bool: ...
+    def close(self) -> None: ...
+
 @final
 class Wanem:
     """A running WAN emulator: a TCP proxy from ``listen`` to ``upstream`` with an

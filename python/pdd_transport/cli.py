@@ -72,6 +72,8 @@ def _bench_stream(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         timeout=args.timeout,
         tls=args.tls,
+        packet=args.packet,
+        loss=stream.parse_loss(args.loss) if args.loss is not None else stream.LossSpec(),
     )
 
     def progress(rep: int, one: dict[str, Any]) -> None:
@@ -81,6 +83,8 @@ def _bench_stream(args: argparse.Namespace) -> dict[str, Any]:
             line += f": {figures}"
         _progress(line)
 
+    if args.sweep:
+        return stream.sweep_cli(cfg, args.sweep_lanes, args.sweep_congestion, args.sweep_loss, args.plot, _progress)
     result = stream.run(cfg, progress)
     for code in result["notes"]:
         _progress(f"bench stream: {stream.NOTES[code]}")
@@ -319,6 +323,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="our path over mutual TLS 1.3 (a test CA made for the run), with the plain path measured "
         "in the same run (plain_gbytes_per_s, ratio_vs_plain)",
     )
+    stream.add_argument("--packet", action="store_true", help="emulate --wan packet by packet between two "
+                        "network namespaces (root); see docs/wanem.md, 'Packet mode'")
+    stream.add_argument("--loss", metavar="PCT[/BURST_MS:EVERY_MS]", help="loss of the --packet line in percent, "
+                        "random or in bursts (1/100:2000: 1%% in 100 ms bursts every 2 s)")
+    stream.add_argument("--sweep", action="store_true", help="with --packet: lanes x congestion x loss on one line")
+    stream.add_argument("--sweep-lanes", default="1,2,4,8,16", help="lane counts of --sweep (%(default)s)")
+    stream.add_argument("--sweep-congestion", default="cubic,bbr", help="congestion controls of --sweep (%(default)s)")
+    stream.add_argument("--sweep-loss", default="0,0.01,0.1,1/100:2000", help="losses of --sweep (%(default)s)")
+    stream.add_argument("--plot", metavar="PNG", help="with --sweep: plot throughput vs loss per lane count")
     stream.add_argument("-v", "--verbose", action="store_true", help="print each repetition to stderr")
     stream.set_defaults(run=_bench_stream)
 

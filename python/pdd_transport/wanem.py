@@ -37,6 +37,8 @@ from pdd_transport.errors import InvalidArgument
 
 __all__ = [
     "Wanem",
+    "PacketWan",
+    "PacketLine",
     "LinkProfile",
     "Direction",
     "JitterDist",
@@ -407,3 +409,8 @@ def serve(wan: Wanem, duration: float | None = None) -> None:
         f"bytes_client_to_upstream={c2u['bytes_delivered']} bytes_upstream_to_client={u2c['bytes_delivered']}",
         file=sys.stderr,
     )
+
+
+# The packet-level mode (network namespaces, TUN devices, per-packet emulation) lives in
+# its own module; its names are part of this one's surface.
+from pdd_transport.wanem_packet import PacketLine, PacketWan  # noqa: E402

@@ -9,8 +9,9 @@ requests and replies are plain JSON.
 Requests (``cmd``):
 
 - ``ping``; ``cpu``: this process's CPU seconds so far (every thread) -> ``cpu``
-- ``pdd_open`` (slot, layers, pages, page_bytes, socket_buffer, congestion): a KvReceiver over a
-  fresh pool, on 127.0.0.1, port 0 -> ``address``
+- ``pdd_open`` (slot, layers, pages, page_bytes, socket_buffer, congestion, tls, secret_hex): a
+  KvReceiver over a
+  fresh pool, on the bind address, port 0 -> ``address``
 - ``pdd_wait_peer`` (slot) -> ``peer``
 - ``pdd_grant`` (slot, request_id, seed): zero the pool, grant a random permutation
   of its pages on every layer
@@ -20,12 +21,16 @@ Requests (``cmd``):
   ``recv_into`` a buffer until ``bytes`` arrived -> ``bytes``, ``cpu``
 - ``zmq_listen`` -> ``address``; ``zmq_recv`` (messages): PULL that many -> ``bytes``, ``cpu``
 - ``exit``
+
+Every listener binds ``PDD_BENCH_BIND`` (default ``127.0.0.1``): with ``--packet`` this
+process runs in end B's network namespace and listens on that end's address.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import socket
 import sys
 import time
@@ -36,6 +41,8 @@ import numpy as np
 
 from pdd_transport import kv
 from pdd_transport.bench.stream import page_digests
+
+BIND = os.environ.get("PDD_BENCH_BIND", "127.0.0.1")
 
 
 @dataclass
@@ -68,6 +75,7 @@ class _Receiver:
         socket_buffer: int = 8 << 20,
         congestion: str | None = None,
         tls: dict[str, Any] | None = None,
+        secret_hex: str | None = None,
     ) -> dict[str, Any]:
         arrays = [np.zeros(pages * page_bytes, dtype=np.uint8) for _ in range(layers)]
         pool = kv.pool_from_buffers(arrays, page_bytes)
@@ -77,7 +85,9 @@ class _Receiver:
 
             tls_config = TlsConfig(tls["cert"], tls["key"], tls["ca"], server_name=tls["server_name"],
                                    allowed_peers=tls["allowed_peers"])
-        rx = kv.KvReceiver(pool, "127.0.0.1:0", socket_buffer=socket_buffer, congestion=congestion, tls=tls_config)
+        secret = None if secret_hex is None else bytes.fromhex(secret_hex)
+        rx = kv.KvReceiver(pool, f"{BIND}:0", socket_buffer=socket_buffer, congestion=congestion, tls=tls_config,
+                           secret=secret)
         self.slots[slot] = _Slot(arrays, page_bytes, pages, rx)
         host, port = rx.address
         return {"address": f"{host}:{port}"}
@@ -104,7 +114,7 @@ class _Receiver:
     def sock_listen(self, bytes: int) -> dict[str, Any]:
         if self.sock_listener is not None:
             self.sock_listener.close()
-        self.sock_listener = socket.create_server(("127.0.0.1", 0))
+        self.sock_listener = socket.create_server((BIND, 0))
         if self.sock_buf is None or self.sock_buf.nbytes != bytes:
             self.sock_buf = np.zeros(bytes, dtype=np.uint8)
         self.sock_buf.fill(0)
@@ -138,8 +148,8 @@ class _Receiver:
         if self.zmq_pull is not None:
             self.zmq_pull.close(linger=0)
         self.zmq_pull = self.zmq_ctx.socket(zmq.PULL)
-        port = self.zmq_pull.bind_to_random_port("tcp://127.0.0.1")
-        return {"address": f"127.0.0.1:{port}"}
+        port = self.zmq_pull.bind_to_random_port(f"tcp://{BIND}")
+        return {"address": f"{BIND}:{port}"}
 
     def zmq_recv(self, messages: int, timeout: float = 60.0) -> dict[str, Any]:
         zmq = importlib.import_module("zmq")

@@ -20,15 +20,26 @@ repetition), and every repetition's figures. With ``--wan RTT_MS[:RATE_GBIT[:WIN
 path (ours and each baseline's) goes through :class:`~pdd_transport.wanem.Wanem`,
 one emulator per path, run in this process.
 
+With ``--packet`` (and ``--loss PCT``, ``--loss-burst MS:EVERY_MS``) the line is
+packet-level instead (:class:`~pdd_transport.wanem_packet.PacketWan`, root only): this
+process makes the two namespaces and runs the emulator, and re-runs the benchmark as a
+child inside end A (:func:`_run_packet`), whose receiver child runs in end B. Every
+path crosses the same emulated line, and TCP feels its RTT, loss and queue. The iperf3
+baselines there are time-bounded (``-t``, see :data:`PACKET_IPERF3_SECONDS`), and one
+CUBIC iperf3 stream is measured too (``baseline_iperf3_1stream_gbytes_per_s``).
+:func:`sweep` runs lane counts x congestion controls x loss levels on one line.
+
 Throughputs are payload bytes per second, in GB/s (10⁹ bytes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib
 import json
+import math
 import os
 import random
 import select
@@ -46,14 +57,17 @@ from typing import Any
 
 import numpy as np
 
-from pdd_transport.errors import DeadlineExceeded, InvalidArgument, TransportError
+from pdd_transport.errors import DeadlineExceeded, InvalidArgument, PddError, TransportError
 from pdd_transport.specs import WanSpec
 
 __all__ = [
     "DEFAULT_LANES",
+    "LossSpec",
     "StreamConfig",
     "page_digests",
+    "parse_loss",
     "run",
+    "sweep",
 ]
 
 MiB = 1 << 20
@@ -62,7 +76,10 @@ DEFAULT_LANES = 4
 """Data lanes when ``--lanes`` is not given (the same as ``KvSender``'s). Chosen by
 measurement, see ``docs/benchmarks.md``: on loopback (CPU-bound) 2, 4 and 8 lanes are
 within noise of each other; through 30 ms / 1 Gbit/s with a 2 MiB window per
-connection one lane gets 0.48 of the cap, two 0.94, four 0.97, eight no more."""
+connection one lane gets 0.48 of the cap, two 0.94, four 0.97, eight no more. Through
+the packet-level line (``--packet``: TCP feels the RTT and the loss) the congestion
+control matters far more than the count; :func:`pdd_transport.lanes.recommended_lanes`
+is the rule, and ``docs/benchmarks.md`` ("Packet-level WAN") the sweep."""
 
 NOTES = {
     "iperf3_missing": "iperf3 not installed (scripts/bench-deps.sh installs it): baseline_iperf3 is null",
@@ -79,6 +96,52 @@ TLS_RECEIVER, TLS_SENDER = "bench-receiver.test", "bench-sender.test"
 
 CHUNK = MiB
 """Message / write size of the baselines (iperf3 ``-l 1M``, pyzmq messages, sendall)."""
+
+PACKET_IPERF3_SECONDS = (6, 1)
+"""With ``--packet``, iperf3 baselines run ``-t 6 -O 1``: a fixed time, not a fixed
+size (one CUBIC stream through 0.1 % loss moves about 2 MB/s), with the first second
+(slow start) left out, which favours iperf3 over our transfers (timed from the start)."""
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """Packet loss of a ``--packet`` line: ``pct`` percent in the long run; with
+    ``burst_ms`` and ``every_ms``, concentrated in bursts of that mean length about that
+    often (Gilbert-Elliott), otherwise random."""
+
+    pct: float = 0.0
+    burst_ms: float = 0.0
+    every_ms: float = 0.0
+
+    def label(self) -> str:
+        if self.burst_ms:
+            return f"{self.pct:g}% in {self.burst_ms:g} ms bursts every {self.every_ms / 1e3:g} s"
+        return f"{self.pct:g}% random"
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"loss_pct": self.pct}
+        if self.burst_ms:
+            out |= {"burst_ms": self.burst_ms, "burst_every_ms": self.every_ms}
+        return out
+
+
+def parse_loss(text: str) -> LossSpec:
+    """``"0.1"`` -> 0.1 % random; ``"1/100:2000"`` -> 1 % in 100 ms bursts every 2 s."""
+    try:
+        pct, _, burst = text.partition("/")
+        if burst:
+            ms, every = burst.split(":")
+            spec = LossSpec(float(pct), float(ms), float(every))
+        else:
+            spec = LossSpec(float(pct))
+    except ValueError:
+        raise InvalidArgument(
+            f"a loss is PCT or PCT/BURST_MS:EVERY_MS (e.g. 0.1 or 1/100:2000), got {text!r}", "invalid_argument"
+        ) from None
+    from pdd_transport.wanem_packet import PacketLine
+
+    PacketLine(loss_pct=spec.pct, burst_ms=spec.burst_ms, burst_every_ms=spec.every_ms).check()
+    return spec
 
 @dataclass
 class StreamConfig:
@@ -100,6 +163,25 @@ class StreamConfig:
     tls: bool = False
     """Run our path over mutual TLS (a test CA made for the run) and measure the
     plain path in the same run, paired (``plain_gbytes_per_s``, ``ratio_vs_plain``)."""
+    packet: bool = False
+    """Emulate ``wan`` packet by packet (:class:`~pdd_transport.wanem_packet.PacketWan`)."""
+    loss: LossSpec = field(default_factory=LossSpec)
+    """Packet loss of the ``packet`` line."""
+    packet_end: dict[str, str] | None = None
+    """Set in the child that runs inside end A: ``ns_b`` and ``addr_b`` of the other end."""
+
+    def to_json(self) -> dict[str, Any]:
+        """This config as JSON (how the parent hands it to the child in end A)."""
+        d = dataclasses.asdict(self)
+        d["wan"] = None if self.wan is None else dataclasses.asdict(self.wan)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> StreamConfig:
+        d = dict(d)
+        d["wan"] = None if d["wan"] is None else WanSpec(**d["wan"])
+        d["loss"] = LossSpec(**d["loss"])
+        return cls(**d)
 
     def check(self) -> None:
         def bad(msg: str) -> InvalidArgument:
@@ -109,6 +191,14 @@ class StreamConfig:
             raise bad(f"--lanes must be in 1..64, got {self.lanes}")
         if self.repeat < 1 or self.repeat > 100:
             raise bad(f"--repeat must be in 1..100, got {self.repeat}")
+        if self.packet and self.wan is None:
+            raise bad("--packet needs --wan RTT_MS[:RATE_GBIT]")
+        if self.packet and self.wan is not None and self.wan.window_bytes is not None:
+            raise bad("--packet emulates the line itself: TCP's own window applies, drop the --wan WINDOW")
+        if self.packet and self.tls:
+            raise bad("--packet does not combine with --tls (yet)")
+        if (self.loss.pct or self.loss.burst_ms) and not self.packet:
+            raise bad("--loss needs --packet (the stream proxy cannot lose packets)")
         if self.layers < 1:
             raise bad(f"--layers must be >= 1, got {self.layers}")
         for p in (self.page_bytes, *self.compare_page_bytes):
@@ -116,6 +206,12 @@ class StreamConfig:
                 raise bad(f"--bytes {self.bytes} is not a whole number of {self.layers} layer(s) of {p}-byte pages")
             if self.bytes // (p * self.layers) > 1 << 24:
                 raise bad(f"{self.bytes // (p * self.layers)} pages per layer is too many; use larger pages")
+
+    @property
+    def proxy_wan(self) -> WanSpec | None:
+        """The line the stream proxy must emulate: ``wan``, unless the packet-level
+        emulator already does."""
+        return None if self.packet else self.wan
 
     def transfer_timeout(self) -> float:
         """Bound on any single transfer: generous (10 MB/s) unless given."""
@@ -150,12 +246,17 @@ class PeerError(TransportError):
 class Peer:
     """The receiver child process: one JSON request line in, one JSON reply line out."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, packet_end: dict[str, str] | None = None) -> None:
         env = dict(os.environ)
         # The child must print nothing but replies on stdout.
         env["PYTHONUNBUFFERED"] = "1"
+        prefix: list[str] = []
+        if packet_end is not None:
+            # In end B's namespace, listening on end B's address.
+            prefix = ["ip", "netns", "exec", packet_end["ns_b"]]
+            env["PDD_BENCH_BIND"] = packet_end["addr_b"]
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "pdd_transport.bench.peer"],
+            [*prefix, sys.executable, "-m", "pdd_transport.bench.peer"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -285,6 +386,9 @@ class PddPath:
         # Grant page i is filled from source page i; the receiver puts it wherever its
         # grant says, so the digests to compare are simply those of the source order.
         self.src_digests = page_digests(self.src, page_bytes, range(self.pages))
+        # Off loopback (--packet: end B's address) a receiver refuses to listen without
+        # authentication: a fresh secret per path, both ends.
+        secret = os.urandom(32) if cfg.packet else None
         r = peer.request(
             "pdd_open",
             slot=slot,
@@ -297,8 +401,9 @@ class PddPath:
                 "cert": str(pki.certs[TLS_RECEIVER][0]), "key": str(pki.certs[TLS_RECEIVER][1]),
                 "ca": str(pki.ca), "server_name": TLS_RECEIVER, "allowed_peers": [TLS_SENDER],
             },
+            secret_hex=None if secret is None else secret.hex(),
         )
-        address = stack.enter_context(_via_wan(r["address"], cfg.wan))
+        address = stack.enter_context(_via_wan(r["address"], cfg.proxy_wan))
         self.pool = kv.pool_from_buffers(self.src, page_bytes)
         self.tx = kv.KvSender(
             self.pool,
@@ -308,6 +413,7 @@ class PddPath:
             socket_buffer=cfg.socket_buffer,
             congestion=cfg.congestion,
             tls=None if pki is None else pki.tls(TLS_SENDER, server_name=TLS_RECEIVER),
+            secret=secret,
         )
         stack.callback(self.tx.close)
         peer.request("pdd_wait_peer", slot=slot, timeout=30.0)
@@ -433,15 +539,31 @@ def pyzmq_baseline(peer: Peer, src: np.ndarray[Any, Any], wan: WanSpec | None, t
     return _figure(nbytes, seconds, cpu + done["cpu"] - child_cpu0)
 
 
-def iperf3_baseline(nbytes: int, streams: int, wan: WanSpec | None, timeout: float) -> Figure | None:
+def iperf3_baseline(
+    nbytes: int,
+    streams: int,
+    wan: WanSpec | None,
+    timeout: float,
+    packet_end: dict[str, str] | None = None,
+    congestion: str | None = None,
+) -> Figure | None:
     """``iperf3 -l 1M -P streams -n nbytes`` between two iperf3 processes; GB/s as the
-    server counted it, or None without iperf3."""
+    server counted it, or None without iperf3. With ``packet_end`` the server runs in end
+    B and the test is time-bounded (:data:`PACKET_IPERF3_SECONDS`) instead of sized;
+    ``congestion`` is iperf3's ``-C``."""
     exe = shutil.which("iperf3")
     if exe is None:
         return None
+    host = "127.0.0.1" if packet_end is None else packet_end["addr_b"]
+    prefix = [] if packet_end is None else ["ip", "netns", "exec", packet_end["ns_b"]]
     port = _free_port()
+    length = ["-n", str(nbytes)]
+    if packet_end is not None:
+        length = ["-t", str(PACKET_IPERF3_SECONDS[0]), "-O", str(PACKET_IPERF3_SECONDS[1])]
+    if congestion:
+        length += ["-C", congestion]
     server = subprocess.Popen(
-        [exe, "-s", "-1", "-B", "127.0.0.1", "-p", str(port), "--forceflush"],
+        [*prefix, exe, "-s", "-1", "-B", host, "-p", str(port), "--forceflush"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
     )
@@ -457,10 +579,10 @@ def iperf3_baseline(nbytes: int, streams: int, wan: WanSpec | None, timeout: flo
             if left <= 0 or (ready and not chunk):
                 raise PeerError(f"iperf3 server did not start: {seen.decode(errors='replace')!r}", "connection_lost")
             seen += chunk
-        with _via_wan(f"127.0.0.1:{port}", wan) as address:
-            host, wport = address.rsplit(":", 1)
+        with _via_wan(f"{host}:{port}", wan) as address:
+            chost, wport = address.rsplit(":", 1)
             client = subprocess.run(
-                [exe, "-c", host, "-p", wport, "-l", "1M", "-P", str(streams), "-n", str(nbytes), "--json"],
+                [exe, "-c", chost, "-p", wport, "-l", "1M", "-P", str(streams), *length, "--json"],
                 capture_output=True,
                 text=True,
                 timeout=timeout,
@@ -485,6 +607,240 @@ def iperf3_baseline(nbytes: int, streams: int, wan: WanSpec | None, timeout: flo
         server.wait(timeout=10)
         if server.stdout is not None:
             server.stdout.close()
+
+
+# ---------------------------------------------------------------------------------
+# The packet-level line: this process holds the namespaces and the emulator, a child in
+# end A runs the benchmark.
+
+
+def _default_congestion() -> str:
+    """The congestion control a socket gets when none is asked for (this namespace's)."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_congestion_control", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
+def _packet_wan(cfg: StreamConfig) -> Any:
+    from pdd_transport.wanem_packet import PacketWan
+
+    assert cfg.wan is not None
+    return PacketWan(
+        cfg.wan.rtt_ms,
+        jitter_ms=cfg.wan.jitter_ms / 2,
+        loss_pct=cfg.loss.pct,
+        burst_ms=cfg.loss.burst_ms,
+        burst_every_ms=cfg.loss.every_ms,
+        rate_gbit=cfg.wan.rate_gbit,
+        seed=cfg.seed,
+    )
+
+
+def _run_in_end_a(wan: Any, cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
+    """Run the benchmark of ``cfg`` as a child process inside end A of ``wan``; its
+    result, with the emulator's counters over the run (``emulator``) and the line
+    (``wan``) added."""
+    inner = dataclasses.replace(cfg, packet_end={"ns_b": wan.ns_b, "addr_b": wan.addr_b})
+    before = wan.stats()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = wan.popen(
+        "a",
+        [sys.executable, "-m", "pdd_transport.bench.stream"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(json.dumps(inner.to_json()).encode() + b"\n")
+    proc.stdin.close()
+    # Bound: every transfer and baseline of every repetition, generously.
+    bound = cfg.repeat * (len(cfg.compare_page_bytes) + 1 + (4 if cfg.baselines else 0)) * cfg.transfer_timeout()
+    result: dict[str, Any] | None = None
+    deadline = time.monotonic() + bound + 60
+    fd, buf = proc.stdout.fileno(), b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            proc.kill()
+            raise DeadlineExceeded(f"the benchmark in end A did not finish in {bound + 60:.0f} s", "deadline_exceeded")
+        ready = select.select([fd], [], [], min(left, 1.0))[0]
+        if not ready:
+            continue
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            msg = json.loads(line)
+            if "progress" in msg and progress is not None:
+                progress(msg["progress"], msg["one"])
+            elif "result" in msg:
+                result = msg["result"]
+            elif "error" in msg:
+                raise TransportError(f"the benchmark in end A failed: {msg['error']}", msg.get("reason", "unspecified"))
+    rc = proc.wait(timeout=30)
+    if result is None:
+        raise TransportError(f"the benchmark in end A exited (rc={rc}) without a result", "connection_lost")
+    after = wan.stats()
+    em: dict[str, Any] = {"backend": wan.backend}
+    if after:
+        packets = sum(after[d]["packets_in"] - before[d]["packets_in"] for d in after)
+        cpu = sum(after[d]["cpu_ns"] - before[d]["cpu_ns"] for d in after)
+        em |= {
+            "realtime": bool(after["a_to_b"]["realtime"] and after["b_to_a"]["realtime"]),
+            "packets": packets,
+            "cpu_ns_per_packet": round(cpu / packets) if packets else None,
+            **{
+                f"{d}_{k}": after[d][k] - before[d][k]
+                for d in after
+                for k in ("packets_in", "dropped_queue", "dropped_loss", "dropped_overflow", "reordered")
+            },
+        }
+    result["emulator"] = em
+    result["wan"] = (result.get("wan") or {}) | wan.to_json()
+    return result
+
+
+def _run_packet(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
+    with _packet_wan(cfg) as wan:
+        return _run_in_end_a(wan, cfg, progress)
+
+
+def _mathis_gbytes_per_s(rtt_ms: float, loss_pct: float) -> float:
+    """One Reno-like stream through random loss (Mathis et al.), GB/s, MSS 1448."""
+    return 1448 / (rtt_ms / 1e3) * 1.22 / math.sqrt(loss_pct / 100) / 1e9
+
+
+def sweep(
+    cfg: StreamConfig,
+    lanes: Sequence[int],
+    congestions: Sequence[str],
+    losses: Sequence[LossSpec],
+    progress: Any = None,
+) -> dict[str, Any]:
+    """Lane counts x congestion controls x loss levels through one packet-level line.
+
+    Per loss level, one run of ``cfg`` itself (its lanes and congestion control) also
+    measures the baselines (one CUBIC iperf3 stream, iperf3 with ``cfg.lanes`` streams,
+    pyzmq, a socket), reported as that level's ``baselines`` entry; every point's
+    ``ratio_vs_iperf3_1stream`` is against that level's CUBIC stream.
+    A point moves about ``PACKET_SWEEP_SECONDS`` worth of bytes at its expected rate
+    (capped by ``cfg.bytes``), so that a CUBIC lane through loss does not take minutes.
+    """
+    if not cfg.packet or cfg.wan is None:
+        raise InvalidArgument("--sweep needs --packet and --wan", "invalid_argument")
+    points: list[dict[str, Any]] = []
+    base_cfg = dataclasses.replace(cfg, loss=losses[0] if losses else cfg.loss)
+    with _packet_wan(base_cfg) as wan:
+        for loss in losses:
+            line = dataclasses.replace(
+                wan.a_to_b, loss_pct=loss.pct, burst_ms=loss.burst_ms, burst_every_ms=loss.every_ms
+            )
+            wan.set_line(line, line)
+            base_keys = (
+                "gbytes_per_s",
+                "lanes",
+                "congestion",
+                "baseline_iperf3_1stream_gbytes_per_s",
+                "baseline_iperf3_gbytes_per_s",
+                "baseline_pyzmq_gbytes_per_s",
+                "baseline_socket_gbytes_per_s",
+            )
+            try:
+                base = _run_in_end_a(wan, dataclasses.replace(cfg, loss=loss, baselines=True, repeat=1))
+            except PddError as exc:
+                base = {k: None for k in base_keys} | {"error": str(exc)}
+            one = base["baseline_iperf3_1stream_gbytes_per_s"]
+            for cc in congestions:
+                for n in lanes:
+                    expected = (cfg.wan.cap_gbytes_per_s or 1.0)
+                    if cc == "cubic" and loss.pct > 0:
+                        expected = min(expected, n * _mathis_gbytes_per_s(cfg.wan.rtt_ms, loss.pct))
+                    nbytes = int(min(cfg.bytes, max(16 * MiB, expected * 1e9 * PACKET_SWEEP_SECONDS)))
+                    nbytes -= nbytes % (cfg.page_bytes * cfg.layers)
+                    point_cfg = dataclasses.replace(
+                        cfg, loss=loss, lanes=n, congestion=cc, baselines=False, bytes=nbytes, repeat=cfg.repeat
+                    )
+                    point = {
+                        "loss": loss.to_json(),
+                        "loss_label": loss.label(),
+                        "lanes": n,
+                        "congestion": cc,
+                        "bytes": nbytes,
+                    }
+                    try:
+                        r = _run_in_end_a(wan, point_cfg)
+                    except PddError as exc:
+                        # A failed transfer is a result too (a lane stalled past its
+                        # bound, say): recorded, and the sweep goes on.
+                        point |= {"gbytes_per_s": None, "ratio_vs_cap": None, "verified": False,
+                                  "error": str(exc), "reason": exc.reason}
+                    else:
+                        point |= {
+                            "gbytes_per_s": r["gbytes_per_s"],
+                            "ratio_vs_cap": r.get("ratio_vs_cap"),
+                            "ratio_vs_iperf3_1stream": _round(_ratio(r["gbytes_per_s"], one), 3),
+                            "verified": r["verified"],
+                            "emulator_cpu_ns_per_packet": r["emulator"].get("cpu_ns_per_packet"),
+                        }
+                    points.append(point)
+                    if progress is not None:
+                        progress(point)
+            points.append({
+                "loss": loss.to_json(),
+                "loss_label": loss.label(),
+                "baselines": {k: base.get(k) for k in (*base_keys, "error")},
+            })
+        line_json = wan.to_json()
+    return {"emulation": "packet", "wan": cfg.wan.to_json() | line_json, "points": points,
+            "lanes": list(lanes), "congestions": list(congestions)}
+
+
+def sweep_cli(
+    cfg: StreamConfig, lanes: str, congestions: str, losses: str, plot: str | None, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """``bench stream --sweep``: the comma-separated lists parsed, a line per point
+    through ``say``, and the plot written to ``plot`` (a PNG) if given."""
+
+    def point(p: dict[str, Any]) -> None:
+        figure = f"failed: {p['error']}" if "error" in p else f"{p['gbytes_per_s']} GB/s ({p['ratio_vs_cap']} of the cap)"
+        say(f"bench stream sweep: {p['loss_label']}, {p['congestion']} x {p['lanes']} lanes: {figure}")
+
+    try:
+        lane_counts = [int(n) for n in lanes.split(",")]
+    except ValueError:
+        raise InvalidArgument(f"--sweep-lanes takes N[,N...], got {lanes!r}", "invalid_argument") from None
+    swept = sweep(cfg, lane_counts, congestions.split(","), [parse_loss(x) for x in losses.split(",")], point)
+    if plot:
+        from pdd_transport.bench.sweep_plot import plot_sweep
+
+        say(f"bench stream sweep: {plot_sweep(swept, plot)}")
+    return swept
+
+
+PACKET_SWEEP_SECONDS = 4.0
+"""About how long each point of :func:`sweep` transfers (at its expected rate)."""
+
+
+def _child_main() -> int:
+    """The benchmark inside end A: one JSON config on stdin; progress, then the result
+    (or an error), as JSON lines on stdout."""
+    cfg = StreamConfig.from_json(json.loads(sys.stdin.readline()))
+
+    def progress(rep: int, one: dict[str, Any]) -> None:
+        figures = {k: v for k, v in one.items() if isinstance(v, (int, float, bool))}
+        print(json.dumps({"progress": rep, "one": figures}), flush=True)
+
+    try:
+        result = run(cfg, progress)
+    except PddError as exc:
+        print(json.dumps({"error": str(exc), "reason": exc.reason}), flush=True)
+        return 1
+    print(json.dumps({"result": result}), flush=True)
+    return 0
 
 
 # ---------------------------------------------------------------------------------
@@ -523,6 +879,8 @@ def _plain_step(into: dict[str, Any], path: PddPath, rep: int) -> None:
 def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
     """Run the benchmark; the result is what ``bench stream --json`` prints."""
     cfg.check()
+    if cfg.packet and cfg.packet_end is None:
+        return _run_packet(cfg, progress)
     timeout = cfg.transfer_timeout()
     notes: list[str] = []
     have_iperf3 = shutil.which("iperf3") is not None
@@ -533,7 +891,7 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
         notes.append("pyzmq_missing")
     runs: list[dict[str, Any]] = []
     with ExitStack() as stack:
-        peer = Peer(timeout)
+        peer = Peer(timeout, cfg.packet_end)
         stack.callback(peer.close)
         pki = None
         if cfg.tls:
@@ -556,11 +914,23 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
             if plain is not None:
                 steps.append(functools.partial(_plain_step, one, plain, rep))
             if cfg.baselines:
+                pw, end = cfg.proxy_wan, cfg.packet_end
+                cc = cfg.congestion if cfg.packet else None
                 steps += [
-                    lambda: _baseline_step(one, "iperf3", iperf3_baseline(cfg.bytes, cfg.lanes, cfg.wan, timeout)),
-                    lambda: _baseline_step(one, "pyzmq", pyzmq_baseline(peer, flat, cfg.wan, timeout)),
-                    lambda: _baseline_step(one, "socket", socket_baseline(peer, flat, cfg.wan, timeout)),
+                    lambda: _baseline_step(
+                        one, "iperf3", iperf3_baseline(cfg.bytes, cfg.lanes, pw, timeout, end, cc)
+                    ),
+                    lambda: _baseline_step(one, "pyzmq", pyzmq_baseline(peer, flat, pw, timeout)),
+                    lambda: _baseline_step(one, "socket", socket_baseline(peer, flat, pw, timeout)),
                 ]
+                if cfg.packet:
+                    # What a cross-datacenter user compares against first: one plain
+                    # CUBIC stream through the same line.
+                    steps.append(
+                        lambda: _baseline_step(
+                            one, "iperf3_1stream", iperf3_baseline(cfg.bytes, 1, pw, timeout, end, "cubic")
+                        )
+                    )
             order_rng.shuffle(steps)
             for step in steps:
                 step()
@@ -608,6 +978,12 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
         result["plain_gbytes_per_s"] = _round(med("plain_gbytes_per_s"))
         result["ratio_vs_plain"] = _round(paired("plain_gbytes_per_s"), 3)
         result["plain_cpu_s_per_gbyte"] = _round(med("plain_cpu_s_per_gbyte"))
+    if cfg.packet:
+        result["emulation"] = "packet"
+        result["loss_pct"] = cfg.loss.pct
+        result["baseline_iperf3_1stream_gbytes_per_s"] = _round(med("iperf3_1stream_gbytes_per_s"))
+        result["ratio_vs_iperf3_1stream"] = _round(paired("iperf3_1stream_gbytes_per_s"), 3)
+        result["congestion"] = cfg.congestion or _default_congestion()
     if cfg.wan is not None:
         cap = cfg.wan.cap_gbytes_per_s
         result["wan"] = cfg.wan.to_json()
@@ -637,3 +1013,7 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
         notes.append("iperf3_no_bytes")
     result["notes"] = notes
     return result
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main())

@@ -73,7 +73,10 @@ impl SenderConfig {
             heartbeat: Duration::from_secs(1),
             dead_after: Duration::from_secs(5),
             max_block_bytes: 1 << 20,
-            lane_queue: 64,
+            // Short on purpose: a block waits here only until its lane's socket takes
+            // it (the send buffer holds the window), and a lane slowed by loss should
+            // not hoard blocks the others could carry (see `queue_on_a_free_lane`).
+            lane_queue: 4,
             tls: None,
         }
     }
@@ -713,6 +716,40 @@ async fn write_block<W: tokio::io::AsyncWrite + Unpin>(
     progress(stall, wr.flush()).await
 }
 
+/// Queue `job` on the next lane, round robin, that has room in its queue; when every
+/// lane's queue is full, on the first lane to free a slot. A lane slowed down by loss
+/// recovery (or stalled) stops taking blocks and the others carry them, so a lossy
+/// line runs at the sum of the lanes' rates rather than lanes x the slowest one's.
+async fn queue_on_a_free_lane(conn: &Conn, job: Job) -> Result<(), Error> {
+    let n = conn.lanes.len();
+    let start = conn.next_lane.load(Ordering::Relaxed);
+    for i in 0..n {
+        let lane = (start + i) % n;
+        match conn.lanes[lane].try_reserve() {
+            Ok(permit) => {
+                permit.send(job);
+                conn.next_lane.store(lane + 1, Ordering::Relaxed);
+                return Ok(());
+            }
+            Err(mpsc::error::TrySendError::Full(())) => {}
+            Err(mpsc::error::TrySendError::Closed(())) => return Err(conn.dead_error()),
+        }
+    }
+    let mut waits: Vec<_> = conn.lanes.iter().map(|l| Box::pin(l.reserve())).collect();
+    let (lane, permit) = std::future::poll_fn(|cx| {
+        for (lane, w) in waits.iter_mut().enumerate() {
+            if let std::task::Poll::Ready(r) = std::future::Future::poll(w.as_mut(), cx) {
+                return std::task::Poll::Ready((lane, r));
+            }
+        }
+        std::task::Poll::Pending
+    })
+    .await;
+    permit.map_err(|_| conn.dead_error())?.send(job);
+    conn.next_lane.store(lane + 1, Ordering::Relaxed);
+    Ok(())
+}
+
 /// One data-lane write step, which must make progress within `stall`.
 async fn progress<T>(
     stall: Duration,
@@ -842,14 +879,9 @@ impl OutboundTransfer {
                 .iter()
                 .map(|&p| (from, p))
                 .collect();
-            let lane = self.conn.next_lane.fetch_add(1, Ordering::Relaxed) % self.conn.lanes.len();
             tokio::select! {
                 _ = self.conn.cancel.cancelled() => return Err(self.conn.dead_error()),
-                r = self.conn.lanes[lane].send(Job { block, src }) => {
-                    if r.is_err() {
-                        return Err(self.conn.dead_error());
-                    }
-                }
+                r = queue_on_a_free_lane(&self.conn, Job { block, src }) => r?,
             }
         }
         Ok(())

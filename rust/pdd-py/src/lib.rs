@@ -18,6 +18,7 @@ mod radix;
 mod runtime;
 mod tls;
 mod wanem;
+mod wanem_packet;
 mod wire;
 
 /// The native module. `pdd_transport/__init__.py` re-exports the public names.
@@ -29,6 +30,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     kv_events::register(m)?;
     radix::register(m)?;
     wanem::register(m)?;
+    wanem_packet::register(m)?;
     policy::register(m)?;
     handoff::register(m)?;
     tls::register(m)?;

@@ -41,6 +41,7 @@ mod config;
 mod conn;
 mod error;
 mod link;
+pub mod packet;
 
 use std::collections::BTreeMap;
 use std::future::Future;
