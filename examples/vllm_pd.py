@@ -254,6 +254,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.perf_counter()
             post_json(cluster.decode.url, "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": 1, "temperature": 0, "ignore_eos": True})
             step.append(time.perf_counter() - t0)
+        # P's own compute for the same prompts: a plain instance's time to one token.
+        plain_prefill = [cluster.plain_complete(prompt_ids(2000, 100 + r), 1)["elapsed_s"] for r in range(args.repeats)]
         rtt_s = args.rtt_ms / 1000.0
         model_s = kv_bytes_2000 * 8 / (args.rate_gbit * 1e9) + rtt_s + statistics.median(step)
         # Negative control: the same prompt with D's received KV zeroed on purpose.
@@ -272,8 +274,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         second_bytes = _wan_bytes(cluster.wan.stats(), before)
         ref2 = cluster.plain_complete(turn2, args.tokens)["choices"][0]["token_ids"]
         equal &= second.token_ids == ref2
-        page_bytes = _page_bytes(cluster)
-        full_kv = ((len(turn2) - 1) // BLOCK_SIZE) * page_bytes
+        full_kv = ((len(turn2) - 1) // BLOCK_SIZE) * kv_bytes_per_block()
         return {
             "greedy_equal": bool(equal),
             "negative_control_changed": bool(negative_changed),
@@ -291,6 +292,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "rtt_s": rtt_s,
                 "decode_step_s": statistics.median(step),
             },
+            # Not a term of the model: with decode first, D's TTFT also holds P's compute
+            # of the prompt (here a plain instance's request time for one token).
+            "plain_prefill_s": statistics.median(plain_prefill),
+            "decode_ttft_all_s": ttft_2000,
             "prompt_tokens_ttft": 2000,
             "repeats": args.repeats,
             "logs": str(log_dir),
@@ -304,8 +309,10 @@ def _wan_bytes(after: Any, before: Any) -> int:
     return int(after[key]["bytes_delivered"]) - int(before[key]["bytes_delivered"])
 
 
-def _page_bytes(cluster: PdCluster) -> int:
-    # One block of one layer's K and V: kv_heads * block_size * 2 * head_dim * 2 bytes (bf16).
+def kv_bytes_per_block() -> int:
+    """KV bytes of one block of the tiny model, every layer: layers x kv_heads x
+    block_size x (K + V) x head_dim x 2 bytes (bf16). One pdd_transport page is one
+    layer's share of it."""
     kv_heads, head_dim, layers = 4, 32, 2
     return layers * kv_heads * BLOCK_SIZE * 2 * head_dim * 2
 
