@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 
-from pdd_transport.integrations.vllm_proxy import PdProxy, post_json  # noqa: E402
+from pdd_transport.integrations.vllm_proxy import PdProxy, PdResult, post_json  # noqa: E402
 from pdd_transport.wanem import Wanem  # noqa: E402
 
 BLOCK_SIZE = 32
@@ -211,7 +211,7 @@ class PdCluster:
         out["elapsed_s"] = time.perf_counter() - t0
         return out
 
-    def pd_complete(self, prompt: list[int], max_tokens: int, **decode_extra: Any) -> Any:
+    def pd_complete(self, prompt: list[int], max_tokens: int, **decode_extra: Any) -> PdResult:
         body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
         return self.proxy.complete(body, decode_extra=decode_extra or None)
 

