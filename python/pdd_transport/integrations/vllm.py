@@ -71,7 +71,8 @@ if TYPE_CHECKING:
 
 __all__ = ["PddConnector", "PddConnectorMetadata", "decode_params", "prefill_params", "request_id_of"]
 
-logger = init_logger(__name__)
+# Under "vllm." so that vLLM's logging configuration (handlers, VLLM_LOGGING_LEVEL) applies.
+logger = init_logger(f"vllm.{__name__}")
 
 # kv_transfer_params keys (the contract with the proxy, docs/vllm.md).
 KEY = "pdd_key"  # str: the transfer key both sides derive the wire request id from
@@ -80,6 +81,16 @@ DO_REMOTE_DECODE = "do_remote_decode"  # P: push the prompt's KV to a decode ins
 DECODE_ADDRESS = "pdd_decode_address"  # P: "host:port" of D's receiver, as P reaches it
 PREFILL_NODE = "pdd_prefill_node"  # D (optional): P's sender node id, to grant to it only
 DEBUG_CORRUPT = "pdd_debug_corrupt"  # D: zero the received KV (negative control; needs pdd_allow_debug)
+
+
+_TRACE = os.environ.get("PDD_VLLM_TRACE") == "1"
+
+
+def _trace(what: str, req_id: str) -> None:
+    """PDD_VLLM_TRACE=1: log each step of a transfer with a wall-clock time, to line up
+    P's and D's logs."""
+    if _TRACE:
+        logger.info("pdd trace %.6f %s %s", time.time(), what, req_id)
 
 
 def request_id_of(key: str) -> int:
@@ -197,7 +208,7 @@ class _Config:
             heartbeat_s=float(extra.get("pdd_heartbeat_s", 1.0)),
             connect=[str(a) for a in connect],
             allow_debug=bool(extra.get("pdd_allow_debug", False)),
-            idle_wait_s=float(extra.get("pdd_idle_wait_s", 0.002)),
+            idle_wait_s=float(extra.get("pdd_idle_wait_s", 0.02)),
         )
 
 
@@ -310,6 +321,7 @@ class _SchedulerSide:
         missing = self._wanted_tokens(request) - num_computed_tokens
         if missing <= 0:
             return 0, False
+        _trace("d_claims", request.request_id)
         return missing, True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -467,6 +479,7 @@ class _Outgoing:
         try:
             sender = self.worker.sender_for(self.address)
             out = sender.wait_grant(request_id_of(self.key), timeout=cfg.grant_timeout_s)
+            _trace("p_granted", self.req_id)
         except PddError as e:
             with self.lock:
                 self.failed = f"no grant: {e.reason}"
@@ -497,11 +510,13 @@ class _Outgoing:
                     else:
                         try:
                             out.finish()
+                            _trace("p_finished", self.req_id)
                         except PddError as e:
                             self.failed = f"{e.reason}: {e}"
             if self.out is not None and self.failed is None:
                 try:
                     out.wait(timeout=cfg.deadline_s)
+                    _trace("p_confirmed", self.req_id)
                 except PddError as e:
                     with self.lock:
                         self.failed = f"{e.reason}: {e}"
@@ -632,6 +647,7 @@ class _WorkerSide:
             if state is None:
                 if req.req_id in self.sent_over:
                     continue
+                _trace("p_first_layer", req.req_id)
                 state = _Outgoing(self, req)
                 state.update(req)
                 self.outgoing[req.req_id] = state
@@ -668,6 +684,7 @@ class _WorkerSide:
                     peer=inc.req.peer,
                     deadline_s=self.cfg.deadline_s,
                 )
+                _trace("d_granted", inc.req.req_id)
             except PddError as e:
                 if e.reason == "connection_lost" and now - inc.first_try < self.cfg.grant_timeout_s:
                     # The prefill instance has not connected yet: retry on a later
@@ -715,6 +732,7 @@ class _WorkerSide:
                 if state == "complete" and not inc.cancelled:
                     if inc.req.corrupt:
                         self._corrupt(inc.req)
+                    _trace("d_loaded", req_id)
                     results.finished_recving.add(req_id)
                 else:
                     if state != "complete":
