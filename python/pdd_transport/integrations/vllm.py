@@ -93,17 +93,26 @@ def _trace(what: str, req_id: str) -> None:
         logger.info("pdd trace %.6f %s %s", time.time(), what, req_id)
 
 
+# pdd_transport >= the engine API takes string keys itself (kv.request_id_of).
+_NATIVE_KEYS = hasattr(kv, "request_id_of")
+
+
 def request_id_of(key: str) -> int:
     """The u64 that names ``key``'s transfer on the wire; both sides compute it alike.
 
-    Uses ``pdd_transport.kv.request_id_of`` where the installed library has it; else
-    the first 8 bytes (little-endian) of SHA-256 over a fixed prefix and the key.
+    ``pdd_transport.kv.request_id_of`` where the library has it; else the first 8 bytes
+    (little-endian) of SHA-256 over a fixed prefix and the key.
     """
-    native = getattr(kv, "request_id_of", None)
-    if native is not None:
-        return int(native(key))
+    if _NATIVE_KEYS:
+        return int(kv.request_id_of(key))
     digest = hashlib.sha256(b"pdd_transport.vllm.request_key\0" + key.encode()).digest()
     return int.from_bytes(digest[:8], "little")
+
+
+def _wire_key(key: str) -> str | int:
+    """What grant/wait_grant take: the key itself where the library maps keys (its
+    events then carry the key back), else its id."""
+    return key if _NATIVE_KEYS else request_id_of(key)
 
 
 def decode_params(key: str, prefill_node: int | None = None) -> dict[str, Any]:
@@ -478,7 +487,7 @@ class _Outgoing:
         cfg = self.worker.cfg
         try:
             sender = self.worker.sender_for(self.address)
-            out = sender.wait_grant(request_id_of(self.key), timeout=cfg.grant_timeout_s)
+            out = sender.wait_grant(_wire_key(self.key), timeout=cfg.grant_timeout_s)
             _trace("p_granted", self.req_id)
         except PddError as e:
             with self.lock:
@@ -679,7 +688,7 @@ class _WorkerSide:
                 continue
             try:
                 inc.transfer = self.receiver.grant(
-                    request_id_of(inc.req.key),
+                    _wire_key(inc.req.key),
                     inc.req.block_ids,
                     peer=inc.req.peer,
                     deadline_s=self.cfg.deadline_s,
@@ -797,10 +806,11 @@ class _Failed:
 def _state_of(transfer: Any) -> str:
     if isinstance(transfer, _Failed):
         return "failed"
-    poll = getattr(transfer, "poll", None)
-    if poll is not None:
-        name = getattr(poll(), "name", "")
-        return {"DONE": "complete", "FAILED": "failed"}.get(name, "in_progress")
+    if hasattr(transfer, "poll"):
+        state = transfer.poll()
+        if state == kv.KvPoll.DONE:
+            return "complete"
+        return "failed" if state == kv.KvPoll.FAILED else "in_progress"
     return str(transfer.status()["state"])
 
 
