@@ -68,6 +68,9 @@ counters! {
     sessions: "gauge", "sessions connected";
     /// Transfers in progress.
     transfers_in_flight: "gauge", "transfers in progress";
+    /// Receiver pool pages held by live grants, or by ended ones whose last blocks
+    /// are still landing; back to 0 when nothing is in flight (a leak shows here).
+    pool_pages_held: "gauge", "receiver pool pages held by live or draining grants";
 }
 
 impl Metrics {

@@ -381,8 +381,25 @@ impl KvReceiver {
         let deadline_ms =
             deadline.map_or(0, |d| d.as_millis().clamp(1, u128::from(u32::MAX)) as u32);
         let layers = layer_count.unwrap_or_else(|| shared.pool.layers());
+        // Lock order: `transfers` is released before `state` is taken.
+        let session_transfers: Vec<u64> = lock(&shared.transfers)
+            .iter()
+            .filter(|(_, t)| t.session_id == peer && t.generation == generation)
+            .map(|(&id, _)| id)
+            .collect();
         let grant = {
             let mut state = lock(&shared.state);
+            // The sender finds its grant by request id: two live grants of one request
+            // to one session would be ambiguous (and, with hashed string keys, a
+            // collision must not mix two requests).
+            if session_transfers
+                .iter()
+                .any(|&id| state.request_of(id) == Some(request_id))
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "request {request_id} already has a live grant to peer {peer}"
+                )));
+            }
             // Unguessable and unique among live and recent transfers.
             let mut transfer_id: u64 = rand::random();
             while state.id_in_use(transfer_id) {
@@ -411,6 +428,7 @@ impl KvReceiver {
             },
         );
         Metrics::add(&shared.metrics.transfers_in_flight, 1);
+        update_pages_held(shared);
         // The control writer owns the socket; an unbounded queue of small frames is
         // bounded in practice by the number of live grants.
         if control.send(Frame::KvGrant(grant.clone())).is_err() {
@@ -439,6 +457,14 @@ impl KvReceiver {
             peer,
             status: status_rx,
         })
+    }
+
+    /// Whether a live transfer has had any block begin landing: `None` once it
+    /// ended (or never existed), else `Some(started)`.
+    pub fn transfer_started(&self, transfer_id: u64) -> Option<bool> {
+        lock(&self.shared.state)
+            .progress_of(transfer_id)
+            .map(|p| p > 0)
     }
 
     /// Cancel a live transfer; the peer is told with ABORT `cancelled`.
@@ -529,6 +555,10 @@ fn apply(shared: &Shared, events: Vec<TransferEvent>) {
     }
     let mut transfers = lock(&shared.transfers);
     let sessions = lock(&shared.sessions);
+    // Held while statuses change, so that events and statuses agree for a reader:
+    // whoever wakes from `wait` finds the events queued, and whoever takes an event
+    // finds the status it reports. Lock order: transfers, sessions, events.
+    let mut queue = lock(&shared.events);
     for ev in &events {
         match ev {
             TransferEvent::LayerComplete { transfer_id, .. } => {
@@ -599,17 +629,23 @@ fn apply(shared: &Shared, events: Vec<TransferEvent>) {
         }
     }
     Metrics::set(&shared.metrics.transfers_in_flight, transfers.len() as u64);
+    for ev in events {
+        if queue.len() == EVENT_QUEUE_CAP {
+            queue.pop_front();
+        }
+        queue.push_back(ReceiverEvent::Transfer(ev));
+    }
+    drop(queue);
     drop(sessions);
     drop(transfers);
-    let mut q = lock(&shared.events);
-    for ev in events {
-        if q.len() == EVENT_QUEUE_CAP {
-            q.pop_front();
-        }
-        q.push_back(ReceiverEvent::Transfer(ev));
-    }
-    drop(q);
+    update_pages_held(shared);
     shared.events_changed.send_modify(|n| *n += 1);
+}
+
+/// Publish how many pool pages grants hold (takes `state`: call with no lock held).
+fn update_pages_held(shared: &Shared) {
+    let held = lock(&shared.state).pages_held();
+    Metrics::set(&shared.metrics.pool_pages_held, held as u64);
 }
 
 fn push_event(shared: &Shared, ev: ReceiverEvent) {
@@ -1121,9 +1157,20 @@ struct BlockGuard<'a> {
 impl BlockGuard<'_> {
     fn finish(mut self, outcome: Result<(), Error>) {
         self.finished = true;
-        let ev = lock(&self.shared.state).finish_block(&self.block, outcome);
-        apply(self.shared, ev);
+        finish_block(self.shared, &self.block, outcome);
     }
+}
+
+/// A block ended: report it, and publish the pages still held (a draining
+/// transfer's last block frees its pages without any event).
+fn finish_block(shared: &Shared, block: &KvBlock, outcome: Result<(), Error>) {
+    let (ev, held) = {
+        let mut state = lock(&shared.state);
+        let ev = state.finish_block(block, outcome);
+        (ev, state.pages_held())
+    };
+    Metrics::set(&shared.metrics.pool_pages_held, held as u64);
+    apply(shared, ev);
 }
 
 impl Drop for BlockGuard<'_> {
@@ -1132,8 +1179,7 @@ impl Drop for BlockGuard<'_> {
             let err = Error::ConnectionLost {
                 detail: "data lane closed mid-block".into(),
             };
-            let ev = lock(&self.shared.state).finish_block(&self.block, Err(err));
-            apply(self.shared, ev);
+            finish_block(self.shared, &self.block, Err(err));
         }
     }
 }
