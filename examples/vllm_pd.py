@@ -94,7 +94,16 @@ def prompt_ids(length: int, seed: int) -> list[int]:
 class Engine:
     """One vLLM OpenAI server process (``python -m vllm.entrypoints.openai.api_server``)."""
 
-    def __init__(self, name: str, port: int, model: Path, log_dir: Path, kv_config: dict[str, Any] | None = None, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        name: str,
+        port: int,
+        model: Path,
+        log_dir: Path,
+        kv_config: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+        extra_args: list[str] | None = None,
+    ):
         self.name = name
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
@@ -110,6 +119,7 @@ class Engine:
         ]  # fmt: skip
         if kv_config is not None:
             args += ["--kv-transfer-config", json.dumps(kv_config)]
+        args += extra_args or []
         full_env = dict(os.environ, **ENGINE_ENV, **(env or {}))
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT / "python"), full_env.get("PYTHONPATH", "")] if p)
         full_env["PDD_VLLM_ADDRESS_FILE"] = str(self.address_file)
@@ -190,7 +200,10 @@ class PdCluster:
             self.decode = Engine("decode", base_port + 2, self.model, log_dir,
                                  pdd_config("kv_consumer", pdd_listen="127.0.0.1:0", pdd_dead_after_s=2.0, pdd_allow_debug=True))  # fmt: skip
             self.engines.append(self.decode)
-            self.prefill = Engine("prefill", base_port + 1, self.model, log_dir, pdd_config("kv_producer", pdd_dead_after_s=2.0))
+            # P prefills in chunks of 512 tokens: each chunk's pages go out as soon as each
+            # layer has computed them (PDD_VLLM_TRACE=1 logs every send).
+            self.prefill = Engine("prefill", base_port + 1, self.model, log_dir, pdd_config("kv_producer", pdd_dead_after_s=2.0),
+                                  env={"PDD_VLLM_TRACE": "1"}, extra_args=["--max-num-batched-tokens", "512"])  # fmt: skip
             self.engines.append(self.prefill)
             self.plain = Engine("plain", base_port, self.model, log_dir) if plain else None
             if self.plain is not None:

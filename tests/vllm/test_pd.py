@@ -46,6 +46,18 @@ def test_decode_output_equals_plain_and_decode_computes_only_what_it_lacks(clust
     # Exactly those blocks crossed the WAN (plus a little framing).
     kv_bytes = loaded // BLOCK_SIZE * vllm_pd.kv_bytes_per_block()
     assert kv_bytes <= crossed <= kv_bytes + 4096 + kv_bytes // 100
+    # P prefills 512 tokens (16 blocks) per step and pushes each chunk's pages of each
+    # layer once that layer computed them: on every layer the sends cover the granted
+    # blocks exactly once, in pieces that end on chunk boundaries (how many pieces
+    # depends on when the grant arrived: everything computed before it goes in one).
+    log = cluster.prefill.log_path.read_text(errors="replace").splitlines()
+    for layer in (0, 1):
+        pieces = [line.split("pages=")[1].split()[0] for line in log if f"p_sent layer={layer} " in line and got.key in line]
+        ranges = [tuple(int(x) for x in piece.split("..")) for piece in pieces]
+        blocks = loaded // BLOCK_SIZE
+        assert [a for a, _ in ranges] == [0] + [b for _, b in ranges[:-1]], ranges
+        assert ranges[-1][1] == blocks
+        assert all(b % 16 == 0 or b == blocks for _, b in ranges), ranges
     # P kept its blocks until sent, then freed them; D's request is over too.
     assert wait_usage_zero(cluster.prefill) == 0.0
     assert wait_usage_zero(cluster.decode) == 0.0

@@ -476,6 +476,7 @@ class _Outgoing:
             except PddError as e:
                 self.failed = f"{e.reason}: {e}"
                 return
+            _trace(f"p_sent layer={layer} pages={self.sent[layer]}..{upto}", self.key)
             self.sent[layer] = upto
 
     def all_sent(self) -> bool:
