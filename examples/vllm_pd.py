@@ -198,7 +198,8 @@ class PdCluster:
         self.wan: Wanem | None = None
         try:
             self.decode = Engine("decode", base_port + 2, self.model, log_dir,
-                                 pdd_config("kv_consumer", pdd_listen="127.0.0.1:0", pdd_dead_after_s=2.0, pdd_allow_debug=True))  # fmt: skip
+                                 pdd_config("kv_consumer", pdd_listen="127.0.0.1:0", pdd_dead_after_s=2.0, pdd_allow_debug=True),
+                                 env={"PDD_VLLM_TRACE": "1"})  # fmt: skip
             self.engines.append(self.decode)
             # P prefills in chunks of 512 tokens: each chunk's pages go out as soon as each
             # layer has computed them (PDD_VLLM_TRACE=1 logs every send).

@@ -432,7 +432,6 @@ class _Outgoing:
         self.out: Any = None  # OutboundTransfer once granted
         self.first = 0  # the grant covers blocks [first, wanted)
         self.finished = False  # vLLM finished the request (prefill done or aborted)
-        self.done = False  # reported back to the scheduler side
         self.failed: str | None = None
         self._pending_end = 0  # blocks complete once this step's layers are computed
         self.lock = threading.Lock()
