@@ -125,8 +125,11 @@ class Engine:
         full_env["PDD_VLLM_ADDRESS_FILE"] = str(self.address_file)
         self.address_file.unlink(missing_ok=True)
         self._log = open(self.log_path, "wb")
-        # Own process group: teardown kills the engine core and worker children too.
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        # Own process group: teardown kills the engine core and worker children too. And
+        # if this process dies without a teardown, the kernel kills the server with it.
+        self.proc = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True, preexec_fn=_die_with_parent
+        )
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -174,6 +177,14 @@ class Engine:
         except subprocess.TimeoutExpired:
             pass
         self._log.close()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when its parent dies (Linux prctl)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def pdd_config(role: str, **extra: Any) -> dict[str, Any]:
