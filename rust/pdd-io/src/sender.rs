@@ -118,6 +118,8 @@ impl Conn {
 
 struct OutboundEntry {
     request_id: u64,
+    /// When the grant was taken up (`wait_grant` returned it).
+    started: Instant,
     status: watch::Sender<OutboundStatus>,
 }
 
@@ -240,8 +242,14 @@ impl KvSender {
         loop {
             if let Some(grant) = lock(&self.shared.grants).remove(&request_id) {
                 let (status, rx) = watch::channel(OutboundStatus::InProgress);
-                lock(&self.shared.outbound)
-                    .insert(grant.transfer_id, OutboundEntry { request_id, status });
+                lock(&self.shared.outbound).insert(
+                    grant.transfer_id,
+                    OutboundEntry {
+                        request_id,
+                        started: Instant::now(),
+                        status,
+                    },
+                );
                 return Ok(OutboundTransfer {
                     shared: self.shared.clone(),
                     conn,
@@ -536,6 +544,7 @@ async fn control_loop(
                 let mut outbound = lock(&shared.outbound);
                 if let Some(e) = outbound.remove(&done.transfer_id) {
                     Metrics::add(&shared.metrics.transfers_completed_total, 1);
+                    shared.metrics.transfer_seconds.observe(e.started.elapsed());
                     e.status.send_replace(OutboundStatus::Complete {
                         bytes: done.byte_count,
                     });
