@@ -4,7 +4,8 @@
 # Creates .venv (if missing) and installs the package with its test extras into it, so
 # it works on a fresh machine with python3 >= 3.10, a Rust toolchain and PyPI/crates.io.
 # PDD_FUZZ_SECONDS (default 30) bounds the fuzz smoke run. PDD_SKIP_WHEEL=1 skips the
-# last step (the release wheel, built and tested as users install it).
+# last step (the release wheel, built and tested as users install it). PDD_SKIP_VLLM=1
+# skips the vLLM connector's step (real vLLM engines, scripts/test-vllm.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -58,6 +59,12 @@ python -m mypy.stubtest pdd_transport._native
 
 step "pytest (tests, and benches run once each without timing)"
 python -m pytest tests benches --benchmark-disable
+
+step "vLLM connector on real vLLM, P and D as two engine processes (scripts/test-vllm.sh)"
+# Its own venv (cached: scripts/vllm-venv.sh); PDD_SKIP_VLLM=1 skips it and says so.
+vllm_start=$(date +%s)
+bash scripts/test-vllm.sh
+echo "vllm step: $(( $(date +%s) - vllm_start )) s"
 
 if [ "${PDD_SKIP_WHEEL:-0}" != 1 ]; then
     step "release wheel: build, audit, install into clean venvs, test (scripts/test-wheel.sh)"

@@ -1,0 +1,363 @@
+"""Prefill/decode disaggregation on real vLLM with pdd_transport's KV connector.
+
+Starts, on this machine, a tiny random-weight Llama (built locally; no hub access) in
+three vLLM OpenAI servers: one plain instance (the reference), one prefill instance
+(P, ``kv_producer``) and one decode instance (D, ``kv_consumer``), with the KV crossing
+a WAN emulator (``pdd_transport.wanem``, 30 ms RTT, 1 Gbit/s by default) from P to D.
+It routes prompts through the proxy (``pdd_transport.integrations.vllm_proxy``) and
+checks D's greedy output against the plain instance's, token for token.
+
+Run it with the vLLM venv (``bash scripts/vllm-venv.sh`` prints its path)::
+
+    PYTHONPATH=python ~/.cache/pdd_transport/vllm-venv/bin/python examples/vllm_pd.py --json
+
+``--json`` prints one object (see ``run``). The helpers here (``build_tiny_model``,
+``Engine``, ``PdCluster``) are what tests/vllm uses too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "python"))
+
+from pdd_transport.integrations.vllm_proxy import PdProxy, PdResult, post_json  # noqa: E402
+from pdd_transport.wanem import Wanem  # noqa: E402
+
+BLOCK_SIZE = 32
+MODEL_DIR = Path(os.environ.get("PDD_VLLM_MODEL_DIR", Path.home() / ".cache/pdd_transport/tiny-llama-v1"))
+ENGINE_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_LOGGING_LEVEL": "INFO",
+}
+
+
+def build_tiny_model(path: Path = MODEL_DIR) -> Path:
+    """A random-weight Llama (hidden 128, 4 heads of 32, 2 layers, vocab 512, bf16),
+    fixed seed, saved once to ``path`` and reused."""
+    if (path / "config.json").exists() and (path / "model.safetensors").exists():
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            # Larger than the default init so that the output depends visibly on the KV.
+            p.normal_(0.0, 0.2)
+    tmp = Path(tempfile.mkdtemp(prefix="tiny-llama-", dir=path.parent if path.parent.exists() else None))
+    model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, path)
+    return path
+
+
+def prompt_ids(length: int, seed: int) -> list[int]:
+    """A deterministic token-id prompt (ids 3..511: clear of pad/bos/eos)."""
+    x = seed * 2654435761 % 2**32
+    out = []
+    for _ in range(length):
+        x = (1103515245 * x + 12345) % 2**31
+        out.append(3 + x % 509)
+    return out
+
+
+class Engine:
+    """One vLLM OpenAI server process (``python -m vllm.entrypoints.openai.api_server``)."""
+
+    def __init__(
+        self,
+        name: str,
+        port: int,
+        model: Path,
+        log_dir: Path,
+        kv_config: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+        extra_args: list[str] | None = None,
+    ):
+        self.name = name
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_dir / f"{name}.log"
+        self.address_file = log_dir / f"{name}.kvaddr"
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--served-model-name", "tiny",
+            "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
+            "--block-size", str(BLOCK_SIZE), "--max-model-len", "4096",
+            "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--dtype", "bfloat16", "--max-num-seqs", "8",
+        ]  # fmt: skip
+        if kv_config is not None:
+            args += ["--kv-transfer-config", json.dumps(kv_config)]
+        args += extra_args or []
+        full_env = dict(os.environ, **ENGINE_ENV, **(env or {}))
+        full_env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT / "python"), full_env.get("PYTHONPATH", "")] if p)
+        full_env["PDD_VLLM_ADDRESS_FILE"] = str(self.address_file)
+        self.address_file.unlink(missing_ok=True)
+        self._log = open(self.log_path, "wb")
+        # Own process group: teardown kills the engine core and worker children too. And
+        # if this process dies without a teardown, the kernel kills the server with it.
+        self.proc = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True, preexec_fn=_die_with_parent
+        )
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log: {self.log_path}\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready after {timeout:.0f} s; log: {self.log_path}\n{self.tail()}")
+
+    def kv_address(self, timeout: float = 10.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.address_file.exists():
+                return self.address_file.read_text().strip()
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.name} wrote no KV address")
+
+    def metric(self, name: str) -> float | None:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(name + "{") or line.startswith(name + " "):
+                    return float(line.rsplit(" ", 1)[1])
+        return None
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when its parent dies (Linux prctl)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def pdd_config(role: str, **extra: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "kv_connector": "PddConnector",
+        "kv_connector_module_path": "pdd_transport.integrations.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": extra,
+    }
+    if role != "kv_producer":
+        cfg["kv_load_failure_policy"] = "recompute"
+    return cfg
+
+
+class PdCluster:
+    """A plain instance (optional), P and D started at once, and the WAN between them."""
+
+    def __init__(self, log_dir: Path, *, rtt_ms: float = 30.0, rate_gbit: float = 1.0, plain: bool = True, base_port: int = 18100, start_timeout: float = 240.0):
+        self.model = build_tiny_model()
+        self.log_dir = log_dir
+        self.engines: list[Engine] = []
+        self.wan: Wanem | None = None
+        try:
+            self.decode = Engine("decode", base_port + 2, self.model, log_dir,
+                                 pdd_config("kv_consumer", pdd_listen="127.0.0.1:0", pdd_dead_after_s=2.0, pdd_allow_debug=True),
+                                 env={"PDD_VLLM_TRACE": "1"})  # fmt: skip
+            self.engines.append(self.decode)
+            # P prefills in chunks of 512 tokens: each chunk's pages go out as soon as each
+            # layer has computed them (PDD_VLLM_TRACE=1 logs every send).
+            self.prefill = Engine("prefill", base_port + 1, self.model, log_dir, pdd_config("kv_producer", pdd_dead_after_s=2.0),
+                                  env={"PDD_VLLM_TRACE": "1"}, extra_args=["--max-num-batched-tokens", "512"])  # fmt: skip
+            self.engines.append(self.prefill)
+            self.plain = Engine("plain", base_port, self.model, log_dir) if plain else None
+            if self.plain is not None:
+                self.engines.append(self.plain)
+            for e in self.engines:
+                e.wait_ready(start_timeout)
+            self.wan = Wanem(self.decode.kv_address(), rtt_ms=rtt_ms, rate_gbit=rate_gbit)
+            self.proxy = PdProxy(self.prefill.url, self.decode.url, self.wan.address_str, model="tiny", timeout=60.0)
+        except BaseException:
+            self.close()
+            raise
+
+    def plain_complete(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+        assert self.plain is not None
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        t0 = time.perf_counter()
+        out = post_json(self.plain.url, "/v1/completions", body)
+        out["elapsed_s"] = time.perf_counter() - t0
+        return out
+
+    def pd_complete(self, prompt: list[int], max_tokens: int, **decode_extra: Any) -> PdResult:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        return self.proxy.complete(body, decode_extra=decode_extra or None)
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.kill()
+        if self.wan is not None:
+            self.wan.close()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="vllm-pd-"))
+    cluster = PdCluster(log_dir, rtt_ms=args.rtt_ms, rate_gbit=args.rate_gbit)
+    try:
+        assert cluster.wan is not None
+        lengths = [40, 300, 1000, 2000]
+        # Warm both paths (first connection through the WAN, first compiled shapes).
+        cluster.pd_complete(prompt_ids(64, 999), 2)
+        cluster.plain_complete(prompt_ids(64, 999), 2)
+        equal = True
+        cached: list[int] = []
+        ttft_2000: list[float] = []
+        for i, n in enumerate(lengths):
+            p = prompt_ids(n, i)
+            ref = cluster.plain_complete(p, args.tokens)["choices"][0]["token_ids"]
+            got = cluster.pd_complete(p, args.tokens)
+            equal &= got.token_ids == ref
+            cached.append(int(got.cached_tokens or 0))
+        # Decode TTFT for a 2,000-token prompt, and the model's terms measured in the run.
+        wan_before = cluster.wan.stats()
+        for r in range(args.repeats):
+            got = cluster.pd_complete(prompt_ids(2000, 100 + r), 1)
+            ttft_2000.append(float(got.ttft_s or 0.0))
+        kv_bytes_2000 = _wan_bytes(cluster.wan.stats(), wan_before) / max(args.repeats, 1)
+        # D's own step for the request once KV is there: a request whose prompt is all
+        # in D's prefix cache but the last block (the same prompt again, local only).
+        step = []
+        for r in range(args.repeats):
+            p = prompt_ids(2000, 100 + r)
+            t0 = time.perf_counter()
+            post_json(cluster.decode.url, "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": 1, "temperature": 0, "ignore_eos": True})
+            step.append(time.perf_counter() - t0)
+        # P's own compute for the same prompts: a plain instance's time to one token.
+        plain_prefill = [cluster.plain_complete(prompt_ids(2000, 100 + r), 1)["elapsed_s"] for r in range(args.repeats)]
+        rtt_s = args.rtt_ms / 1000.0
+        model_s = kv_bytes_2000 * 8 / (args.rate_gbit * 1e9) + rtt_s + statistics.median(step)
+        # Negative control: the same prompt with D's received KV zeroed on purpose.
+        p = prompt_ids(1000, 7)
+        ref = cluster.plain_complete(p, args.tokens)["choices"][0]["token_ids"]
+        bad = cluster.pd_complete(prompt_ids(1000, 7) + [5], args.tokens, pdd_debug_corrupt=True)
+        ref_bad = cluster.plain_complete(prompt_ids(1000, 7) + [5], args.tokens)["choices"][0]["token_ids"]
+        negative_changed = bad.token_ids != ref_bad
+        del ref
+        # Second turn: the conversation so far plus a new message; only the new pages cross.
+        turn1 = prompt_ids(1500, 11)
+        first = cluster.pd_complete(turn1, args.tokens)
+        turn2 = turn1 + first.token_ids + prompt_ids(200, 12)
+        before = cluster.wan.stats()
+        second = cluster.pd_complete(turn2, args.tokens)
+        second_bytes = _wan_bytes(cluster.wan.stats(), before)
+        ref2 = cluster.plain_complete(turn2, args.tokens)["choices"][0]["token_ids"]
+        equal &= second.token_ids == ref2
+        full_kv = ((len(turn2) - 1) // BLOCK_SIZE) * kv_bytes_per_block()
+        return {
+            "greedy_equal": bool(equal),
+            "negative_control_changed": bool(negative_changed),
+            "decode_cached_tokens": cached,
+            "expected_cached_tokens": [((n - 1) // BLOCK_SIZE) * BLOCK_SIZE for n in lengths],
+            "second_turn_wan_bytes": int(second_bytes),
+            "second_turn_full_kv_bytes": int(full_kv),
+            "second_turn_cached_tokens": second.cached_tokens,
+            "decode_ttft_s": statistics.median(ttft_2000),
+            "decode_ttft_model_s": model_s,
+            "ttft_over_model": statistics.median(ttft_2000) / model_s,
+            "model_terms": {
+                "kv_bytes": kv_bytes_2000,
+                "line_rate_gbit": args.rate_gbit,
+                "rtt_s": rtt_s,
+                "decode_step_s": statistics.median(step),
+            },
+            # Not a term of the model: with decode first, D's TTFT also holds P's compute
+            # of the prompt (here a plain instance's request time for one token).
+            "plain_prefill_s": statistics.median(plain_prefill),
+            "decode_ttft_all_s": ttft_2000,
+            "prompt_tokens_ttft": 2000,
+            "repeats": args.repeats,
+            "logs": str(log_dir),
+        }
+    finally:
+        cluster.close()
+
+
+def _wan_bytes(after: Any, before: Any) -> int:
+    key = "client_to_upstream"
+    return int(after[key]["bytes_delivered"]) - int(before[key]["bytes_delivered"])
+
+
+def kv_bytes_per_block() -> int:
+    """KV bytes of one block of the tiny model, every layer: layers x kv_heads x
+    block_size x (K + V) x head_dim x 2 bytes (bf16). One pdd_transport page is one
+    layer's share of it."""
+    kv_heads, head_dim, layers = 4, 32, 2
+    return layers * kv_heads * BLOCK_SIZE * 2 * head_dim * 2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--rtt-ms", type=float, default=30.0)
+    ap.add_argument("--rate-gbit", type=float, default=1.0)
+    ap.add_argument("--tokens", type=int, default=16, help="output tokens per request")
+    ap.add_argument("--repeats", type=int, default=5, help="2,000-token requests timed")
+    ap.add_argument("--log-dir", default=None)
+    args = ap.parse_args()
+    out = run(args)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for k, v in out.items():
+            print(f"{k}: {v}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""pdd_transport.integrations without an engine: import hygiene and the P/D proxy.
+
+The vLLM connector itself runs against real vLLM in tests/vllm (scripts/test-vllm.sh)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from pdd_transport.integrations.vllm_proxy import PdProxy, route
+
+
+def test_import_pdd_transport_never_imports_an_engine() -> None:
+    code = (
+        "import sys, pdd_transport, pdd_transport.kv, pdd_transport.integrations, "
+        "pdd_transport.integrations.vllm_proxy\n"
+        "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_connector_module_needs_vllm() -> None:
+    # tests/vllm is a directory on this process's path: a namespace "vllm" without origin.
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        with pytest.raises(ModuleNotFoundError, match="vllm|torch"):
+            importlib.import_module("pdd_transport.integrations.vllm")
+    else:
+        mod = importlib.import_module("pdd_transport.integrations.vllm")
+        assert mod.PddConnector.__name__ == "PddConnector"
+
+
+def test_route_gives_decode_the_key_and_prefill_the_key_and_where_to_send() -> None:
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 16, "stream": True, "stream_options": {"include_usage": True}}
+    to_d, to_p = route(body, "k1", "10.0.0.2:7100", prefill_node=7)
+    assert to_d["kv_transfer_params"] == {"do_remote_prefill": True, "pdd_key": "k1", "pdd_prefill_node": 7}
+    assert to_d["max_tokens"] == 16 and to_d["stream"] is True
+    assert to_p["kv_transfer_params"] == {"do_remote_decode": True, "pdd_key": "k1", "pdd_decode_address": "10.0.0.2:7100"}
+    assert to_p["max_tokens"] == 1 and to_p["stream"] is False and "stream_options" not in to_p
+    assert body["max_tokens"] == 16 and "kv_transfer_params" not in body  # the caller's body is untouched
+
+
+class _Fake:
+    """A fake P (JSON answer) and D (SSE stream of token ids) recording what they got."""
+
+    def __init__(self) -> None:
+        self.got: dict[str, dict[str, Any]] = {}
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *_: object) -> None:
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                role = "decode" if body["kv_transfer_params"].get("do_remote_prefill") else "prefill"
+                fake.got[role] = body
+                self.send_response(200)
+                if role == "prefill":
+                    data = json.dumps({"choices": [{"token_ids": [9]}]}).encode()
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for chunk in (
+                    {"choices": [{"token_ids": [4]}]},
+                    {"choices": [{"token_ids": [5, 6]}]},
+                    {"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 32}}},
+                ):
+                    self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    self.wfile.flush()
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.close_connection = True
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake() -> Iterator[_Fake]:
+    f = _Fake()
+    yield f
+    f.close()
+
+
+def test_proxy_sends_to_both_and_returns_decodes_stream(fake: _Fake) -> None:
+    proxy = PdProxy(fake.url, fake.url, "127.0.0.1:7100", model="m", timeout=10)
+    r = proxy.complete({"prompt": [1, 2, 3], "max_tokens": 3}, key="abc")
+    assert r.token_ids == [4, 5, 6]
+    assert r.cached_tokens == 32
+    assert r.ttft_s is not None and 0 < r.ttft_s <= r.total_s
+    assert r.prefill == {"choices": [{"token_ids": [9]}]} and r.prefill_error is None
+    assert fake.got["decode"]["kv_transfer_params"]["pdd_key"] == "abc"
+    assert fake.got["decode"]["stream"] is True and fake.got["decode"]["return_token_ids"] is True
+    assert fake.got["prefill"]["kv_transfer_params"]["pdd_decode_address"] == "127.0.0.1:7100"
+    assert fake.got["prefill"]["max_tokens"] == 1 and fake.got["prefill"]["model"] == "m"
+
+
+def test_proxy_reports_a_dead_prefill_without_failing_the_decode(fake: _Fake) -> None:
+    proxy = PdProxy("http://127.0.0.1:1", fake.url, "127.0.0.1:7100", timeout=5)
+    r = proxy.complete({"model": "m", "prompt": [1], "max_tokens": 3})
+    assert r.token_ids == [4, 5, 6]
+    assert r.prefill_error is not None and "prefill" not in fake.got

@@ -1,0 +1,97 @@
+"""P and D as two vLLM processes, KV through wanem (30 ms RTT): correctness."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import vllm_pd
+from vllm_pd import BLOCK_SIZE, prompt_ids
+
+TOKENS = 16
+# The first test also starts the engines (bounded by PDD_VLLM_START_TIMEOUT, 240 s).
+pytestmark = pytest.mark.timeout(420)
+
+
+def wan_c2u(cluster: vllm_pd.PdCluster) -> int:
+    assert cluster.wan is not None
+    return int(cluster.wan.stats()["client_to_upstream"]["bytes_delivered"])
+
+
+def wait_usage_zero(engine: vllm_pd.Engine, timeout: float = 10.0) -> float | None:
+    """vLLM's KV cache usage once it settles (blocks held by no request count as free)."""
+    deadline = time.monotonic() + timeout
+    usage = None
+    while time.monotonic() < deadline:
+        usage = engine.metric("vllm:kv_cache_usage_perc")
+        if usage == 0.0:
+            return usage
+        time.sleep(0.2)
+    return usage
+
+
+@pytest.mark.parametrize("length,seed", [(40, 1), (300, 2), (1000, 3), (2000, 4)])
+def test_decode_output_equals_plain_and_decode_computes_only_what_it_lacks(cluster: vllm_pd.PdCluster, length: int, seed: int) -> None:
+    prompt = prompt_ids(length, seed)
+    want = cluster.plain_complete(prompt, TOKENS)["choices"][0]["token_ids"]
+    before = wan_c2u(cluster)
+    got = cluster.pd_complete(prompt, TOKENS)
+    crossed = wan_c2u(cluster) - before
+    assert got.prefill_error is None, got.prefill_error
+    assert got.token_ids == want
+    # D received every whole block but the one holding the last prompt token, and
+    # computed only the rest: vLLM counts the received tokens as cached.
+    loaded = (length - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert got.cached_tokens == loaded
+    # Exactly those blocks crossed the WAN (plus a little framing).
+    kv_bytes = loaded // BLOCK_SIZE * vllm_pd.kv_bytes_per_block()
+    assert kv_bytes <= crossed <= kv_bytes + 4096 + kv_bytes // 100
+    # P prefills 512 tokens (16 blocks) per step and pushes each chunk's pages of each
+    # layer once that layer computed them: on every layer the sends cover the granted
+    # blocks exactly once, in pieces that end on chunk boundaries (how many pieces
+    # depends on when the grant arrived: everything computed before it goes in one).
+    log = cluster.prefill.log_path.read_text(errors="replace").splitlines()
+    for layer in (0, 1):
+        pieces = [line.split("pages=")[1].split()[0] for line in log if f"p_sent layer={layer} " in line and got.key in line]
+        ranges = [tuple(int(x) for x in piece.split("..")) for piece in pieces]
+        blocks = loaded // BLOCK_SIZE
+        assert [a for a, _ in ranges] == [0] + [b for _, b in ranges[:-1]], ranges
+        assert ranges[-1][1] == blocks
+        assert all(b % 16 == 0 or b == blocks for _, b in ranges), ranges
+    # P kept its blocks until sent, then freed them; D's request is over too.
+    assert wait_usage_zero(cluster.prefill) == 0.0
+    assert wait_usage_zero(cluster.decode) == 0.0
+
+
+def test_negative_control_corrupted_kv_changes_the_output(cluster: vllm_pd.PdCluster) -> None:
+    # D zeroes the KV it received (a debug switch the test deployment allows): if D
+    # recomputed the prompt instead of using the transfer, the output would not change.
+    prompt = prompt_ids(1000, 50)
+    want = cluster.plain_complete(prompt, TOKENS)["choices"][0]["token_ids"]
+    bad = cluster.pd_complete(prompt, TOKENS, pdd_debug_corrupt=True)
+    assert bad.prefill_error is None, bad.prefill_error
+    assert bad.cached_tokens == (1000 - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert bad.token_ids != want
+    # The same path without the switch, on a fresh prompt of the same length, matches.
+    prompt2 = prompt_ids(1000, 51)
+    assert cluster.pd_complete(prompt2, TOKENS).token_ids == cluster.plain_complete(prompt2, TOKENS)["choices"][0]["token_ids"]
+
+
+def test_second_turn_sends_only_the_new_pages(cluster: vllm_pd.PdCluster) -> None:
+    turn1 = prompt_ids(1500, 60)
+    first = cluster.pd_complete(turn1, TOKENS)
+    assert first.token_ids == cluster.plain_complete(turn1, TOKENS)["choices"][0]["token_ids"]
+    turn2 = turn1 + first.token_ids + prompt_ids(200, 61)
+    before = wan_c2u(cluster)
+    second = cluster.pd_complete(turn2, TOKENS)
+    crossed = wan_c2u(cluster) - before
+    assert second.token_ids == cluster.plain_complete(turn2, TOKENS)["choices"][0]["token_ids"]
+    # D's own prefix cache holds turn 1 (prompt and output, whole blocks): only the
+    # blocks after it are granted, and only they cross the WAN.
+    local_blocks = len(turn1 + first.token_ids) // BLOCK_SIZE
+    wanted_blocks = (len(turn2) - 1) // BLOCK_SIZE
+    new_bytes = (wanted_blocks - local_blocks) * vllm_pd.kv_bytes_per_block()
+    full_bytes = wanted_blocks * vllm_pd.kv_bytes_per_block()
+    assert second.cached_tokens == wanted_blocks * BLOCK_SIZE
+    assert new_bytes <= crossed <= new_bytes + 4096
+    assert crossed < full_bytes / 4
