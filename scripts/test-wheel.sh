@@ -227,10 +227,17 @@ EOF
     # pytest step of this same run.
     # The packet-level WAN's iperf3 faithfulness checks (about 30 s) measure the
     # emulator, whose code is the same in the wheel; they ran in that step too.
-    PDD_WHEEL_TEST=1 timeout 1500 python -m pytest -p no:cacheprovider tests \
-        --deselect tests/test_docs_examples.py::test_docs_cite_only_files_in_the_repository \
-        --deselect tests/test_wanem_packet.py::test_one_cubic_stream_gets_what_mathis_predicts \
-        --deselect tests/test_wanem_packet.py::test_a_rate_cap_is_held_within_5_percent
+    # What can differ between the wheel and the editable build is the packaging and
+    # the native extension itself (release profile, manylinux link, stripped): the
+    # suites that drive every native class run here; the long end-to-end suites (faults,
+    # demo, packet WAN, benches, soak) ran against the same code in test-all.sh's
+    # pytest step, and CI time is bounded (README: under 20 minutes).
+    PDD_WHEEL_TEST=1 timeout 1500 python -m pytest -p no:cacheprovider \
+        tests/test_packaging.py tests/test_wire.py tests/test_corpus.py \
+        tests/test_kv.py tests/test_kv_engine_api.py tests/test_prefix_handshake.py \
+        tests/test_handoff.py tests/test_radix.py tests/test_policy.py \
+        tests/test_security.py tests/test_errors_contract.py tests/test_optional_torch.py \
+        tests/test_integrations.py tests/test_metrics_prometheus.py tests/test_engine.py
 )
 lap "pytest against the wheel" "$t"
 lap "test-wheel.sh in all" "$t0"
