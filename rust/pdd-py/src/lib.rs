@@ -12,6 +12,7 @@ mod convert;
 mod errors;
 mod handoff;
 mod kv;
+mod local;
 mod policy;
 mod radix;
 mod runtime;
@@ -25,6 +26,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     wire::register(m)?;
     kv::register(m)?;
+    local::register(m)?;
     radix::register(m)?;
     wanem::register(m)?;
     policy::register(m)?;

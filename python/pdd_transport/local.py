@@ -1,0 +1,184 @@
+"""The local path (Prefill -> RelayDecode in one datacenter) and the dual-path send.
+
+The local path moves KV by one-sided UCX puts straight into the receiver's pool,
+over whatever UCX finds (shared memory / CMA on one host, TCP across hosts, verbs
+where an RDMA NIC exists), with the WAN path's grant rules: the receiver exposes
+exactly the pages it granted, and revokes them when the transfer ends. Control
+(grants, completion notices) runs on one authenticated control lane, as on the WAN.
+UCX is loaded when first asked for: where ``libucp.so.0`` is missing,
+:func:`available` is False and the constructors raise ``TransportError``
+(``local_path_unavailable``, naming the library).
+
+Receiver (RelayDecode)::
+
+    rx = local.LocalReceiver(pool, "0.0.0.0:7200", secret=deployment_secret)
+    rx.wait_peer(timeout=30)
+    inbound = rx.grant(request_id, pages, deadline_s=20)
+    inbound.wait(timeout=20)
+
+Sender (Prefill), with the WAN transfer to MainDecode at the same time::
+
+    to_rld = local.LocalSender(src_pool, "10.0.0.5:7200", secret=deployment_secret)
+    dual = local.DualSender(to_rld.wait_grant(rid), wan.wait_grant(rid), pages)
+    for layer in range(layers):           # as each layer is computed
+        dual.send_layer(layer)
+    dual.finish()
+    outcome = dual.wait(timeout=60)       # each side's own result
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pdd_transport._native import LocalInbound, LocalOutbound, LocalReceiver, LocalSender, ucx_version
+from pdd_transport.errors import InvalidArgument, PddError
+
+__all__ = [
+    "DualOutcome",
+    "DualSender",
+    "LocalInbound",
+    "LocalOutbound",
+    "LocalReceiver",
+    "LocalSender",
+    "SideOutcome",
+    "available",
+    "ucx_version",
+]
+
+
+def available() -> bool:
+    """Whether UCX can be loaded here (the local path can run)."""
+    try:
+        ucx_version()
+    except PddError:
+        return False
+    return True
+
+
+class _Outbound(Protocol):
+    """What both paths' sender handles offer (``LocalOutbound``, ``OutboundTransfer``)."""
+
+    @property
+    def page_count(self) -> int: ...
+    @property
+    def layer_count(self) -> int: ...
+    def send_layer(self, layer: int, src_pages: Any, src_layer: int | None = None, timeout: float = 60.0) -> None: ...
+    def finish(self) -> None: ...
+    def wait(self, timeout: float = 60.0) -> int: ...
+
+
+@dataclass
+class SideOutcome:
+    """How one side of a dual send ended."""
+
+    ok: bool
+    bytes: int = 0
+    seconds: float = 0.0
+    reason: str | None = None
+    message: str | None = None
+
+
+@dataclass
+class DualOutcome:
+    """Both sides of a dual send; either may be ``None`` (not asked for)."""
+
+    local: SideOutcome | None
+    wan: SideOutcome | None
+
+
+_FINISH = -1
+
+
+class _Side:
+    """One path of a dual send: its own thread, queue and outcome, so that nothing
+    that happens to it touches the other side."""
+
+    def __init__(self, name: str, out: _Outbound, src: Sequence[int], timeout: float) -> None:
+        self.out = out
+        self.src = list(src)
+        self.timeout = timeout
+        self.layers: queue.Queue[int] = queue.Queue()
+        self.outcome: SideOutcome | None = None
+        self.started = time.perf_counter()
+        self.thread = threading.Thread(target=self._run, name=f"pdd-dual-{name}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                layer = self.layers.get()
+                if layer == _FINISH:
+                    break
+                self.out.send_layer(layer, self.src, timeout=self.timeout)
+            self.out.finish()
+            moved = self.out.wait(timeout=self.timeout)
+            self.outcome = SideOutcome(True, moved, time.perf_counter() - self.started)
+        except PddError as exc:
+            abort = getattr(self.out, "abort", None)
+            if abort is not None:
+                try:
+                    abort()
+                except PddError:
+                    pass
+            self.outcome = SideOutcome(False, 0, time.perf_counter() - self.started, exc.reason, str(exc))
+
+
+class DualSender:
+    """Fan each layer out to RelayDecode over the local path and to MainDecode over
+    the WAN at once.
+
+    ``local`` gets every page its grant covers (the prompt's last ``page_count``
+    of ``pages``: all of them for a RelayDecode without a prefix cache); ``wan`` only
+    the pages MainDecode's grant covers, which after the prefix handshake are the
+    ones it lacks. Each side runs on its own thread: a failure of one (a WAN reset,
+    a dead RelayDecode) never stops, slows or fails the other, and :meth:`wait`
+    reports each side's own outcome. Either side may be ``None``."""
+
+    def __init__(
+        self,
+        local: _Outbound | None,
+        wan: _Outbound | None,
+        pages: Sequence[int],
+        *,
+        timeout: float = 120.0,
+    ) -> None:
+        if local is None and wan is None:
+            raise InvalidArgument("a dual send needs at least one side", "invalid_argument")
+        pages = list(pages)
+        for out, name in ((local, "local"), (wan, "wan")):
+            if out is not None and out.page_count > len(pages):
+                raise InvalidArgument(
+                    f"the {name} grant covers {out.page_count} pages, the request has {len(pages)}", "invalid_argument"
+                )
+        self._sides: dict[str, _Side] = {}
+        if local is not None:
+            self._sides["local"] = _Side("local", local, pages[len(pages) - local.page_count :], timeout)
+        if wan is not None:
+            self._sides["wan"] = _Side("wan", wan, pages[len(pages) - wan.page_count :], timeout)
+        self._timeout = timeout
+
+    def send_layer(self, layer: int) -> None:
+        """Queue ``layer`` on both sides; returns at once."""
+        for side in self._sides.values():
+            side.layers.put(layer)
+
+    def finish(self) -> None:
+        """Every layer was queued."""
+        for side in self._sides.values():
+            side.layers.put(_FINISH)
+
+    def wait(self, timeout: float | None = None) -> DualOutcome:
+        """Wait for both sides (each bounded by the send's timeout) and report each."""
+        deadline = time.monotonic() + (self._timeout + 5.0 if timeout is None else timeout)
+        for side in self._sides.values():
+            side.thread.join(max(0.0, deadline - time.monotonic()))
+        out: dict[str, SideOutcome | None] = {"local": None, "wan": None}
+        for name, side in self._sides.items():
+            out[name] = side.outcome or SideOutcome(False, 0, time.perf_counter() - side.started, "deadline_exceeded",
+                                                    f"the {name} side did not end within the wait")
+        return DualOutcome(out["local"], out["wan"])
