@@ -12,7 +12,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -58,19 +60,15 @@ SENDER = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def ucx_tls(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    monkeypatch.setenv("UCX_TLS", request.param)
-    yield request.param
-
-
-@pytest.mark.parametrize("ucx_tls", ["sm,self", "tcp,self"], indirect=True)
+@pytest.mark.parametrize("ucx_tls", ["sm,self", "tcp,self"])
 def test_two_processes_land_exactly_the_granted_pages(ucx_tls: str) -> None:
+    # UCX's worker is per process and reads UCX_TLS once: this process leaves it
+    # unset (every transport), the sender's is restricted to the one under test.
     pool, mem = zeros_pool()
     rx = local.LocalReceiver(pool)
     addr = "%s:%d" % rx.address
     child = subprocess.Popen([sys.executable, "-c", SENDER, addr, "7"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, UCX_TLS=ucx_tls))
     try:
         rx.wait_peer(timeout=20)
         inbound = rx.grant(7, DEST, deadline_s=30)
@@ -91,7 +89,6 @@ def test_two_processes_land_exactly_the_granted_pages(ucx_tls: str) -> None:
 
 @pytest.fixture
 def pair() -> Iterator[tuple[local.LocalReceiver, local.LocalSender, np.ndarray]]:
-    os.environ["UCX_TLS"] = "tcp,self"  # one process: shared memory only reaches another
     pool, mem = zeros_pool()
     rx = local.LocalReceiver(pool)
     tx = local.LocalSender(kv.pool_from_buffers(source_backing(), PAGE, num_layers=LAYERS), "%s:%d" % rx.address)
@@ -99,7 +96,6 @@ def pair() -> Iterator[tuple[local.LocalReceiver, local.LocalSender, np.ndarray]
     yield rx, tx, mem
     tx.close()
     rx.close()
-    del os.environ["UCX_TLS"]
 
 
 def test_a_cancelled_grant_revokes_its_keys(pair: tuple[local.LocalReceiver, local.LocalSender, np.ndarray]) -> None:
@@ -158,7 +154,6 @@ def test_the_pool_records_its_memory_kind_and_refuses_cuda() -> None:
 
 
 def _dual_fixture() -> tuple[local.LocalReceiver, local.LocalSender, kv.KvReceiver, kv.KvSender, np.ndarray, np.ndarray]:
-    os.environ["UCX_TLS"] = "tcp,self"
     src_pool = kv.pool_from_buffers(source_backing(), PAGE, num_layers=LAYERS)
     rld_pool, rld_mem = zeros_pool()
     md_pool, md_mem = zeros_pool()
@@ -207,4 +202,41 @@ def test_dual_send_fans_out_and_isolates_each_side(fail: str | None) -> None:
         to_md.close()
         rld.close()
         md.close()
-        del os.environ["UCX_TLS"]
+
+
+def test_prefill_role_send_is_the_dual_path_send() -> None:
+    """PrefillRole.send (no engine needed for it) fans out to RLD over the local path
+    and MD over the WAN path; MD failing leaves RLD's transfer complete."""
+    from types import SimpleNamespace
+
+    from pdd_transport.roles import Plan, PrefillRole, Prefilled
+
+    rld, to_rld, md, to_md, rld_mem, md_mem = _dual_fixture()
+    try:
+        engine: Any = SimpleNamespace(config=SimpleNamespace(page_tokens=16, num_layers=LAYERS))
+        role = PrefillRole(engine, to_md, to_rld, kv_bytes_per_token=1)
+        polled = local.PolledLocalReceiver(None, receiver=rld)
+        polled.grant(21, DEST, deadline_s=30)
+        md_in = md.grant(21, [20, 21, 22], deadline_s=30)
+        assert role.send(Prefilled(Plan(21, "p_rld_md", 0), SRC, [], None), timeout=30) == []
+        src = source_backing()
+        assert np.array_equal(rld_mem[:, DEST], src[:, SRC])
+        assert np.array_equal(md_mem[:, [20, 21, 22]], src[:, SRC[-3:]])
+        assert md_in.wait(timeout=5) == LAYERS * 3 * PAGE
+        [ev] = polled.poll_events()
+        assert (ev["type"], ev["request_id"], ev["bytes"]) == ("complete", 21, LAYERS * len(DEST) * PAGE)
+        # MD cancels the next one before any byte: only the WAN side fails (its grant
+        # never comes, or comes cancelled); RLD's transfer completes meanwhile.
+        polled.grant(22, DEST, deadline_s=30)
+        md.cancel(md.grant(22, [20, 21, 22], deadline_s=30).transfer_id)
+        t0 = time.monotonic()
+        failures = role.send(Prefilled(Plan(22, "p_rld_md", 0), SRC, [], None), timeout=3)
+        assert [f.where for f in failures] == ["send to main"], failures
+        assert failures[0].reason in ("peer_aborted", "deadline_exceeded"), failures
+        [ev] = polled.poll_events()
+        assert ev["type"] == "complete"
+    finally:
+        to_rld.close()
+        to_md.close()
+        rld.close()
+        md.close()

@@ -31,7 +31,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -45,6 +45,7 @@ __all__ = [
     "LocalOutbound",
     "LocalReceiver",
     "LocalSender",
+    "PolledLocalReceiver",
     "SideOutcome",
     "available",
     "ucx_version",
@@ -96,11 +97,14 @@ _FINISH = -1
 
 class _Side:
     """One path of a dual send: its own thread, queue and outcome, so that nothing
-    that happens to it touches the other side."""
+    that happens to it (its grant late or refused, its line lost) touches the other
+    side."""
 
-    def __init__(self, name: str, out: _Outbound, src: Sequence[int], timeout: float) -> None:
+    def __init__(self, name: str, out: _Outbound | Callable[[], _Outbound], pages: Sequence[int],
+                 timeout: float) -> None:
+        self.name = name
         self.out = out
-        self.src = list(src)
+        self.pages = list(pages)
         self.timeout = timeout
         self.layers: queue.Queue[int] = queue.Queue()
         self.outcome: SideOutcome | None = None
@@ -109,17 +113,27 @@ class _Side:
         self.thread.start()
 
     def _run(self) -> None:
+        out: Any = None
         try:
+            out = self.out() if callable(self.out) else self.out
+            if out.page_count > len(self.pages):
+                raise InvalidArgument(f"the {self.name} grant covers {out.page_count} pages, the request has "
+                                      f"{len(self.pages)}", "invalid_argument")
+            # The grant covers the prompt's last page_count pages (all of them for a
+            # receiver without a prefix cache; after the prefix handshake, the ones
+            # MainDecode lacks).
+            src = self.pages[len(self.pages) - out.page_count :]
             while True:
                 layer = self.layers.get()
                 if layer == _FINISH:
                     break
-                self.out.send_layer(layer, self.src, timeout=self.timeout)
-            self.out.finish()
-            moved = self.out.wait(timeout=self.timeout)
+                if layer < out.layer_count:  # a grant of fewer layers than the other side's
+                    out.send_layer(layer, src, timeout=self.timeout)
+            out.finish()
+            moved = out.wait(timeout=self.timeout)
             self.outcome = SideOutcome(True, moved, time.perf_counter() - self.started)
         except PddError as exc:
-            abort = getattr(self.out, "abort", None)
+            abort = getattr(out, "abort", None)
             if abort is not None:
                 try:
                     abort()
@@ -132,38 +146,36 @@ class DualSender:
     """Fan each layer out to RelayDecode over the local path and to MainDecode over
     the WAN at once.
 
-    ``local`` gets every page its grant covers (the prompt's last ``page_count``
-    of ``pages``: all of them for a RelayDecode without a prefix cache); ``wan`` only
-    the pages MainDecode's grant covers, which after the prefix handshake are the
-    ones it lacks. Each side runs on its own thread: a failure of one (a WAN reset,
-    a dead RelayDecode) never stops, slows or fails the other, and :meth:`wait`
-    reports each side's own outcome. Either side may be ``None``."""
+    ``local`` and ``wan`` are the two sides' sender handles (``LocalOutbound``,
+    ``OutboundTransfer``), or callables that wait for them (``lambda:
+    tx.wait_grant(rid)``), so that one side's grant arriving late or never does not
+    hold the other; either may be ``None``. Each side gets the prompt's last
+    ``page_count`` pages of ``pages`` its grant covers: every page for RelayDecode,
+    only the pages MainDecode lacks for MainDecode (its grant follows the prefix
+    handshake). Each side runs on its own thread: a failure of one (a WAN reset, a
+    dead RelayDecode) never stops, slows or fails the other, and :meth:`wait` reports
+    each side's own outcome."""
 
     def __init__(
         self,
-        local: _Outbound | None,
-        wan: _Outbound | None,
+        local: _Outbound | Callable[[], _Outbound] | None,
+        wan: _Outbound | Callable[[], _Outbound] | None,
         pages: Sequence[int],
         *,
         timeout: float = 120.0,
     ) -> None:
         if local is None and wan is None:
             raise InvalidArgument("a dual send needs at least one side", "invalid_argument")
-        pages = list(pages)
-        for out, name in ((local, "local"), (wan, "wan")):
-            if out is not None and out.page_count > len(pages):
-                raise InvalidArgument(
-                    f"the {name} grant covers {out.page_count} pages, the request has {len(pages)}", "invalid_argument"
-                )
         self._sides: dict[str, _Side] = {}
         if local is not None:
-            self._sides["local"] = _Side("local", local, pages[len(pages) - local.page_count :], timeout)
+            self._sides["local"] = _Side("local", local, pages, timeout)
         if wan is not None:
-            self._sides["wan"] = _Side("wan", wan, pages[len(pages) - wan.page_count :], timeout)
+            self._sides["wan"] = _Side("wan", wan, pages, timeout)
         self._timeout = timeout
 
     def send_layer(self, layer: int) -> None:
-        """Queue ``layer`` on both sides; returns at once."""
+        """Queue ``layer`` on both sides; returns at once. A side whose grant has
+        fewer layers skips the ones past it."""
         for side in self._sides.values():
             side.layers.put(layer)
 
@@ -173,8 +185,10 @@ class DualSender:
             side.layers.put(_FINISH)
 
     def wait(self, timeout: float | None = None) -> DualOutcome:
-        """Wait for both sides (each bounded by the send's timeout) and report each."""
-        deadline = time.monotonic() + (self._timeout + 5.0 if timeout is None else timeout)
+        """Wait for both sides and report each (a side still running when
+        ``timeout``, by default its grant wait plus its transfer's bound, passes is
+        reported as ``deadline_exceeded``)."""
+        deadline = time.monotonic() + (3 * self._timeout + 5.0 if timeout is None else timeout)
         for side in self._sides.values():
             side.thread.join(max(0.0, deadline - time.monotonic()))
         out: dict[str, SideOutcome | None] = {"local": None, "wan": None}
@@ -182,3 +196,59 @@ class DualSender:
             out[name] = side.outcome or SideOutcome(False, 0, time.perf_counter() - side.started, "deadline_exceeded",
                                                     f"the {name} side did not end within the wait")
         return DualOutcome(out["local"], out["wan"])
+
+
+class PolledLocalReceiver:
+    """A :class:`LocalReceiver` with the surface engine roles use of a
+    ``kv.KvReceiver``: ``grant``, ``poll_events`` (``complete`` / ``failed`` dicts as
+    ``KvReceiver.poll_events`` gives them), ``address``, ``close``. The local path has
+    no prefix cache, so ``release_lease`` has nothing to release."""
+
+    def __init__(self, pool: Any, listen: str = "127.0.0.1:0", *, receiver: LocalReceiver | None = None,
+                 **kwargs: Any) -> None:
+        """A new receiver over ``pool`` (``kwargs`` as for :class:`LocalReceiver`), or
+        the given ``receiver`` (``pool`` is then ignored)."""
+        self.rx = receiver if receiver is not None else LocalReceiver(pool, listen, **kwargs)
+        self._live: dict[int, LocalInbound] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.rx.address
+
+    def wait_peer(self, timeout: float = 10.0) -> int:
+        return self.rx.wait_peer(timeout=timeout)
+
+    def grant(self, request_id: int, pages: Any, *, peer: int | None = None,
+              deadline_s: float | None = None) -> LocalInbound:
+        inbound = self.rx.grant(request_id, pages, peer=peer, deadline_s=deadline_s)
+        with self._lock:
+            self._live[inbound.transfer_id] = inbound
+        return inbound
+
+    def poll_events(self, max: int = 1024) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        with self._lock:
+            for tid, inbound in list(self._live.items()):
+                if len(out) >= max:
+                    break
+                st = inbound.status()
+                if st["state"] == "in_progress":
+                    continue
+                del self._live[tid]
+                ev: dict[str, Any] = {"type": st["state"], "transfer_id": tid, "request_id": inbound.request_id}
+                if st["state"] == "complete":
+                    ev["bytes"] = st["bytes"]
+                else:
+                    ev["reason"], ev["message"] = st["reason"], st["message"]
+                out.append(ev)
+        return out
+
+    def release_lease(self, lease_id: int) -> bool:
+        return False
+
+    def metrics(self) -> dict[str, int]:
+        return self.rx.metrics()
+
+    def close(self) -> None:
+        self.rx.close()

@@ -1,8 +1,10 @@
-//! The local (UCX) path end to end, in one process, on the transports UCX picks on
-//! one host: shared memory / CMA (`UCX_TLS=sm,self`) and TCP over loopback
-//! (`UCX_TLS=tcp,self`). Skipped, loudly, only where libucp cannot be loaded; CI
-//! installs it (`scripts/test-all.sh`), and `PDD_REQUIRE_UCX=1` turns the skip into
-//! a failure.
+//! The local (UCX) path end to end: a receiver here and a sender in a second
+//! process restricted to shared memory / CMA (`UCX_TLS=sm,self`) or to TCP over
+//! loopback (`UCX_TLS=tcp,self`), and the grant rules with both ends in this process
+//! (UCX's worker is per process and reads `UCX_TLS` once, so this process leaves it
+//! unset). Skipped, loudly, only where libucp cannot be loaded; CI installs it
+//! (`scripts/test-all.sh`) and sets `PDD_REQUIRE_UCX=1`, which turns the skip into a
+//! failure.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +18,7 @@ use pdd_io::local::sender::{LocalSender, LocalSenderConfig};
 use pdd_io::local::LocalStatus;
 use pdd_io::pool::{MemoryRegion, PagePool};
 
-/// UCX reads UCX_TLS when a context is created: tests that set it run one at a time.
+/// Tests that set environment variables (PDD_UCX_LIBRARY) run one at a time.
 static ENV: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 const LAYERS: u16 = 3;
@@ -126,14 +128,13 @@ async fn child_sender_process() {
     }
 }
 
-/// Receiver here, sender in a second process (shared memory and CMA only reach
-/// another process), over the transports `tls` allows.
-async fn roundtrip(tls: &str, two_processes: bool) {
+/// Receiver here, sender in a second process restricted to the transports `tls`
+/// allows (shared memory and CMA only reach another process).
+async fn roundtrip(tls: &str) {
     let _g = ENV.lock().await;
     if !ucx_here() {
         return;
     }
-    std::env::set_var("UCX_TLS", tls);
     let rx = LocalReceiver::start(
         pool(|_, _| 0),
         LocalReceiverConfig::new(
@@ -144,29 +145,25 @@ async fn roundtrip(tls: &str, two_processes: bool) {
     .await
     .unwrap();
     let addr = rx.local_addr();
-    let sender = if two_processes {
-        let child = tokio::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "child_sender_process",
-                "--exact",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD_ENV, addr.to_string())
-            .env("UCX_TLS", tls)
-            .kill_on_drop(true)
-            .output();
-        tokio::spawn(async move {
-            let out = child.await.unwrap();
-            assert!(
-                out.status.success(),
-                "sender process failed: {}",
-                String::from_utf8_lossy(&out.stdout)
-            );
-        })
-    } else {
-        tokio::spawn(send_all(addr))
-    };
+    let child = tokio::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "child_sender_process",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ENV, addr.to_string())
+        .env("UCX_TLS", tls)
+        .kill_on_drop(true)
+        .output();
+    let sender = tokio::spawn(async move {
+        let out = child.await.unwrap();
+        assert!(
+            out.status.success(),
+            "sender process failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    });
     let peer = tokio::time::timeout(Duration::from_secs(10), rx.wait_peer())
         .await
         .unwrap();
@@ -208,17 +205,16 @@ async fn roundtrip(tls: &str, two_processes: bool) {
         }
     }
     rx.close().await;
-    std::env::remove_var("UCX_TLS");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_memory_roundtrip_between_two_processes() {
-    roundtrip("sm,self", true).await;
+    roundtrip("sm,self").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tcp_roundtrip_lands_exactly_the_granted_pages() {
-    roundtrip("tcp,self", false).await;
+async fn tcp_roundtrip_between_two_processes() {
+    roundtrip("tcp,self").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

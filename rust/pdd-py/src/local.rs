@@ -90,7 +90,10 @@ fn status_dict<'py>(py: Python<'py>, s: &LocalStatus) -> PyResult<Bound<'py, PyD
     Ok(d)
 }
 
-fn metrics_dict<'py>(py: Python<'py>, m: &pdd_io::metrics::Metrics) -> PyResult<Bound<'py, PyDict>> {
+fn metrics_dict<'py>(
+    py: Python<'py>,
+    m: &pdd_io::metrics::Metrics,
+) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     for (name, value, _, _) in m.snapshot() {
         d.set_item(name, value)?;
@@ -153,9 +156,12 @@ impl LocalReceiver {
     #[pyo3(signature = (timeout = 10.0))]
     fn wait_peer(&self, py: Python<'_>, timeout: f64) -> PyResult<u64> {
         let rx = self.inner.clone();
-        bounded(py, secs(timeout, "timeout")?, "a local-path sender", async move {
-            Ok(rx.wait_peer().await)
-        })
+        bounded(
+            py,
+            secs(timeout, "timeout")?,
+            "a local-path sender",
+            async move { Ok(rx.wait_peer().await) },
+        )
     }
 
     /// Grant `pages` (pool pages, in the order the sender fills them) on every
@@ -173,9 +179,12 @@ impl LocalReceiver {
         let pages = u32s_from_py(pages, "pages")?;
         let deadline = deadline_s.map(|d| secs(d, "deadline_s")).transpose()?;
         let rx = self.inner.clone();
-        let t = bounded(py, secs(timeout, "timeout")?, "registering a grant", async move {
-            rx.grant(request_id.0, &pages, peer, deadline).await
-        })?;
+        let t = bounded(
+            py,
+            secs(timeout, "timeout")?,
+            "registering a grant",
+            async move { rx.grant(request_id.0, &pages, peer, deadline).await },
+        )?;
         Ok(LocalInbound { inner: t })
     }
 
@@ -233,9 +242,12 @@ impl LocalInbound {
     #[pyo3(signature = (timeout = 60.0))]
     fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<u64> {
         let t = self.inner.clone();
-        bounded(py, secs(timeout, "timeout")?, "a local transfer", async move {
-            t.wait().await
-        })
+        bounded(
+            py,
+            secs(timeout, "timeout")?,
+            "a local transfer",
+            async move { t.wait().await },
+        )
     }
 }
 
@@ -372,9 +384,15 @@ impl LocalOutbound {
     ) -> PyResult<()> {
         let pages = u32s_from_py(src_pages, "src_pages")?;
         let out = self.inner.clone();
-        bounded(py, secs(timeout, "timeout")?, "a local layer put", async move {
-            out.send_layer(layer, src_layer.unwrap_or(layer), &pages).await
-        })
+        bounded(
+            py,
+            secs(timeout, "timeout")?,
+            "a local layer put",
+            async move {
+                out.send_layer(layer, src_layer.unwrap_or(layer), &pages)
+                    .await
+            },
+        )
     }
 
     /// Check every layer was sent.
@@ -400,8 +418,11 @@ impl LocalOutbound {
     #[pyo3(signature = (timeout = 60.0))]
     fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<u64> {
         let out = self.inner.clone();
-        bounded(py, secs(timeout, "timeout")?, "a local transfer", async move {
-            out.wait().await
-        })
+        bounded(
+            py,
+            secs(timeout, "timeout")?,
+            "a local transfer",
+            async move { out.wait().await },
+        )
     }
 }

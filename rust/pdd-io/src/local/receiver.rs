@@ -72,6 +72,8 @@ fn control_max(shared: &Shared, peer: u64) -> u32 {
 }
 
 struct Entry {
+    /// Keeps the UCX thread progressing while the transfer lives.
+    _busy: super::ucx::BusyGuard,
     session: u64,
     grant: KvGrant,
     memory: Vec<u64>,
@@ -139,7 +141,7 @@ impl LocalReceiver {
             &cfg.hello,
             cfg.allow_insecure || cfg.tls.is_some(),
         )?;
-        let ucx = UcxEndpoint::start("local-receiver")?;
+        let ucx = UcxEndpoint::start()?;
         let listener = TcpListener::bind(cfg.listen)
             .await
             .map_err(|e| Error::ConnectionLost {
@@ -286,6 +288,7 @@ impl LocalReceiver {
         lock(&shared.transfers).insert(
             grant.transfer_id,
             Entry {
+                _busy: shared.ucx.busy(),
                 session: peer,
                 grant: grant.clone(),
                 memory,

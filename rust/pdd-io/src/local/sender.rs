@@ -19,6 +19,9 @@ use crate::lane::{self, LaneKey, SocketTuning, TlsConfig};
 use crate::metrics::Metrics;
 use crate::pool::{MemoryKind, PagePool};
 
+/// The largest control frame (a LOCAL_GRANT) a local sender accepts.
+pub const LOCAL_MAX_PAYLOAD: u32 = 256 << 20;
+
 /// Local sender settings.
 #[derive(Debug, Clone)]
 pub struct LocalSenderConfig {
@@ -114,7 +117,11 @@ impl LocalSender {
             });
         }
         cfg.hello.capabilities |= capability::LOCAL_UCX;
-        let ucx = UcxEndpoint::start("local-sender")?;
+        // A LOCAL_GRANT carries one key per run of granted pages: a gigabyte of
+        // shuffled 4 KiB pages is 262,144 regions. The receiver is authenticated and
+        // in our datacenter; its frames may take up to this.
+        cfg.hello.max_payload = cfg.hello.max_payload.max(LOCAL_MAX_PAYLOAD);
+        let ucx = UcxEndpoint::start()?;
         let connected = lane::connect(
             cfg.addr,
             &cfg.hello,

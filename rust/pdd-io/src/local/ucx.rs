@@ -1,30 +1,45 @@
-//! A safe wrapper over [`super::ucx_ffi`]: one UCX context and worker per endpoint,
-//! owned by one dedicated thread that also drives the worker's progress.
+//! A safe wrapper over [`super::ucx_ffi`]: one UCX context and worker per process,
+//! owned by one dedicated thread that also drives the worker's progress, and
+//! [`UcxEndpoint`]s (one per local sender or receiver) that own their UCX objects
+//! (endpoint, registrations, unpacked keys) on it.
 //!
-//! Every UCX call of an endpoint runs on its thread (UCX workers are single-threaded
-//! here, `UCS_THREAD_MODE_SINGLE`): callers send it closures and await the answer.
-//! Between commands the thread progresses the worker (on TCP, a receiver's worker
-//! must progress for puts to land: UCX emulates them with active messages). After
-//! [`SPIN`] without any event it waits on its command queue for at most
-//! [`IDLE_WAIT`] between two progress calls: a command wakes it at once, and an
-//! idle endpoint costs a thousand wake-ups a second, not a core. (UCX's own wakeup
-//! feature is not used: it leaves out transports without event support, CMA and
-//! shared memory among them.)
+//! Every UCX call runs on the worker's thread (the worker is single-threaded,
+//! `UCS_THREAD_MODE_SINGLE`): callers send it closures and await the answer. Between
+//! commands the thread progresses the worker (on TCP and shared-memory FIFOs a
+//! receiver's worker must progress for puts to land: UCX emulates them with active
+//! messages). While a [`BusyGuard`] lives (a receiver holds one per live transfer) it
+//! never sleeps; otherwise, after [`SPIN`] without any event it waits on its command
+//! queue for at most [`IDLE_WAIT`] between two progress calls: a command wakes it at
+//! once, and an idle process costs a thousand wake-ups a second, not a core. (UCX's
+//! wakeup feature is not used: it leaves out transports without event support, CMA
+//! and shared memory among them.)
+//!
+//! Why one worker per process, never destroyed: UCX 1.13 aborts the whole process
+//! (`ucs_fatal` in `ucp_request_send_state_ff`, from `ucp_worker_destroy` purging an
+//! endpoint's pending queue) when a worker is destroyed while one of its internal
+//! endpoints still holds a reply to a peer that went away, which is what a receiver
+//! whose sender vanished mid-transfer has (seen here, on TCP). An endpoint's own
+//! objects are released when it is dropped; the worker lives as long as the process,
+//! as UCX applications usually keep theirs. `UCX_*` settings (`UCX_TLS`) are read
+//! once, when the process's first local endpoint starts.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use pdd_core::Error;
 use tokio::sync::oneshot;
 
+use super::lock;
 use super::ucx_ffi::{self as ffi, Api, Handle, Nbx};
 
-/// Longest sleep of an idle endpoint thread between two progress calls.
+/// Longest sleep of an idle worker thread between two progress calls.
 pub const IDLE_WAIT: Duration = Duration::from_millis(1);
 /// How long the thread keeps polling after the last event before it sleeps.
 pub const SPIN: Duration = Duration::from_millis(2);
+/// Bound on closing an endpoint (a peer that went away answers nothing).
+const CLOSE_BOUND: Duration = Duration::from_secs(1);
 
 /// One put: `len` bytes at local `src` to `remote` under the unpacked key `rkey`.
 #[derive(Debug, Clone, Copy)]
@@ -42,12 +57,12 @@ pub struct PutOp {
 
 type Command = Box<dyn FnOnce(&mut State) + Send>;
 
-/// The thread's UCX objects.
+/// The worker thread's UCX objects.
 struct State {
     api: &'static Api,
     context: Handle,
     worker: Handle,
-    ep: Option<Handle>,
+    eps: HashMap<u64, Handle>,
     memhs: HashMap<u64, Handle>,
     rkeys: HashMap<u64, Handle>,
     next_id: u64,
@@ -55,8 +70,13 @@ struct State {
 
 impl State {
     fn progress(&mut self) -> u32 {
-        // SAFETY: the worker is alive and used only by this thread.
+        // SAFETY: the worker is alive (never destroyed) and used only by this thread.
         unsafe { (self.api.worker_progress)(self.worker) }
+    }
+
+    fn id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
     }
 
     /// Progress until `req` completes or `deadline` passes; frees it either way.
@@ -95,54 +115,78 @@ impl State {
         }
     }
 
-    fn ep(&self) -> Result<Handle, Error> {
-        self.ep.ok_or_else(|| Error::LocalTransport {
-            op: "put",
-            detail: "no endpoint: the peer's worker address never came".into(),
-        })
+    fn ep(&self, id: Option<u64>) -> Result<Handle, Error> {
+        id.and_then(|id| self.eps.get(&id).copied())
+            .ok_or_else(|| Error::LocalTransport {
+                op: "put",
+                detail: "no endpoint: not connected, or closed after a failure".into(),
+            })
     }
 
-    fn teardown(&mut self) {
-        let api = self.api;
-        for (_, rkey) in self.rkeys.drain() {
-            // SAFETY: unpacked on this worker's endpoint, destroyed once.
-            unsafe { (api.rkey_destroy)(rkey) };
-        }
-        if let Some(ep) = self.ep.take() {
+    /// Close an endpoint, cancelling what it still has queued (bounded).
+    fn close_ep(&mut self, id: u64) {
+        if let Some(ep) = self.eps.remove(&id) {
             let mut param = ffi::RequestParam::zeroed();
             param.op_attr_mask = ffi::OP_ATTR_FIELD_FLAGS;
             param.flags = ffi::EP_CLOSE_FLAG_FORCE;
-            // SAFETY: a live endpoint of this worker; param outlives the call.
-            let r = unsafe { (api.ep_close_nbx)(ep, &param) };
-            let _ = self.finish_nbx("ep_close", r, Instant::now() + Duration::from_secs(1));
-        }
-        for (_, memh) in self.memhs.drain() {
-            // SAFETY: mapped on this context, unmapped once.
-            unsafe { (api.mem_unmap)(self.context, memh) };
-        }
-        // SAFETY: nothing of the worker or context is used after this; destroyed once.
-        unsafe {
-            (api.worker_destroy)(self.worker);
-            (api.cleanup)(self.context);
+            // SAFETY: a live endpoint of this worker, removed from the table so
+            // closed once; `param` outlives the call.
+            let r = unsafe { (self.api.ep_close_nbx)(ep, &param) };
+            let _ = self.finish_nbx("ucp_ep_close_nbx", r, Instant::now() + CLOSE_BOUND);
         }
     }
 }
 
-/// One endpoint's UCX context, worker and thread.
-pub struct UcxEndpoint {
+/// The process's worker: its thread's queue, busy count and address.
+struct Worker {
     api: &'static Api,
-    commands: mpsc::Sender<Command>,
-    stop: Arc<AtomicBool>,
+    commands: Mutex<mpsc::Sender<Command>>,
+    busy: Arc<AtomicUsize>,
     address: Vec<u8>,
-    thread: Option<std::thread::JoinHandle<()>>,
 }
 
-impl std::fmt::Debug for UcxEndpoint {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("UcxEndpoint")
-            .field("version", &self.api.version)
-            .finish_non_exhaustive()
+static WORKER: OnceLock<Result<Arc<Worker>, Error>> = OnceLock::new();
+
+fn worker() -> Result<Arc<Worker>, Error> {
+    // A library given by PDD_UCX_LIBRARY is checked afresh each time (tests point
+    // it at a missing one); the worker itself uses the process's libucp.
+    if std::env::var_os(ffi::ENV_UCP_LIBRARY).is_some() {
+        ffi::api()?;
     }
+    WORKER.get_or_init(start_worker).clone()
+}
+
+fn start_worker() -> Result<Arc<Worker>, Error> {
+    let api = ffi::api()?;
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<Vec<u8>, Error>>();
+    let (commands, inbox) = mpsc::channel::<Command>();
+    let busy = Arc::new(AtomicUsize::new(0));
+    let b = busy.clone();
+    std::thread::Builder::new()
+        .name("pdd-ucx".into())
+        .spawn(move || match create(api) {
+            Ok(mut state) => {
+                let _ = ready_tx.send(worker_address(&state));
+                run(&mut state, &inbox, &b);
+            }
+            Err(e) => {
+                let _ = ready_tx.send(Err(e));
+            }
+        })
+        .map_err(|e| Error::LocalTransport {
+            op: "thread",
+            detail: e.to_string(),
+        })?;
+    let address = ready_rx.recv().map_err(|_| Error::LocalTransport {
+        op: "ucp_init",
+        detail: "the UCX thread ended during start-up".into(),
+    })??;
+    Ok(Arc::new(Worker {
+        api,
+        commands: Mutex::new(commands),
+        busy,
+        address,
+    }))
 }
 
 /// UCX's version as `major.minor.release`, loading the library if needed.
@@ -151,52 +195,51 @@ pub fn version() -> Result<String, Error> {
     Ok(format!("{a}.{b}.{c}"))
 }
 
+/// One local endpoint's UCX objects on the process's worker: at most one endpoint
+/// to a peer, the memory it registered, the keys it unpacked. Dropping it closes
+/// the endpoint, then destroys the keys and unmaps the memory, in that order.
+pub struct UcxEndpoint {
+    worker: Arc<Worker>,
+    ep: Mutex<Option<u64>>,
+    memory: Arc<Mutex<HashSet<u64>>>,
+    keys: Arc<Mutex<HashSet<u64>>>,
+}
+
+impl std::fmt::Debug for UcxEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UcxEndpoint")
+            .field("version", &self.worker.api.version)
+            .finish_non_exhaustive()
+    }
+}
+
 impl UcxEndpoint {
-    /// Load UCX (once), create a context (RMA and wakeup features; transports from
-    /// `UCX_*` environment variables such as `UCX_TLS`) and a worker on a new thread
-    /// named `name`.
-    pub fn start(name: &str) -> Result<UcxEndpoint, Error> {
-        let api = ffi::api()?;
-        let (ready_tx, ready_rx) = mpsc::channel::<Result<Vec<u8>, Error>>();
-        let (commands, inbox) = mpsc::channel::<Command>();
-        let stop = Arc::new(AtomicBool::new(false));
-        let cname = ffi::c_name(name);
-        let s = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("pdd-ucx-{name}"))
-            .spawn(move || match create(api, &cname) {
-                Ok(mut state) => {
-                    let _ = ready_tx.send(worker_address(&state));
-                    run(&mut state, &inbox, &s);
-                    state.teardown();
-                }
-                Err(e) => {
-                    let _ = ready_tx.send(Err(e));
-                }
-            })
-            .map_err(|e| Error::LocalTransport {
-                op: "thread",
-                detail: e.to_string(),
-            })?;
-        let address = ready_rx.recv().map_err(|_| Error::LocalTransport {
-            op: "ucp_init",
-            detail: "the UCX thread ended during start-up".into(),
-        })??;
+    /// Load UCX and start the process's worker (once: a context with the RMA
+    /// feature, transports from the `UCX_*` environment such as `UCX_TLS`), and
+    /// return a new endpoint on it.
+    pub fn start() -> Result<UcxEndpoint, Error> {
         Ok(UcxEndpoint {
-            api,
-            commands,
-            stop,
-            address,
-            thread: Some(thread),
+            worker: worker()?,
+            ep: Mutex::new(None),
+            memory: Default::default(),
+            keys: Default::default(),
         })
     }
 
-    /// This worker's address (what a peer creates its endpoint from).
-    pub fn worker_address(&self) -> &[u8] {
-        &self.address
+    /// Keep the worker progressing without sleeping while the guard lives: a
+    /// receiver holds one per live transfer, since on transports that emulate puts
+    /// (shared-memory FIFOs, TCP) the bytes only land when the target progresses.
+    pub fn busy(&self) -> BusyGuard {
+        self.worker.busy.fetch_add(1, Ordering::AcqRel);
+        BusyGuard(self.worker.busy.clone())
     }
 
-    /// Run `f` on the endpoint's thread and await its result.
+    /// The worker's address (what a peer creates its endpoint from).
+    pub fn worker_address(&self) -> &[u8] {
+        &self.worker.address
+    }
+
+    /// Run `f` on the worker's thread and await its result.
     async fn call<T: Send + 'static>(
         &self,
         f: impl FnOnce(&mut State) -> Result<T, Error> + Send + 'static,
@@ -212,15 +255,18 @@ impl UcxEndpoint {
     }
 
     fn submit(&self, cmd: Command) -> Result<(), Error> {
-        self.commands.send(cmd).map_err(|_| Error::LocalTransport {
-            op: "thread",
-            detail: "the UCX thread ended".into(),
-        })
+        lock(&self.worker.commands)
+            .send(cmd)
+            .map_err(|_| Error::LocalTransport {
+                op: "thread",
+                detail: "the UCX thread ended".into(),
+            })
     }
 
     /// Register `regions` (address, length) of host memory for remote access and
     /// pack a key for each: `(memory id, packed key)`. All or nothing.
     pub async fn map(&self, regions: Vec<(usize, usize)>) -> Result<Vec<(u64, Vec<u8>)>, Error> {
+        let mine = self.memory.clone();
         self.call(move |s| {
             let mut out = Vec::with_capacity(regions.len());
             for (addr, len) in regions {
@@ -234,6 +280,7 @@ impl UcxEndpoint {
                     }
                 }
             }
+            lock(&mine).extend(out.iter().map(|(id, _)| *id));
             Ok(out)
         })
         .await
@@ -242,75 +289,95 @@ impl UcxEndpoint {
     /// Revoke registrations: a peer's key for them stops working where the
     /// transport enforces keys (`docs/security.md`). Fire and forget.
     pub fn unmap(&self, ids: Vec<u64>) {
+        let mine = self.memory.clone();
         let _ = self.submit(Box::new(move |s| {
+            let mut mine = lock(&mine);
             for id in ids {
-                unmap_one(s, id);
+                if mine.remove(&id) {
+                    unmap_one(s, id);
+                }
             }
         }));
     }
 
     /// Create the endpoint to the peer's worker `address`.
     pub async fn connect(&self, address: Vec<u8>) -> Result<(), Error> {
-        self.call(move |s| {
-            if s.ep.is_some() {
-                return Err(Error::InvalidArgument("endpoint already connected".into()));
-            }
-            let mut p = ffi::EpParams::zeroed();
-            // Error handling mode "none": UCX 1.13 refuses peer-failure mode on
-            // shared memory and CMA ("Destination is unreachable"). A dead peer is
-            // found by the control lane's heartbeat instead, and a put that cannot
-            // complete ends at the put timeout.
-            p.field_mask = ffi::EP_PARAM_FIELD_REMOTE_ADDRESS;
-            p.address = address.as_ptr().cast();
-            let mut ep: Handle = std::ptr::null_mut();
-            // SAFETY: `p` and the address bytes it points to live across the call;
-            // the worker is ours. UCX copies what it needs from the address.
-            let st = unsafe { (s.api.ep_create)(s.worker, &p, &mut ep) };
-            s.api.check("ucp_ep_create", st)?;
-            s.ep = Some(ep);
-            Ok(())
-        })
-        .await
+        if lock(&self.ep).is_some() {
+            return Err(Error::InvalidArgument("endpoint already connected".into()));
+        }
+        let id = self
+            .call(move |s| {
+                // Error handling mode "none": UCX 1.13 refuses peer-failure mode on
+                // shared memory and CMA ("Destination is unreachable"). A dead peer
+                // is found by the control lane's heartbeat instead, and a put that
+                // cannot complete ends at the put timeout.
+                let mut p = ffi::EpParams::zeroed();
+                p.field_mask = ffi::EP_PARAM_FIELD_REMOTE_ADDRESS;
+                p.address = address.as_ptr().cast();
+                let mut ep: Handle = std::ptr::null_mut();
+                // SAFETY: `p` and the address bytes it points to live across the
+                // call; the worker is ours. UCX copies what it needs from the address.
+                let st = unsafe { (s.api.ep_create)(s.worker, &p, &mut ep) };
+                s.api.check("ucp_ep_create", st)?;
+                let id = s.id();
+                s.eps.insert(id, ep);
+                Ok(id)
+            })
+            .await?;
+        *lock(&self.ep) = Some(id);
+        Ok(())
     }
 
     /// Unpack packed keys on the endpoint: ids for [`PutOp::rkey`]. All or nothing.
     pub async fn unpack(&self, keys: Vec<Vec<u8>>) -> Result<Vec<u64>, Error> {
+        let ep_id = *lock(&self.ep);
+        let mine = self.keys.clone();
         self.call(move |s| {
-            let ep = s.ep()?;
+            let ep = s.ep(ep_id)?;
             let mut ids = Vec::with_capacity(keys.len());
             for key in keys {
                 let mut rkey: Handle = std::ptr::null_mut();
                 // SAFETY: `key` is a buffer the peer's ucp_rkey_pack produced (UCX
-                // validates its contents, bounded by what it parses); ep is live.
+                // parses it, bounded by its own format); ep is live.
                 let st = unsafe { (s.api.ep_rkey_unpack)(ep, key.as_ptr().cast(), &mut rkey) };
                 if let Err(e) = s.api.check("ucp_ep_rkey_unpack", st) {
                     destroy_rkeys(s, &ids);
                     return Err(e);
                 }
-                s.next_id += 1;
-                s.rkeys.insert(s.next_id, rkey);
-                ids.push(s.next_id);
+                let id = s.id();
+                s.rkeys.insert(id, rkey);
+                ids.push(id);
             }
+            lock(&mine).extend(ids.iter().copied());
             Ok(ids)
         })
         .await
     }
 
-    /// Destroy unpacked keys (the grant ended). Fire and forget.
+    /// Destroy unpacked keys (the grant ended). Fire and forget; runs after any put
+    /// already submitted, which has flushed by then.
     pub fn destroy(&self, ids: Vec<u64>) {
-        let _ = self.submit(Box::new(move |s| destroy_rkeys(s, &ids)));
+        let mine = self.keys.clone();
+        let _ = self.submit(Box::new(move |s| {
+            let mut mine = lock(&mine);
+            let ids: Vec<u64> = ids.into_iter().filter(|id| mine.remove(id)).collect();
+            destroy_rkeys(s, &ids);
+        }));
     }
 
     /// Put every op, then flush the endpoint: returns once every byte is in the
-    /// peer's memory (or an error), within `timeout`.
+    /// peer's memory (or an error), within `timeout`. A failed or late flush closes
+    /// the endpoint (cancelling what it still holds, so that no put outlives the
+    /// caller's memory or its key): later calls fail.
     ///
     /// # Safety
     /// Every op's `src..src + len` must be readable host memory that stays alive and
     /// unmodified until this returns.
     pub async unsafe fn put_all(&self, ops: Vec<PutOp>, timeout: Duration) -> Result<(), Error> {
+        let ep_id = *lock(&self.ep);
         self.call(move |s| {
             let deadline = Instant::now() + timeout;
-            let ep = s.ep()?;
+            let ep = s.ep(ep_id)?;
             let param = ffi::RequestParam::zeroed();
             let mut failed = None;
             for (i, op) in ops.iter().enumerate() {
@@ -347,11 +414,15 @@ impl UcxEndpoint {
             // Flushed even after a failed put: the puts issued before it still read
             // the caller's memory until the flush completes.
             let flushed = s.finish_nbx("ucp_ep_flush_nbx", r, deadline);
-            if let Some(e) = failed {
-                return Err(e);
+            if flushed.is_err() {
+                if let Some(id) = ep_id {
+                    s.close_ep(id);
+                }
             }
-            flushed?;
-            s.ep().map(|_| ())
+            match failed {
+                Some(e) => Err(e),
+                None => flushed,
+            }
         })
         .await
     }
@@ -359,12 +430,30 @@ impl UcxEndpoint {
 
 impl Drop for UcxEndpoint {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        // Wake it if it sleeps on the queue.
-        let _ = self.commands.send(Box::new(|_| {}));
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        let ep = lock(&self.ep).take();
+        let keys: Vec<u64> = lock(&self.keys).drain().collect();
+        let memory: Vec<u64> = lock(&self.memory).drain().collect();
+        // In this order on the worker's thread: no put may use a key or memory
+        // after it is released.
+        let _ = self.submit(Box::new(move |s| {
+            if let Some(id) = ep {
+                s.close_ep(id);
+            }
+            destroy_rkeys(s, &keys);
+            for id in memory {
+                unmap_one(s, id);
+            }
+        }));
+    }
+}
+
+/// See [`UcxEndpoint::busy`].
+#[derive(Debug)]
+pub struct BusyGuard(Arc<AtomicUsize>);
+
+impl Drop for BusyGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -391,9 +480,9 @@ fn map_one(s: &mut State, addr: usize, len: usize) -> Result<(u64, Vec<u8>), Err
     let key = unsafe { std::slice::from_raw_parts(buf as *const u8, size) }.to_vec();
     // SAFETY: released once, after the copy.
     unsafe { (s.api.rkey_buffer_release)(buf) };
-    s.next_id += 1;
-    s.memhs.insert(s.next_id, memh);
-    Ok((s.next_id, key))
+    let id = s.id();
+    s.memhs.insert(id, memh);
+    Ok((id, key))
 }
 
 fn unmap_one(s: &mut State, id: u64) {
@@ -412,18 +501,19 @@ fn destroy_rkeys(s: &mut State, ids: &[u64]) {
     }
 }
 
-fn create(api: &'static Api, name: &std::ffi::CStr) -> Result<State, Error> {
+fn create(api: &'static Api) -> Result<State, Error> {
     let mut config: Handle = std::ptr::null_mut();
     // SAFETY: NULL prefix and file read the UCX_* environment; out-pointer valid.
     let st = unsafe { (api.config_read)(std::ptr::null(), std::ptr::null(), &mut config) };
     api.check("ucp_config_read", st)?;
+    let name = ffi::c_name("pdd_transport");
     let mut params = ffi::UcpParams::zeroed();
     params.field_mask = ffi::PARAM_FIELD_FEATURES | ffi::PARAM_FIELD_NAME;
     params.features = ffi::FEATURE_RMA;
     params.name = name.as_ptr();
     let mut context: Handle = std::ptr::null_mut();
-    // SAFETY: params and config are valid for the call; API version 1.13 is what
-    // the structs above follow (the library accepts older API users).
+    // SAFETY: params (and the name it points to) and config are valid for the
+    // call; API version 1.13 is what the structs follow.
     let st = unsafe { (api.init_version)(1, 13, &params, config, &mut context) };
     // SAFETY: read above, released once.
     unsafe { (api.config_release)(config) };
@@ -435,7 +525,7 @@ fn create(api: &'static Api, name: &std::ffi::CStr) -> Result<State, Error> {
     // SAFETY: live context; params valid for the call.
     let st = unsafe { (api.worker_create)(context, &wp, &mut worker) };
     if let Err(e) = api.check("ucp_worker_create", st) {
-        // SAFETY: created above, cleaned up once.
+        // SAFETY: created above, cleaned up once (no worker exists on it).
         unsafe { (api.cleanup)(context) };
         return Err(e);
     }
@@ -443,7 +533,7 @@ fn create(api: &'static Api, name: &std::ffi::CStr) -> Result<State, Error> {
         api,
         context,
         worker,
-        ep: None,
+        eps: HashMap::new(),
         memhs: HashMap::new(),
         rkeys: HashMap::new(),
         next_id: 0,
@@ -463,21 +553,18 @@ fn worker_address(s: &State) -> Result<Vec<u8>, Error> {
     Ok(bytes)
 }
 
-fn run(s: &mut State, inbox: &mpsc::Receiver<Command>, stop: &AtomicBool) {
+fn run(s: &mut State, inbox: &mpsc::Receiver<Command>, busy: &AtomicUsize) {
     let mut last_event = Instant::now();
     loop {
         while let Ok(cmd) = inbox.try_recv() {
             cmd(s);
             last_event = Instant::now();
         }
-        if stop.load(Ordering::Acquire) {
-            return;
-        }
         if s.progress() != 0 {
             last_event = Instant::now();
             continue;
         }
-        if last_event.elapsed() < SPIN {
+        if busy.load(Ordering::Acquire) > 0 || last_event.elapsed() < SPIN {
             std::hint::spin_loop();
             continue;
         }
