@@ -223,7 +223,9 @@ def test_prefill_role_send_is_the_dual_path_send() -> None:
         assert np.array_equal(rld_mem[:, DEST], src[:, SRC])
         assert np.array_equal(md_mem[:, [20, 21, 22]], src[:, SRC[-3:]])
         assert md_in.wait(timeout=5) == LAYERS * 3 * PAGE
+        assert polled.wait_event(timeout=5)
         [ev] = polled.poll_events()
+        assert not polled.wait_event(timeout=0.01)
         assert (ev["type"], ev["request_id"], ev["bytes"]) == ("complete", 21, LAYERS * len(DEST) * PAGE)
         # MD cancels the next one before any byte: only the WAN side fails (its grant
         # never comes, or comes cancelled); RLD's transfer completes meanwhile.

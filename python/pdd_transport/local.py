@@ -244,6 +244,19 @@ class PolledLocalReceiver:
                 out.append(ev)
         return out
 
+    def wait_event(self, timeout: float = 10.0) -> bool:
+        """Wait up to ``timeout`` seconds for a transfer to end; True if one has (its
+        event is then waiting for :meth:`poll_events`). Looks every millisecond."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if any(t.status()["state"] != "in_progress" for t in self._live.values()):
+                    return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(left, 0.001))
+
     def release_lease(self, lease_id: int) -> bool:
         return False
 

@@ -152,8 +152,10 @@ class Peer:
 
     def __init__(self, timeout: float) -> None:
         env = dict(os.environ)
-        # The child must print nothing but replies on stdout.
+        # The child must print nothing but replies on stdout (UCX logs to stdout
+        # unless told otherwise).
         env["PYTHONUNBUFFERED"] = "1"
+        env.setdefault("UCX_LOG_FILE", "/dev/stderr")
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "pdd_transport.bench.peer"],
             stdin=subprocess.PIPE,

@@ -278,7 +278,7 @@ def run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: bool
         "ttft_s": ttft,
         "wan_bytes": int(metrics.get("prefill", {}).get("wan_bytes", 0)),
         "local_bytes": int(metrics.get("prefill", {}).get("local_bytes", 0)),
-        "relay_path": None if rld is None else ("ucx" if local_path else "tcp (UCX not installed)"),
+        "relay_path": None if rld is None else ("ucx" if local_path else "tcp"),
         "full_kv_bytes": full_kv,
         "pipelines": {k: list(plans.values()).count(k) for k in sorted(set(plans.values()))},
         "handoffs_by_mode": metrics.get("relay", {}).get("handoff_modes", {}),
@@ -364,7 +364,8 @@ def print_table(summary: dict[str, Any]) -> None:
     print()
     for name, fb, fp in rows:
         print(f"  {name:<24}{fb:>{wb}}{fp:>{wp}}")
-    print(f"\n  P -> RLD KV path: {p['relay_path']}")
+    path = {"ucx": "local path (UCX)", "tcp": "TCP lanes (UCX not installed)"}.get(p["relay_path"], "-")
+    print(f"\n  P -> RLD KV path: {path}")
     print(f"  full prompt KV of the workload: {full / 1e6:.1f} MB")
     print(f"  greedy output equals one monolithic engine's: {summary['greedy_equal']}")
     print(f"  TTFT p90, PDD / baseline: {p['ttft_p90_s'] / b['ttft_p90_s']:.2f}")

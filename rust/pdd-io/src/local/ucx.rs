@@ -5,9 +5,10 @@
 //!
 //! Every UCX call runs on the worker's thread (the worker is single-threaded,
 //! `UCS_THREAD_MODE_SINGLE`): callers send it closures and await the answer. Between
-//! commands the thread progresses the worker (on TCP and shared-memory FIFOs a
-//! receiver's worker must progress for puts to land: UCX emulates them with active
-//! messages). While a [`BusyGuard`] lives (a receiver holds one per live transfer) it
+//! commands the thread progresses the worker (a receiver's worker must progress for
+//! puts to land wherever UCX emulates them with active messages: on TCP, and with
+//! UCX 1.13 on one host too, where puts into memory UCX did not allocate go through
+//! the shared-memory FIFO, never CMA). While a [`BusyGuard`] lives (a receiver holds one per live transfer) it
 //! never sleeps; otherwise, after [`SPIN`] without any event it waits on its command
 //! queue for at most [`IDLE_WAIT`] between two progress calls: a command wakes it at
 //! once, and an idle process costs a thousand wake-ups a second, not a core. (UCX's
@@ -82,7 +83,12 @@ impl State {
     /// Progress until `req` completes or `deadline` passes; frees it either way.
     fn wait(&mut self, op: &'static str, req: Handle, deadline: Instant) -> Result<(), Error> {
         loop {
-            self.progress();
+            if self.progress() == 0 {
+                // Nothing moved: let the peer's thread run (on a host with more
+                // runnable threads than cores, a spinning waiter starves the very
+                // process whose progress it waits for).
+                std::thread::yield_now();
+            }
             // SAFETY: `req` is a live request returned by a *_nbx call of this
             // worker and not yet freed.
             let status = unsafe { (self.api.request_check_status)(req) };
@@ -565,7 +571,8 @@ fn run(s: &mut State, inbox: &mpsc::Receiver<Command>, busy: &AtomicUsize) {
             continue;
         }
         if busy.load(Ordering::Acquire) > 0 || last_event.elapsed() < SPIN {
-            std::hint::spin_loop();
+            // Poll, but give the core away between polls (see State::wait).
+            std::thread::yield_now();
             continue;
         }
         match inbox.recv_timeout(IDLE_WAIT) {
