@@ -90,35 +90,7 @@ def _bench_stream(args: argparse.Namespace) -> dict[str, Any]:
 def _bench_local(args: argparse.Namespace) -> dict[str, Any]:
     from pdd_transport.bench import local
 
-    cfg = local.LocalConfig(
-        bytes=parse_size(args.bytes),
-        page_bytes=[parse_size(p) for p in args.page_bytes.split(",") if p],
-        layers=args.layers,
-        repeat=args.repeat,
-        baselines=not args.no_baselines,
-        ucx_tls=args.ucx_tls,
-        seed=args.seed,
-        timeout=args.timeout,
-    )
-    return local.run_local(cfg, _progress)
-
-
-def _bench_dual(args: argparse.Namespace) -> dict[str, Any]:
-    from pdd_transport.bench import local
-
-    cfg = local.DualConfig(
-        bytes=parse_size(args.bytes),
-        page_bytes=parse_size(args.page_bytes),
-        missing=args.missing,
-        layers=args.layers,
-        repeat=args.repeat,
-        lanes=args.lanes,
-        wan=_wan(args),
-        ucx_tls=args.ucx_tls,
-        seed=args.seed,
-        timeout=args.timeout,
-    )
-    return local.run_dual(cfg, _progress)
+    return local.run_args(args, _wan(args) if args.bench == "dual" else None, _progress)
 
 
 def _bench_soak(args: argparse.Namespace) -> dict[str, Any]:
@@ -314,47 +286,23 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--seed", type=int, default=0)
     soak.set_defaults(run=_bench_soak)
 
-    loc = bench_sub.add_parser(
-        "local",
-        help="the local (UCX) path between two processes, against our WAN path, memcpy and ucx_perftest",
-        description="Stream --bytes of KV pages from this process to a receiver child process over the "
-        "local path (UCX one-sided puts into the granted pages), pages shuffled, for each page size; "
-        "verifies every page after timing, and measures in the same run our WAN path on loopback "
-        "(1 MiB pages), a memcpy of the same bytes and ucx_perftest ucp_put_bw (when installed). "
-        "Needs UCX (libucp.so.0). See docs/benchmarks.md.",
-    )
-    loc.add_argument("--json", action="store_true", help="print one JSON object")
-    loc.add_argument("--bytes", default="1G", help="KV bytes per transfer (default %(default)s)")
-    loc.add_argument("--page-bytes", default="1M,64K,4K", help="page sizes, the first is the headline "
-                     "(default %(default)s)")
-    loc.add_argument("--layers", type=int, default=1, help="KV layers the bytes split into (default 1)")
-    loc.add_argument("--repeat", type=int, default=3, help="repetitions; medians are reported (default 3)")
-    loc.add_argument("--no-baselines", action="store_true", help="measure only the local path")
-    loc.add_argument("--ucx-tls", help="UCX_TLS for both processes (e.g. sm,self or tcp,self); default: UCX's choice")
-    loc.add_argument("--seed", type=int, default=0)
-    loc.add_argument("--timeout", type=float, help="bound per transfer in seconds (default from --bytes)")
-    loc.set_defaults(run=_bench_local)
-
-    dual = bench_sub.add_parser(
-        "dual",
-        help="the dual-path send: RelayDecode's local transfer alone and with the WAN transfer beside it",
-        description="Time RelayDecode's transfer of the whole KV over the local path alone, and while "
-        "the --missing share of the pages goes to MainDecode over the WAN path at the same time "
-        "(DualSender), alternating in one run; pages verified. Needs UCX.",
-    )
-    dual.add_argument("--json", action="store_true", help="print one JSON object")
-    dual.add_argument("--bytes", default="256M", help="RelayDecode's KV bytes per request (default %(default)s)")
-    dual.add_argument("--page-bytes", default="1M", help="page size (default %(default)s)")
-    dual.add_argument("--missing", type=float, default=0.25,
-                      help="share of the pages MainDecode lacks (default %(default)s)")
-    dual.add_argument("--layers", type=int, default=4, help="KV layers (default %(default)s)")
-    dual.add_argument("--repeat", type=int, default=5, help="pairs of runs; medians (default %(default)s)")
-    dual.add_argument("--lanes", type=int, default=DEFAULT_LANES, help="WAN data lanes (default %(default)s)")
-    _add_wan(dual, "the line to MainDecode", None, 0.0)
-    dual.add_argument("--ucx-tls", help="UCX_TLS for both processes; default: UCX's choice")
-    dual.add_argument("--seed", type=int, default=0)
-    dual.add_argument("--timeout", type=float, help="bound per transfer in seconds (default from --bytes)")
-    dual.set_defaults(run=_bench_dual)
+    for name, help_, defaults in (
+        ("local", "the local (UCX) path, with our WAN path, memcpy, ucx_perftest", ("1G", "1M,64K,4K", 1, 3)),
+        ("dual", "RLD's local transfer alone and with the WAN transfer to MD beside it", ("256M", "1M", 4, 5)),
+    ):
+        b = bench_sub.add_parser(name, help=help_, description=help_ + ". Needs UCX. See docs/benchmarks.md.")
+        b.add_argument("--json", action="store_true", help="print one JSON object")
+        for flag, default in zip(("--bytes", "--page-bytes", "--layers", "--repeat", "--seed"), (*defaults, 0)):
+            b.add_argument(flag, type=type(default), default=default, help="(default %(default)s)")
+        b.add_argument("--ucx-tls", help="UCX_TLS for both processes (e.g. sm,self, tcp,self); default: UCX's choice")
+        b.add_argument("--timeout", type=float, help="bound per transfer in seconds (default from --bytes)")
+        if name == "local":
+            b.add_argument("--no-baselines", action="store_true", help="measure only the local path")
+        else:
+            b.add_argument("--missing", type=float, default=0.25, help="share of pages MD lacks (default %(default)s)")
+            b.add_argument("--lanes", type=int, default=DEFAULT_LANES, help="WAN data lanes (default %(default)s)")
+            _add_wan(b, "the line to MainDecode", None, 0.0)
+        b.set_defaults(run=_bench_local)
 
     stream = bench_sub.add_parser(
         "stream",

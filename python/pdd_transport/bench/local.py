@@ -51,7 +51,7 @@ from pdd_transport.bench.stream import (
 )
 from pdd_transport.errors import InvalidArgument
 
-__all__ = ["DualConfig", "LocalConfig", "run_dual", "run_local"]
+__all__ = ["DualConfig", "LocalConfig", "run_args", "run_dual", "run_local"]
 
 MiB = 1 << 20
 
@@ -424,3 +424,16 @@ def run_dual(cfg: DualConfig, progress: Any = None) -> dict[str, Any]:
         "runs": {"rld_seconds_alone": [round(x, 6) for x in alone],
                  "rld_seconds_with_wan": [round(x, 6) for x in with_wan]},
     }
+
+
+def run_args(args: Any, wan: Any, progress: Any = None) -> dict[str, Any]:
+    """``bench local`` / ``bench dual`` from the CLI's parsed arguments."""
+    from pdd_transport.specs import parse_size
+
+    common = dict(bytes=parse_size(args.bytes), layers=args.layers, repeat=args.repeat, ucx_tls=args.ucx_tls,
+                  seed=args.seed, timeout=args.timeout)
+    if args.bench == "dual":
+        return run_dual(DualConfig(page_bytes=parse_size(args.page_bytes), missing=args.missing, lanes=args.lanes,
+                                   wan=wan, **common), progress)
+    return run_local(LocalConfig(page_bytes=[parse_size(p) for p in args.page_bytes.split(",") if p],
+                                 baselines=not args.no_baselines, **common), progress)
