@@ -63,7 +63,9 @@ def test_pages_land_in_granted_slots(pair: tuple[kv.KvReceiver, kv.KvSender, np.
         untouched = [p for p in range(PAGES) if p not in dst]
         assert not rx_mem[layer, untouched].any()
     events = rx.poll_events()
-    assert [e["type"] for e in events] == ["layer_complete"] * LAYERS + ["complete"]
+    assert [type(e) for e in events] == [kv.LayerComplete] * LAYERS + [kv.TransferComplete]
+    assert [e.layer for e in events[:LAYERS]] == list(range(LAYERS))
+    assert events[-1].request_key == 7 and events[-1].bytes == LAYERS * 4 * PAGE
     assert inbound.status()["state"] == "complete"
     assert out.status() == {"state": "complete", "bytes": LAYERS * 4 * PAGE}
     m = rx.metrics()

@@ -29,11 +29,11 @@ def test_only_the_missing_suffix_crosses() -> None:
     answer = tx.query_prefix(42, prompt, page_size=PS, lease_s=30)
     assert answer["matched_tokens"] == 6 * PS and answer["hash_ok"] and answer["lease_id"]
     [event] = rx.poll_events()
-    assert event["type"] == "prefix_query" and event["matched_tokens"] == 6 * PS
+    assert isinstance(event, kv.PrefixQueried) and event.matched_tokens == 6 * PS
     # MD's engine: lock the prefix for the request, release the lease, grant the rest.
     held = cache.match_prefix(prompt)
     cache.lock(held.node)
-    assert rx.release_lease(event["lease_id"])
+    assert rx.release_lease(event.lease_id)
     missing = (8 * PS - held.matched_tokens) // PS
     inbound = rx.grant(42, [26, 27][:missing])
     out = tx.wait_grant(42)

@@ -22,6 +22,15 @@ Sender::
     out.finish()
     out.wait(timeout=10)
 
+Engines with their own request names pass a ``str`` (or ``bytes``) key wherever a
+request id goes; both ends map it to the same 64-bit wire id (:func:`request_id_of`).
+A sender may also send any subset of a grant's pages per call (``send_pages``, e.g. the
+pages one chunk of a chunked prefill filled), abort a transfer (``abort``), and either
+side can ``poll()`` a transfer without waiting (:class:`KvPoll`). A decode instance
+tells a prefill instance where and what to send with ``transfer.ticket()``, a small
+JSON-safe dict that rides in the engine's own request metadata
+(:class:`GrantTicket` reads one back).
+
 Buffers are registered, not copied: the transport writes received pages straight into
 the receiver's arrays and sends straight from the sender's. Do not modify a sender's
 pages until its transfer completes, nor read a receiver's pages before theirs does.
@@ -29,25 +38,116 @@ pages until its transfer completes, nor read a receiver's pages before theirs do
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
 
 import numpy as np
 
-from pdd_transport._native import InboundTransfer, KvPool, KvReceiver, KvSender, OutboundTransfer
+from pdd_transport._native import (
+    InboundTransfer,
+    KvPoll,
+    KvPool,
+    KvReceiver,
+    KvSender,
+    LayerComplete,
+    OutboundTransfer,
+    PrefixQueried,
+    TransferComplete,
+    TransferFailed,
+    request_id_of,
+)
 from pdd_transport.errors import InvalidArgument
 from pdd_transport.local import DualSender
 
 __all__ = [
     "DualSender",
+    "GrantTicket",
     "InboundTransfer",
+    "KvEvent",
+    "KvPoll",
     "KvPool",
     "KvReceiver",
     "KvSender",
+    "LayerComplete",
     "OutboundTransfer",
+    "PrefixQueried",
+    "TransferComplete",
+    "TransferFailed",
     "as_bytes_view",
     "pool_from_buffers",
+    "request_id_of",
 ]
+
+#: What ``KvReceiver.poll_events()`` returns, one of these per event.
+KvEvent: TypeAlias = LayerComplete | TransferComplete | TransferFailed | PrefixQueried
+
+_U64 = 1 << 64
+
+
+@dataclass(frozen=True)
+class GrantTicket:
+    """What a sender needs to find and fill one grant (``InboundTransfer.ticket()``):
+    the receiver's address, the request's wire id (and its str key, if it had one),
+    the node id the grant is for, and the grant's shape. Carried as a dict in an
+    engine's request metadata; :meth:`from_dict` checks one that came from a peer."""
+
+    address: str
+    request_id: int
+    peer: int
+    layers: int
+    pages: int
+    page_bytes: int
+    request_key: str | None = None
+    version: int = 1
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> GrantTicket:
+        """Parse and check a ticket dict; :class:`InvalidArgument` names what is wrong."""
+        if not isinstance(d, Mapping):
+            raise InvalidArgument(f"a grant ticket is a dict, got {type(d).__name__}", "invalid_argument")
+        if d.get("version") != 1:
+            raise InvalidArgument(f"grant ticket version {d.get('version')!r} is not 1", "invalid_argument")
+        address = d.get("address")
+        if not isinstance(address, str):
+            raise InvalidArgument(f"grant ticket address {address!r} is not host:port", "invalid_argument")
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidArgument(f"grant ticket address {address!r} is not host:port", "invalid_argument")
+        limits = {"request_id": _U64, "peer": _U64, "layers": 1 << 16, "pages": 1 << 32, "page_bytes": 1 << 32}
+        ints: dict[str, int] = {}
+        for name, bound in limits.items():
+            v = d.get(name)
+            if type(v) is not int or not 0 <= v < bound:
+                raise InvalidArgument(f"grant ticket {name} {v!r} is not an int in 0..{bound - 1}", "invalid_argument")
+            ints[name] = v
+        key = d.get("request_key")
+        if key is not None:
+            if not isinstance(key, str):
+                raise InvalidArgument(f"grant ticket request_key {key!r} is not a str", "invalid_argument")
+            if request_id_of(key) != ints["request_id"]:
+                raise InvalidArgument("grant ticket request_key does not match its request_id", "invalid_argument")
+        return cls(address=address, request_key=key, **ints)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-safe dict form (what ``InboundTransfer.ticket()`` returns)."""
+        d: dict[str, Any] = {
+            "version": self.version,
+            "address": self.address,
+            "request_id": self.request_id,
+            "peer": self.peer,
+            "layers": self.layers,
+            "pages": self.pages,
+            "page_bytes": self.page_bytes,
+        }
+        if self.request_key is not None:
+            d["request_key"] = self.request_key
+        return d
+
+    @property
+    def key(self) -> int | str:
+        """What to pass to ``KvSender.wait_grant``: the str key, else the wire id."""
+        return self.request_key if self.request_key is not None else self.request_id
 
 
 def as_bytes_view(buffer: Any) -> np.ndarray[Any, np.dtype[np.uint8]]:

@@ -377,13 +377,13 @@ class _DecodeRole:
         self.decoded_tokens += len(batch)
         return batch
 
-    def _kv_events(self) -> list[tuple[str, dict[str, Any]]]:
-        out = []
+    def _kv_events(self) -> list[kv.TransferComplete | kv.TransferFailed]:
+        out: list[kv.TransferComplete | kv.TransferFailed] = []
         for ev in self.receiver.poll_events():
-            if ev["type"] == "prefix_query":
-                self.leases[ev["request_id"]] = ev["lease_id"]
-            elif ev["type"] in ("complete", "failed") and ev["request_id"] in self.requests:
-                out.append((ev["type"], ev))
+            if isinstance(ev, kv.PrefixQueried):
+                self.leases[ev.request_id] = ev.lease_id
+            elif isinstance(ev, (kv.TransferComplete, kv.TransferFailed)) and ev.request_id in self.requests:
+                out.append(ev)
         return out
 
     def close(self) -> None:
@@ -411,11 +411,11 @@ class RelayDecodeRole(_DecodeRole):
         from pdd_transport.handoff import HandoffFailed, HandoffFinished, StopDecoding
 
         events: list[Event] = []
-        for kind, ev in self._kv_events():
-            rid = ev["request_id"]
+        for ev in self._kv_events():
+            rid = ev.request_id
             req = self.requests[rid]
-            if kind == "failed":
-                events += [Failed(rid, "relay kv", ev["reason"], ev["message"]), self._finish(rid)]
+            if isinstance(ev, kv.TransferFailed):
+                events += [Failed(rid, "relay kv", ev.reason, ev.message), self._finish(rid)]
                 continue
             self._landed(req)
             first = self._first_token(req)
@@ -484,11 +484,11 @@ class MainDecodeRole(_DecodeRole):
         from pdd_transport.handoff import Handoff, HandoffFailed
 
         events: list[Event] = []
-        for kind, ev in self._kv_events():
-            rid = ev["request_id"]
+        for ev in self._kv_events():
+            rid = ev.request_id
             req = self.requests[rid]
-            if kind == "failed":
-                events += [Failed(rid, "main kv", ev["reason"], ev["message"]), self._finish(rid)]
+            if isinstance(ev, kv.TransferFailed):
+                events += [Failed(rid, "main kv", ev.reason, ev.message), self._finish(rid)]
                 continue
             self._landed(req)
             if req.pipeline == "p_md":

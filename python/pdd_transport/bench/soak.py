@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from pdd_transport import kv
 from pdd_transport.errors import InvalidArgument, PddError
 from pdd_transport.specs import WanSpec
 
@@ -117,7 +118,6 @@ class _KvDriver:
     page that lands."""
 
     def __init__(self, cfg: SoakConfig, stop: threading.Event) -> None:
-        from pdd_transport import kv
         from pdd_transport.wanem import Wanem
 
         self.cfg, self.stop = cfg, stop
@@ -159,16 +159,16 @@ class _KvDriver:
         out.finish()
         self.live[slot] = (rid, inbound, out)
 
-    def _handle(self, event: dict[str, Any]) -> int | None:
+    def _handle(self, event: kv.KvEvent) -> int | None:
         """One receiver event; returns the slot a verified completion freed."""
-        rid = event["request_id"]
-        if event["type"] == "failed":
+        rid = event.request_id
+        if isinstance(event, kv.TransferFailed):
             self.counts.lost += 1
             failed = self.by_request.pop(rid, None)
             if failed is not None:
                 self.live.pop(failed, None)
             return None
-        if event["type"] != "complete":
+        if not isinstance(event, kv.TransferComplete):
             return None
         slot = self.by_request.pop(rid, None)
         if slot is None:

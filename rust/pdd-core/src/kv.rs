@@ -14,6 +14,12 @@ use std::collections::{HashMap, VecDeque};
 use crate::error::{Error, Result};
 use crate::wire::{KvDone, KvGrant, KvPages, KV_PAGES_FIXED_LEN};
 
+pub mod request_key;
+mod sender;
+
+pub use request_key::request_id_of;
+pub use sender::{PlannedBlock, SenderTransfer};
+
 /// The fixed part of a KV_PAGES frame: where its data goes, relative to the grant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct KvBlock {
@@ -193,6 +199,8 @@ pub struct ReceiverState {
     page_bytes: u32,
     /// Transfer holding each pool page (0 = free).
     page_owner: Vec<u64>,
+    /// Pool pages with an owner (kept so that reading it is O(1)).
+    held: usize,
     live: HashMap<u64, Inbound>,
     /// Ended transfers that still have blocks landing: their pages stay held (so no
     /// new grant can hand them out while a lane still writes them) until the last
@@ -231,6 +239,7 @@ impl ReceiverState {
             pool_pages,
             page_bytes,
             page_owner: vec![0; pool_pages as usize],
+            held: 0,
             live: HashMap::new(),
             draining: HashMap::new(),
             recently_ended: VecDeque::new(),
@@ -328,6 +337,7 @@ impl ReceiverState {
         }
         for &p in dest_pages {
             self.page_owner[p as usize] = transfer_id;
+            self.held += 1;
         }
         let grant = KvGrant {
             transfer_id,
@@ -538,13 +548,18 @@ impl ReceiverState {
         for &p in pages {
             if self.page_owner[p as usize] == transfer_id {
                 self.page_owner[p as usize] = 0;
+                self.held -= 1;
             }
         }
     }
 
     /// Pool pages held by live or draining transfers.
     pub fn pages_held(&self) -> usize {
-        self.page_owner.iter().filter(|&&o| o != 0).count()
+        debug_assert_eq!(
+            self.held,
+            self.page_owner.iter().filter(|&&o| o != 0).count()
+        );
+        self.held
     }
 
     fn try_complete(&mut self, transfer_id: u64) -> Vec<TransferEvent> {
@@ -617,105 +632,6 @@ impl ReceiverState {
                 error,
             },
         }]
-    }
-}
-
-/// The sender's side of one transfer: which layers went out, and the KV_DONE that
-/// closes it.
-#[derive(Debug, Clone)]
-pub struct SenderTransfer {
-    grant: KvGrant,
-    layer_sent: Vec<bool>,
-    blocks: u32,
-    bytes: u64,
-    finished: bool,
-}
-
-impl SenderTransfer {
-    /// Start sending into `grant`.
-    pub fn new(grant: KvGrant) -> SenderTransfer {
-        let layers = usize::from(grant.layer_count);
-        SenderTransfer {
-            grant,
-            layer_sent: vec![false; layers],
-            blocks: 0,
-            bytes: 0,
-            finished: false,
-        }
-    }
-
-    /// The grant.
-    pub fn grant(&self) -> &KvGrant {
-        &self.grant
-    }
-
-    /// Blocks covering every page of `layer`, each at most `max_block_bytes` (but at
-    /// least one page). Marks the layer sent; a layer cannot be sent twice.
-    pub fn send_layer(&mut self, layer: u16, max_block_bytes: u64) -> Result<Vec<KvBlock>> {
-        if self.finished {
-            return Err(Error::InvalidArgument(format!(
-                "transfer {} is already finished",
-                self.grant.transfer_id
-            )));
-        }
-        let Some(sent) = self.layer_sent.get_mut(usize::from(layer)) else {
-            return Err(Error::InvalidArgument(format!(
-                "layer {layer} outside the grant's {} layers",
-                self.grant.layer_count
-            )));
-        };
-        if *sent {
-            return Err(Error::InvalidArgument(format!(
-                "layer {layer} was already sent"
-            )));
-        }
-        *sent = true;
-        let per_block = (max_block_bytes / u64::from(self.grant.page_bytes))
-            .clamp(1, u64::from(u32::MAX)) as u32;
-        let mut out = Vec::new();
-        let mut page = 0u32;
-        while page < self.grant.page_count {
-            let n = per_block.min(self.grant.page_count - page);
-            out.push(KvBlock {
-                transfer_id: self.grant.transfer_id,
-                layer_start: layer,
-                layer_count: 1,
-                page_start: page,
-                page_count: n,
-                page_bytes: self.grant.page_bytes,
-            });
-            page += n;
-        }
-        self.blocks += out.len() as u32;
-        self.bytes += u64::from(self.grant.page_count) * u64::from(self.grant.page_bytes);
-        Ok(out)
-    }
-
-    /// Layers not yet sent.
-    pub fn layers_pending(&self) -> usize {
-        self.layer_sent.iter().filter(|s| !**s).count()
-    }
-
-    /// The KV_DONE that closes the transfer, once every layer was sent.
-    pub fn finish(&mut self) -> Result<KvDone> {
-        if self.finished {
-            return Err(Error::InvalidArgument(format!(
-                "transfer {} is already finished",
-                self.grant.transfer_id
-            )));
-        }
-        let pending = self.layers_pending();
-        if pending > 0 {
-            return Err(Error::InvalidArgument(format!(
-                "{pending} layers not sent yet"
-            )));
-        }
-        self.finished = true;
-        Ok(KvDone {
-            transfer_id: self.grant.transfer_id,
-            chunk_count: self.blocks,
-            byte_count: self.bytes,
-        })
     }
 }
 

@@ -5,7 +5,8 @@
 //! ```
 //!
 //! It prints figures and asserts nothing about time (timings on a shared machine are
-//! noisy); it only checks that each workload did what it claims.
+//! noisy); it only checks that each workload did what it claims. Those checks also run
+//! on every `cargo test`, at a small scale (`radix_workloads_do_what_they_claim`).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -101,15 +102,55 @@ fn build_sessions(
     out
 }
 
+/// How big each workload is.
+struct Scale {
+    sessions: usize,
+    context_tokens: usize,
+    match_rounds: usize,
+    repeats: usize,
+    evictions: usize,
+    leaves: usize,
+}
+
 #[test]
 #[ignore = "benchmark: run in release with --ignored --nocapture"]
 fn radix_figures() {
+    figures(&Scale {
+        sessions: 100,
+        context_tokens: 41_000,
+        match_rounds: 20,
+        repeats: 1000,
+        evictions: 100,
+        leaves: 20_000,
+    });
+}
+
+/// The same workloads and checks at a size every `cargo test` can afford.
+#[test]
+fn radix_workloads_do_what_they_claim() {
+    figures(&Scale {
+        sessions: 4,
+        context_tokens: 3_000,
+        match_rounds: 1,
+        repeats: 2,
+        evictions: 2,
+        leaves: 200,
+    });
+}
+
+fn figures(scale: &Scale) {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut handles = Handles(0);
     let mut cache = RadixCache::new(PAGE).unwrap();
 
-    // --- 100 sessions of >= 41K tokens (page size 64) --------------------------------
-    let mut sessions = build_sessions(&mut cache, &mut rng, &mut handles, 100, 41_000);
+    // --- sessions of >= context_tokens tokens (page size 64) ----------------------------
+    let mut sessions = build_sessions(
+        &mut cache,
+        &mut rng,
+        &mut handles,
+        scale.sessions,
+        scale.context_tokens,
+    );
     let stats_now = cache.stats();
     let tokens = stats_now.pages * PAGE;
     let bytes = cache.heap_bytes();
@@ -126,7 +167,7 @@ fn radix_figures() {
 
     // match_prefix of a whole ~41K-token context, from the root.
     let mut samples = Vec::new();
-    for round in 0..20 {
+    for round in 0..scale.match_rounds {
         for s in &sessions {
             let t = Instant::now();
             let m = cache.match_prefix(0, black_box(&s.context));
@@ -137,13 +178,14 @@ fn radix_figures() {
         }
     }
     println!(
-        "match_prefix  {context_len:>6}-token context, 100 sessions in turn: {}",
+        "match_prefix  {context_len:>6}-token context, {} sessions in turn: {}",
+        sessions.len(),
         stats(samples)
     );
 
     // The same context again and again: the tree's path and the prompt stay in cache.
     let mut samples = Vec::new();
-    for _ in 0..1000 {
+    for _ in 0..scale.repeats {
         let t = Instant::now();
         black_box(cache.match_prefix(0, black_box(&sessions[0].context)));
         samples.push(t.elapsed());
@@ -239,7 +281,7 @@ fn radix_figures() {
     // Eviction in the session tree: 64 pages come from the tail of one or two
     // session leaves (each ~20 pages), so few nodes are freed.
     let mut samples = Vec::new();
-    for _ in 0..100 {
+    for _ in 0..scale.evictions {
         let t = Instant::now();
         let freed = cache.evict(black_box(64));
         samples.push(t.elapsed());
@@ -258,7 +300,7 @@ fn radix_figures() {
     cache
         .insert(0, &system, &handles.take(system.len() / PAGE))
         .unwrap();
-    for _ in 0..20_000 {
+    for _ in 0..scale.leaves {
         let mut seq = system.clone();
         let pages = 1 + rng.below(4) as usize;
         seq.extend(rng.tokens(pages * PAGE));
@@ -274,9 +316,9 @@ fn radix_figures() {
         before.pages,
         cache.heap_bytes() as f64 / (before.pages * PAGE) as f64
     );
-    assert!(before.evictable_leaves >= 20_000);
+    assert!(before.evictable_leaves >= scale.leaves);
     let mut samples = Vec::new();
-    for _ in 0..100 {
+    for _ in 0..scale.evictions {
         let t = Instant::now();
         let freed = cache.evict(black_box(64));
         samples.push(t.elapsed());

@@ -141,6 +141,14 @@ fn env(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
+/// The workload's own checks (64 pages freed per call, the tree as built) at a size
+/// every `cargo test` can afford.
+#[test]
+fn radix_evict_workload_does_what_it_claims() {
+    run(300, 20, false);
+    run(300, 20, true);
+}
+
 #[test]
 #[ignore = "benchmark: run in release with --ignored --nocapture"]
 fn radix_evict_figures() {

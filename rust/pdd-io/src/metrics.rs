@@ -3,13 +3,18 @@
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 macro_rules! counters {
     ($( $(#[$doc:meta])* $name:ident : $kind:literal, $help:literal; )*) => {
-        /// Counters and gauges of one endpoint.
+        /// Counters and gauges of one endpoint, and its transfer-time histogram.
         #[derive(Debug, Default)]
         pub struct Metrics {
             $( $(#[$doc])* pub $name: AtomicU64, )*
+            /// Seconds from grant to the receiver's confirmation, per completed
+            /// transfer (receiver: grant to last page verified; sender: grant
+            /// received to KV_DONE confirmed).
+            pub transfer_seconds: Histogram,
         }
 
         impl Metrics {
@@ -68,6 +73,9 @@ counters! {
     sessions: "gauge", "sessions connected";
     /// Transfers in progress.
     transfers_in_flight: "gauge", "transfers in progress";
+    /// Receiver pool pages held by live grants, or by ended ones whose last blocks
+    /// are still landing; back to 0 when nothing is in flight (a leak shows here).
+    pool_pages_held: "gauge", "receiver pool pages held by live or draining grants";
 }
 
 impl Metrics {
@@ -84,7 +92,98 @@ impl Metrics {
     /// Prometheus text exposition, every metric prefixed `pdd_transport_` and labelled
     /// with `endpoint`.
     pub fn prometheus(&self, endpoint: &str) -> String {
-        prometheus_text("pdd_transport_", endpoint, self.snapshot())
+        let mut out = prometheus_text("pdd_transport_", endpoint, self.snapshot());
+        self.transfer_seconds.prometheus_into(
+            &mut out,
+            "pdd_transport_transfer_seconds",
+            "seconds from grant to confirmed completion, per transfer",
+            endpoint,
+        );
+        out
+    }
+}
+
+/// Upper bounds (seconds) of the latency histograms' buckets: 0.5 ms to 10 s, about
+/// 2.5x apart, wide enough for a loopback transfer and a WAN one alike.
+pub const SECONDS_BUCKETS: [f64; 14] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// A latency histogram with fixed buckets ([`SECONDS_BUCKETS`]): one atomic add per
+/// bucket hit, so it can sit on the data path.
+#[derive(Debug, Default)]
+pub struct Histogram {
+    /// Observations per bucket (not cumulative); the last one is +Inf.
+    buckets: [AtomicU64; SECONDS_BUCKETS.len() + 1],
+    count: AtomicU64,
+    sum_ns: AtomicU64,
+}
+
+impl Histogram {
+    /// Record one observation.
+    pub fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        let i = SECONDS_BUCKETS
+            .iter()
+            .position(|&b| secs <= b)
+            .unwrap_or(SECONDS_BUCKETS.len());
+        self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.sum_ns.fetch_add(ns, Ordering::Relaxed);
+    }
+
+    /// The current figures.
+    pub fn snapshot(&self) -> HistogramSnapshot {
+        let mut cumulative = 0;
+        let mut out = Vec::with_capacity(self.buckets.len());
+        for (i, b) in self.buckets.iter().enumerate() {
+            cumulative += b.load(Ordering::Relaxed);
+            let bound = SECONDS_BUCKETS.get(i).copied().unwrap_or(f64::INFINITY);
+            out.push((bound, cumulative));
+        }
+        HistogramSnapshot {
+            buckets: out,
+            count: self.count.load(Ordering::Relaxed),
+            sum_seconds: self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9,
+        }
+    }
+
+    /// Append this histogram as Prometheus text, named `name`, labelled `endpoint`.
+    pub fn prometheus_into(&self, out: &mut String, name: &str, help: &str, endpoint: &str) {
+        self.snapshot().prometheus_into(out, name, help, endpoint);
+    }
+}
+
+/// A histogram's figures at one moment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HistogramSnapshot {
+    /// `(upper bound in seconds, observations <= it)`, cumulative; the last bound is
+    /// `f64::INFINITY`.
+    pub buckets: Vec<(f64, u64)>,
+    /// Observations.
+    pub count: u64,
+    /// Their sum, in seconds.
+    pub sum_seconds: f64,
+}
+
+impl HistogramSnapshot {
+    /// Append as Prometheus text, named `name`, labelled `endpoint`.
+    pub fn prometheus_into(&self, out: &mut String, name: &str, help: &str, endpoint: &str) {
+        let label = endpoint.replace('\\', "\\\\").replace('"', "\\\"");
+        let (buckets, count, sum) = (&self.buckets, self.count, self.sum_seconds);
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} histogram");
+        for &(bound, n) in buckets {
+            let le = if bound.is_infinite() {
+                "+Inf".to_string()
+            } else {
+                format!("{bound}")
+            };
+            let _ = writeln!(out, "{name}_bucket{{endpoint=\"{label}\",le=\"{le}\"}} {n}");
+        }
+        let _ = writeln!(out, "{name}_sum{{endpoint=\"{label}\"}} {sum}");
+        let _ = writeln!(out, "{name}_count{{endpoint=\"{label}\"}} {count}");
     }
 }
 
@@ -116,6 +215,34 @@ mod tests {
         let text = m.prometheus("rx\"1");
         assert!(text.contains("pdd_transport_bytes_sent_total{endpoint=\"rx\\\"1\"} 42\n"));
         assert!(text.contains("# TYPE pdd_transport_rtt_us gauge\n"));
-        assert_eq!(text.lines().count(), 3 * m.snapshot().len());
+        let histogram_lines = 2 + SECONDS_BUCKETS.len() + 1 + 2;
+        assert_eq!(
+            text.lines().count(),
+            3 * m.snapshot().len() + histogram_lines
+        );
+    }
+
+    #[test]
+    fn histogram_buckets_are_cumulative_with_sum_and_count() {
+        let h = Histogram::default();
+        h.observe(Duration::from_micros(300)); // <= 0.5 ms
+        h.observe(Duration::from_millis(30)); // <= 50 ms
+        h.observe(Duration::from_secs(60)); // +Inf
+        let HistogramSnapshot {
+            buckets,
+            count,
+            sum_seconds: sum,
+        } = h.snapshot();
+        assert_eq!(count, 3);
+        assert!((sum - 60.0303).abs() < 1e-9);
+        assert_eq!(buckets[0], (0.0005, 1));
+        assert_eq!(buckets[6], (0.05, 2));
+        assert_eq!(buckets[13], (10.0, 2));
+        assert_eq!(buckets[14].1, 3);
+        let mut text = String::new();
+        h.prometheus_into(&mut text, "x_seconds", "help", "e");
+        assert!(text.contains("x_seconds_bucket{endpoint=\"e\",le=\"0.05\"} 2\n"));
+        assert!(text.contains("x_seconds_bucket{endpoint=\"e\",le=\"+Inf\"} 3\n"));
+        assert!(text.contains("x_seconds_count{endpoint=\"e\"} 3\n"));
     }
 }

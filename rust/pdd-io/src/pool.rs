@@ -12,6 +12,36 @@ use std::ptr::NonNull;
 
 use pdd_core::Error;
 
+/// The address and length of one pool page (see [`PagePool::page_raw`]).
+#[derive(Debug, Clone, Copy)]
+pub struct RawPage {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: an address and a length; who may write through it is decided by the
+// transfer bookkeeping, as for `MemoryRegion`.
+unsafe impl Send for RawPage {}
+// SAFETY: as for Send: sharing the address shares no access by itself.
+unsafe impl Sync for RawPage {}
+
+impl RawPage {
+    /// The first byte.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Bytes in the page.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the page has no bytes (never, for a valid pool).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
 /// A span of memory kept alive by an owner.
 pub struct MemoryRegion {
     ptr: NonNull<u8>,
@@ -229,17 +259,20 @@ impl PagePool {
         Ok(unsafe { std::slice::from_raw_parts(ptr, self.page_bytes as usize) })
     }
 
-    /// The bytes of one page, to write.
-    ///
-    /// # Safety
-    /// The caller must be the page's only reader or writer while the slice is alive:
-    /// the receiver guarantees it by marking the page in flight in
-    /// `pdd_core::kv::ReceiverState` before calling this.
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn page_mut(&self, layer: u16, page: u32) -> Result<&mut [u8], Error> {
+    /// Where one page is, to be written by I/O that never forms a Rust reference to
+    /// it (`readv` into raw iovecs, a copy through raw pointers): the engine's code
+    /// can also reach pool memory, so the receiver holds no `&mut` to a page while a
+    /// lane writes it, only this address. Dereferencing it is the caller's `unsafe`:
+    /// sound only while `pdd_core::kv::ReceiverState` marks the page in flight for
+    /// the caller's lane, and the engine keeps its obligation (docs/kv.md: it does not
+    /// touch granted pages until their transfer ends).
+    pub fn page_raw(&self, layer: u16, page: u32) -> Result<RawPage, Error> {
         let ptr = self.page_ptr(layer, page)?;
-        // SAFETY: in bounds and alive as above; exclusive by the caller's contract.
-        Ok(unsafe { std::slice::from_raw_parts_mut(ptr, self.page_bytes as usize) })
+        Ok(RawPage {
+            // page_ptr is in bounds of a region whose base is non-null.
+            ptr: NonNull::new(ptr).ok_or_else(|| Error::InvalidArgument("null page".into()))?,
+            len: self.page_bytes as usize,
+        })
     }
 
     /// A copy of one page (tests and verification; not the data path).
@@ -284,7 +317,9 @@ mod tests {
         let p = PagePool::new(vec![MemoryRegion::from_vec(v)], 8).unwrap();
         assert_eq!(p.copy_page(0, 1).unwrap(), (8..16).collect::<Vec<u8>>());
         // SAFETY: the test is the pool's only user.
-        unsafe { p.page_mut(0, 2).unwrap() }.fill(7);
+        let page = p.page_raw(0, 2).unwrap();
+        // SAFETY: the test owns the pool; nothing else touches the page.
+        unsafe { std::ptr::write_bytes(page.as_ptr(), 7, page.len()) };
         assert_eq!(p.copy_page(0, 2).unwrap(), vec![7; 8]);
     }
 }

@@ -8,7 +8,6 @@
 //! vectored reads and checks the CRC32C over what landed before the block counts.
 
 use std::collections::{HashMap, VecDeque};
-use std::io::IoSliceMut;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -35,7 +34,7 @@ use tokio_util::task::TaskTracker;
 use crate::codec::{CodecError, WireCodec};
 use crate::lane::{self, LaneStream, SocketTuning, TlsConfig};
 use crate::metrics::Metrics;
-use crate::pool::PagePool;
+use crate::pool::{PagePool, RawPage};
 
 /// Receiver settings.
 #[derive(Debug, Clone)]
@@ -381,8 +380,25 @@ impl KvReceiver {
         let deadline_ms =
             deadline.map_or(0, |d| d.as_millis().clamp(1, u128::from(u32::MAX)) as u32);
         let layers = layer_count.unwrap_or_else(|| shared.pool.layers());
+        // Lock order: `transfers` is released before `state` is taken.
+        let session_transfers: Vec<u64> = lock(&shared.transfers)
+            .iter()
+            .filter(|(_, t)| t.session_id == peer && t.generation == generation)
+            .map(|(&id, _)| id)
+            .collect();
         let grant = {
             let mut state = lock(&shared.state);
+            // The sender finds its grant by request id: two live grants of one request
+            // to one session would be ambiguous (and, with hashed string keys, a
+            // collision must not mix two requests).
+            if session_transfers
+                .iter()
+                .any(|&id| state.request_of(id) == Some(request_id))
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "request {request_id} already has a live grant to peer {peer}"
+                )));
+            }
             // Unguessable and unique among live and recent transfers.
             let mut transfer_id: u64 = rand::random();
             while state.id_in_use(transfer_id) {
@@ -411,6 +427,7 @@ impl KvReceiver {
             },
         );
         Metrics::add(&shared.metrics.transfers_in_flight, 1);
+        update_pages_held(shared);
         // The control writer owns the socket; an unbounded queue of small frames is
         // bounded in practice by the number of live grants.
         if control.send(Frame::KvGrant(grant.clone())).is_err() {
@@ -439,6 +456,14 @@ impl KvReceiver {
             peer,
             status: status_rx,
         })
+    }
+
+    /// Whether a live transfer has had any block begin landing: `None` once it
+    /// ended (or never existed), else `Some(started)`.
+    pub fn transfer_started(&self, transfer_id: u64) -> Option<bool> {
+        lock(&self.shared.state)
+            .progress_of(transfer_id)
+            .map(|p| p > 0)
     }
 
     /// Cancel a live transfer; the peer is told with ABORT `cancelled`.
@@ -529,6 +554,10 @@ fn apply(shared: &Shared, events: Vec<TransferEvent>) {
     }
     let mut transfers = lock(&shared.transfers);
     let sessions = lock(&shared.sessions);
+    // Held while statuses change, so that events and statuses agree for a reader:
+    // whoever wakes from `wait` finds the events queued, and whoever takes an event
+    // finds the status it reports. Lock order: transfers, sessions, events.
+    let mut queue = lock(&shared.events);
     for ev in &events {
         match ev {
             TransferEvent::LayerComplete { transfer_id, .. } => {
@@ -547,6 +576,7 @@ fn apply(shared: &Shared, events: Vec<TransferEvent>) {
             } => {
                 Metrics::add(&shared.metrics.transfers_completed_total, 1);
                 if let Some(t) = transfers.remove(transfer_id) {
+                    shared.metrics.transfer_seconds.observe(t.started.elapsed());
                     let seconds = t.started.elapsed().as_secs_f64();
                     if seconds > 0.0 {
                         Metrics::set(
@@ -599,17 +629,23 @@ fn apply(shared: &Shared, events: Vec<TransferEvent>) {
         }
     }
     Metrics::set(&shared.metrics.transfers_in_flight, transfers.len() as u64);
+    for ev in events {
+        if queue.len() == EVENT_QUEUE_CAP {
+            queue.pop_front();
+        }
+        queue.push_back(ReceiverEvent::Transfer(ev));
+    }
+    drop(queue);
     drop(sessions);
     drop(transfers);
-    let mut q = lock(&shared.events);
-    for ev in events {
-        if q.len() == EVENT_QUEUE_CAP {
-            q.pop_front();
-        }
-        q.push_back(ReceiverEvent::Transfer(ev));
-    }
-    drop(q);
+    update_pages_held(shared);
     shared.events_changed.send_modify(|n| *n += 1);
+}
+
+/// Publish how many pool pages grants hold (takes `state`: call with no lock held).
+fn update_pages_held(shared: &Shared) {
+    let held = lock(&shared.state).pages_held();
+    Metrics::set(&shared.metrics.pool_pages_held, held as u64);
 }
 
 fn push_event(shared: &Shared, ev: ReceiverEvent) {
@@ -1121,9 +1157,20 @@ struct BlockGuard<'a> {
 impl BlockGuard<'_> {
     fn finish(mut self, outcome: Result<(), Error>) {
         self.finished = true;
-        let ev = lock(&self.shared.state).finish_block(&self.block, outcome);
-        apply(self.shared, ev);
+        finish_block(self.shared, &self.block, outcome);
     }
+}
+
+/// A block ended: report it, and publish the pages still held (a draining
+/// transfer's last block frees its pages without any event).
+fn finish_block(shared: &Shared, block: &KvBlock, outcome: Result<(), Error>) {
+    let (ev, held) = {
+        let mut state = lock(&shared.state);
+        let ev = state.finish_block(block, outcome);
+        (ev, state.pages_held())
+    };
+    Metrics::set(&shared.metrics.pool_pages_held, held as u64);
+    apply(shared, ev);
 }
 
 impl Drop for BlockGuard<'_> {
@@ -1132,8 +1179,7 @@ impl Drop for BlockGuard<'_> {
             let err = Error::ConnectionLost {
                 detail: "data lane closed mid-block".into(),
             };
-            let ev = lock(&self.shared.state).finish_block(&self.block, Err(err));
-            apply(self.shared, ev);
+            finish_block(self.shared, &self.block, Err(err));
         }
     }
 }
@@ -1294,14 +1340,14 @@ async fn read_block(
                 block,
                 finished: false,
             };
-            let mut pages: Vec<&mut [u8]> = Vec::with_capacity(target.pages.len());
-            for &(layer, page) in &target.pages {
-                // SAFETY: begin_block marked every page of the block in flight for this
-                // lane alone, and the guard keeps them held until it finishes; no other
-                // reference to these pages exists until then.
-                pages.push(unsafe { shared.pool.page_mut(layer, page) }?);
-            }
-            if let Err(e) = read_into_pages(stream, &mut pages, stall).await {
+            // Addresses only: begin_block marked every page of the block in flight for
+            // this lane alone, and the guard keeps them held until it finishes.
+            let pages = target
+                .pages
+                .iter()
+                .map(|&(layer, page)| shared.pool.page_raw(layer, page))
+                .collect::<Result<Vec<RawPage>, Error>>()?;
+            if let Err(e) = read_into_pages(stream, &pages, scratch, stall).await {
                 guard.finish(Err(lost(e)));
                 return Err(Error::ConnectionLost {
                     detail: "data lane failed mid-block".into(),
@@ -1309,7 +1355,12 @@ async fn read_block(
             }
             if !aead {
                 for p in &pages {
-                    crc = lane::crc32c_append(crc, p);
+                    // SAFETY: the page is in flight for this lane alone (nothing in the
+                    // transport writes it now) and the engine does not write granted
+                    // pages (its documented obligation), so a shared view of the bytes
+                    // that landed is sound for the length of this call.
+                    let landed = unsafe { std::slice::from_raw_parts(p.as_ptr(), p.len()) };
+                    crc = lane::crc32c_append(crc, landed);
                 }
             }
             drop(pages);
@@ -1343,34 +1394,99 @@ async fn within_stall<T>(
     })
 }
 
-/// Fill every page completely, with vectored reads straight into them.
+/// The iovecs of one `readv` batch (addresses of pages in flight for one lane), and
+/// the first one not yet filled.
+struct Iovecs(Vec<libc::iovec>, usize);
+
+// SAFETY: raw page addresses (see `RawPage`); the lane's task owns them while it
+// reads, whichever worker thread runs it.
+unsafe impl Send for Iovecs {}
+
+impl Iovecs {
+    fn done(&self) -> bool {
+        self.1 == self.0.len()
+    }
+
+    /// One `readv` into the iovecs not yet filled.
+    fn readv(&self, fd: std::os::fd::RawFd) -> std::io::Result<usize> {
+        let pending = &self.0[self.1..];
+        // SAFETY: every iovec spans (the rest of) one page of the pool: in bounds and
+        // alive while the pool is, in flight for this lane alone; readv writes only
+        // there.
+        let n = unsafe { libc::readv(fd, pending.as_ptr(), pending.len() as libc::c_int) };
+        if n < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
+        }
+    }
+
+    /// `n` bytes landed: skip the iovecs filled, shorten the one filled in part.
+    fn advance(&mut self, mut n: usize) {
+        while n > 0 {
+            let v = &mut self.0[self.1];
+            if n >= v.iov_len {
+                n -= v.iov_len;
+                self.1 += 1;
+            } else {
+                // SAFETY: n < iov_len: still inside the same page.
+                v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n) }.cast();
+                v.iov_len -= n;
+                n = 0;
+            }
+        }
+    }
+}
+
+/// Fill every page completely. Plain TCP: `readv` straight into the pages through
+/// raw iovecs (no Rust reference to pool memory is formed while it is written). TLS:
+/// rustls decrypts into `staging`, copied into the pages through raw pointers.
 async fn read_into_pages(
     stream: &mut LaneStream,
-    pages: &mut [&mut [u8]],
+    pages: &[RawPage],
+    staging: &mut [u8],
     stall: Duration,
 ) -> std::io::Result<()> {
     let stream = match stream {
         LaneStream::Plain(s) => s,
         tls => {
-            // TLS decrypts record by record into each page in turn.
-            for page in pages.iter_mut() {
-                within_stall(stall, tls.read_exact(page)).await?;
+            for page in pages {
+                let mut at = 0;
+                while at < page.len() {
+                    let n = (page.len() - at).min(staging.len());
+                    within_stall(stall, tls.read_exact(&mut staging[..n])).await?;
+                    // SAFETY: `at + n <= len` keeps the copy inside the page, which is in
+                    // flight for this lane alone; `staging` is our own buffer.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(staging.as_ptr(), page.as_ptr().add(at), n);
+                    }
+                    at += n;
+                }
             }
             return Ok(());
         }
     };
     // At most this many iovecs per readv (IOV_MAX is 1024 on Linux).
     const BATCH: usize = 256;
-    for batch in pages.chunks_mut(BATCH) {
-        let mut slices: Vec<IoSliceMut<'_>> =
-            batch.iter_mut().map(|p| IoSliceMut::new(p)).collect();
-        let mut bufs: &mut [IoSliceMut<'_>] = &mut slices;
-        while !bufs.is_empty() {
+    let fd = std::os::fd::AsRawFd::as_raw_fd(stream);
+    for batch in pages.chunks(BATCH) {
+        let mut iov = Iovecs(
+            batch
+                .iter()
+                .map(|p| libc::iovec {
+                    iov_base: p.as_ptr().cast(),
+                    iov_len: p.len(),
+                })
+                .collect(),
+            0,
+        );
+        while !iov.done() {
             within_stall(stall, stream.readable()).await?;
-            match stream.try_read_vectored(bufs) {
+            match stream.try_io(tokio::io::Interest::READABLE, || iov.readv(fd)) {
                 Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                Ok(n) => IoSliceMut::advance_slices(&mut bufs, n),
+                Ok(n) => iov.advance(n),
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
         }

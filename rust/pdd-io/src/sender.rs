@@ -10,16 +10,16 @@
 use std::collections::HashMap;
 use std::io::IoSlice;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
-use pdd_core::kv::{KvBlock, SenderTransfer};
+use pdd_core::kv::{KvBlock, PlannedBlock, SenderTransfer};
 use pdd_core::prefix::{verify_reply, VerifiedPrefix};
 use pdd_core::wire::handshake::{AuthBytes, LocalHello};
 use pdd_core::wire::{
-    AbortReason, Frame, FrameHeader, FrameKind, KvGrant, HEADER_LEN, KV_PAGES_FIXED_LEN,
+    Abort, AbortReason, Frame, FrameHeader, FrameKind, KvGrant, HEADER_LEN, KV_PAGES_FIXED_LEN,
 };
 use pdd_core::wire::{PrefixQuery, PrefixReply};
 use pdd_core::Error;
@@ -118,6 +118,8 @@ impl Conn {
 
 struct OutboundEntry {
     request_id: u64,
+    /// When the grant was taken up (`wait_grant` returned it).
+    started: Instant,
     status: watch::Sender<OutboundStatus>,
 }
 
@@ -240,11 +242,18 @@ impl KvSender {
         loop {
             if let Some(grant) = lock(&self.shared.grants).remove(&request_id) {
                 let (status, rx) = watch::channel(OutboundStatus::InProgress);
-                lock(&self.shared.outbound)
-                    .insert(grant.transfer_id, OutboundEntry { request_id, status });
+                lock(&self.shared.outbound).insert(
+                    grant.transfer_id,
+                    OutboundEntry {
+                        request_id,
+                        started: Instant::now(),
+                        status,
+                    },
+                );
                 return Ok(OutboundTransfer {
                     shared: self.shared.clone(),
                     conn,
+                    started: AtomicBool::new(false),
                     state: tokio::sync::Mutex::new(SenderTransfer::new(grant.clone())),
                     grant,
                     status: rx,
@@ -344,6 +353,18 @@ fn fail_outbound(shared: &Shared, error: &Error, request: Option<u64>) {
         }
     }
     Metrics::set(&shared.metrics.transfers_in_flight, outbound.len() as u64);
+}
+
+/// Fail one transfer (if still live). True if it was.
+fn fail_transfer(shared: &Shared, transfer_id: u64, error: &Error) -> bool {
+    let mut outbound = lock(&shared.outbound);
+    let Some(e) = outbound.remove(&transfer_id) else {
+        return false;
+    };
+    Metrics::add(&shared.metrics.transfers_failed_total, 1);
+    e.status.send_replace(OutboundStatus::Failed(error.clone()));
+    Metrics::set(&shared.metrics.transfers_in_flight, outbound.len() as u64);
+    true
 }
 
 fn fail_queries(shared: &Shared, error: &Error, request: Option<u64>) {
@@ -523,6 +544,7 @@ async fn control_loop(
                 let mut outbound = lock(&shared.outbound);
                 if let Some(e) = outbound.remove(&done.transfer_id) {
                     Metrics::add(&shared.metrics.transfers_completed_total, 1);
+                    shared.metrics.transfer_seconds.observe(e.started.elapsed());
                     e.status.send_replace(OutboundStatus::Complete {
                         bytes: done.byte_count,
                     });
@@ -711,6 +733,7 @@ pub struct OutboundTransfer {
     shared: Arc<Shared>,
     conn: Arc<Conn>,
     state: tokio::sync::Mutex<SenderTransfer>,
+    started: AtomicBool,
     grant: KvGrant,
     status: watch::Receiver<OutboundStatus>,
 }
@@ -735,12 +758,40 @@ impl OutboundTransfer {
         src_layer: u16,
         src_pages: &[u32],
     ) -> Result<(), Error> {
-        let pool = &self.shared.pool;
         if src_pages.len() != self.grant.page_count as usize {
             return Err(Error::InvalidArgument(format!(
                 "{} source pages for a grant of {}",
                 src_pages.len(),
                 self.grant.page_count
+            )));
+        }
+        let end = layer
+            .checked_add(1)
+            .ok_or_else(|| Error::InvalidArgument(format!("layer {layer} outside the grant")))?;
+        let all: Vec<u32> = (0..self.grant.page_count).collect();
+        self.send_pages(layer..end, Some(src_layer), &all, src_pages)
+            .await
+    }
+
+    /// Stream grant pages `grant_pages` (grant-relative, any subset, any order) on
+    /// every grant layer of `layers`, from source pool pages `src_pages` (one per
+    /// grant page, same order) on pool layer `src_layer` (with `None`, the same index
+    /// as the grant layer; `Some` only for a single layer). Each `(layer, page)` goes
+    /// exactly once per transfer: a call that repeats one, or names one outside the
+    /// grant, fails and queues nothing. Returns once every block is queued on a lane.
+    pub async fn send_pages(
+        &self,
+        layers: std::ops::Range<u16>,
+        src_layer: Option<u16>,
+        grant_pages: &[u32],
+        src_pages: &[u32],
+    ) -> Result<(), Error> {
+        let pool = &self.shared.pool;
+        if src_pages.len() != grant_pages.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} source pages for {} grant pages",
+                src_pages.len(),
+                grant_pages.len()
             )));
         }
         if pool.page_bytes() != self.grant.page_bytes {
@@ -750,9 +801,15 @@ impl OutboundTransfer {
                 self.grant.page_bytes
             )));
         }
-        if src_layer >= pool.layers() {
+        if src_layer.is_some() && layers.len() != 1 {
+            return Err(Error::InvalidArgument(
+                "src_layer names one source layer: send one grant layer per call with it".into(),
+            ));
+        }
+        let last_src_layer = src_layer.unwrap_or(layers.end.saturating_sub(1));
+        if last_src_layer >= pool.layers() {
             return Err(Error::InvalidArgument(format!(
-                "source layer {src_layer} outside the pool's {}",
+                "source layer {last_src_layer} outside the pool's {}",
                 pool.layers()
             )));
         }
@@ -773,10 +830,17 @@ impl OutboundTransfer {
         let max_block = u64::from(self.shared.cfg.max_block_bytes)
             .min(cap)
             .min(1000 * u64::from(self.grant.page_bytes));
-        let blocks = self.state.lock().await.send_layer(layer, max_block)?;
-        for block in blocks {
-            let src = (block.page_start..block.page_start + block.page_count)
-                .map(|p| (src_layer, src_pages[p as usize]))
+        let planned = self
+            .state
+            .lock()
+            .await
+            .send_pages(layers, grant_pages, max_block)?;
+        self.started.store(true, Ordering::Relaxed);
+        for PlannedBlock { block, first } in planned {
+            let from = src_layer.unwrap_or(block.layer_start);
+            let src = src_pages[first..first + block.page_count as usize]
+                .iter()
+                .map(|&p| (from, p))
                 .collect();
             let lane = self.conn.next_lane.fetch_add(1, Ordering::Relaxed) % self.conn.lanes.len();
             tokio::select! {
@@ -789,6 +853,37 @@ impl OutboundTransfer {
             }
         }
         Ok(())
+    }
+
+    /// Whether any page was queued yet (for a pending/transferring poll).
+    pub fn started(&self) -> bool {
+        self.started.load(Ordering::Relaxed)
+    }
+
+    /// Give up on the transfer: the receiver is told with an ABORT (`cancelled`,
+    /// carrying `message`) and fails it with `peer_aborted`; here it fails with
+    /// `cancelled`. Blocks already queued still reach the receiver, which drains
+    /// them. False if the transfer had already ended.
+    pub fn abort(&self, message: &str) -> bool {
+        if !matches!(self.status(), OutboundStatus::InProgress) {
+            return false;
+        }
+        let mut message = format!("aborted by the sender: {message}");
+        message.truncate(512);
+        while !message.is_char_boundary(message.len()) {
+            message.pop();
+        }
+        // Best effort: a dead session already failed the receiver's side.
+        let _ = self.conn.control.send(Frame::Abort(Abort {
+            request_id: self.grant.request_id,
+            reason: AbortReason::Cancelled,
+            message: message.clone(),
+        }));
+        fail_transfer(
+            &self.shared,
+            self.grant.transfer_id,
+            &Error::Cancelled { detail: message },
+        )
     }
 
     /// Every layer is queued: tell the receiver how many blocks and bytes to expect.

@@ -973,7 +973,7 @@ macro_rules! common_link_methods {
             #[pyo3(signature = (endpoint = "handoff"))]
             fn prometheus(&self, endpoint: &str) -> PyResult<String> {
                 match &self.backend {
-                    $backend::Link(l) => Ok(l.stats().prometheus(endpoint)),
+                    $backend::Link(l) => Ok(l.prometheus(endpoint)),
                     $backend::Pair(_) => Err(pair_only("prometheus")),
                 }
             }

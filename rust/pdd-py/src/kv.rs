@@ -7,21 +7,21 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use numpy::{PyArray1, PyArrayMethods, PyUntypedArrayMethods};
-use pdd_core::kv::TransferEvent;
 use pdd_core::wire::handshake::LocalHello;
 use pdd_core::wire::{capability, Role};
 use pdd_core::Error;
 use pdd_io::lane::SocketTuning;
 use pdd_io::metrics::Metrics;
 use pdd_io::pool::{MemoryRegion, PagePool};
-use pdd_io::receiver::{self, ReceiverConfig, ReceiverEvent, TransferStatus};
+use pdd_io::receiver::{self, ReceiverConfig, TransferStatus};
 use pdd_io::sender::{self, OutboundStatus, SenderConfig};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyDict;
 
-use crate::convert::{u32s_from_py, RequestId};
+use crate::convert::u32s_from_py;
 use crate::errors::{invalid, PddErr};
+use crate::kv_events::{event_to_py, poll_state, KeyBook, KvPoll, RequestKey};
 use crate::radix::RadixCache;
 use crate::runtime::{block_on, runtime};
 
@@ -184,6 +184,7 @@ impl KvPool {
 #[pyclass(frozen, module = "pdd_transport._native")]
 pub struct KvReceiver {
     inner: Arc<receiver::KvReceiver>,
+    keys: Arc<KeyBook>,
 }
 
 #[pymethods]
@@ -227,6 +228,7 @@ impl KvReceiver {
         let rx = block_on(py, receiver::KvReceiver::start(pool, cfg))?.map_err(PddErr)?;
         Ok(KvReceiver {
             inner: Arc::new(rx),
+            keys: Arc::default(),
         })
     }
 
@@ -256,17 +258,19 @@ impl KvReceiver {
     }
 
     /// Grant `pages` (pool page indices, in the order the sender will fill them) on
-    /// layers `0..layers` (all with None) to `peer` (the only peer with None).
+    /// layers `0..layers` (all with None) to `peer` (the only peer with None), for the
+    /// request named `request_id` (an int, or a str/bytes key mapped by
+    /// `request_id_of`).
     #[pyo3(signature = (request_id, pages, *, layers = None, peer = None, deadline_s = None))]
     fn grant(
         &self,
-        request_id: RequestId,
+        py: Python<'_>,
+        request_id: RequestKey,
         pages: &Bound<'_, PyAny>,
         layers: Option<u16>,
         peer: Option<u64>,
         deadline_s: Option<f64>,
     ) -> PyResult<InboundTransfer> {
-        let request_id = request_id.0;
         let pages = u32s_from_py(pages, "pages")?;
         let deadline = deadline_s.map(|d| seconds(d, "deadline_s")).transpose()?;
         // grant() spawns its deadline timer: it must run inside the runtime.
@@ -274,9 +278,18 @@ impl KvReceiver {
         let _guard = rt.enter();
         let t = self
             .inner
-            .grant(request_id, &pages, layers, peer, deadline)
+            .grant(request_id.id, &pages, layers, peer, deadline)
             .map_err(PddErr)?;
-        Ok(InboundTransfer { inner: t })
+        let rx = self.inner.clone();
+        self.keys
+            .remember(py, t.grant.transfer_id, &request_id.key, |id| {
+                rx.transfer_started(id).is_some()
+            });
+        Ok(InboundTransfer {
+            inner: t,
+            receiver: self.inner.clone(),
+            key: request_id.key,
+        })
     }
 
     /// Cancel a live transfer (the sender is told). False if it was not live.
@@ -290,13 +303,14 @@ impl KvReceiver {
         self.inner.release_lease(lease_id)
     }
 
-    /// Take up to `max` events (transfers, prefix queries), oldest first.
+    /// Take up to `max` events (`LayerComplete`, `TransferComplete`,
+    /// `TransferFailed`, `PrefixQueried`), oldest first.
     #[pyo3(signature = (max = 1024))]
-    fn poll_events<'py>(&self, py: Python<'py>, max: usize) -> PyResult<Vec<Bound<'py, PyDict>>> {
+    fn poll_events(&self, py: Python<'_>, max: usize) -> PyResult<Vec<Py<PyAny>>> {
         self.inner
             .poll_events(max)
             .iter()
-            .map(|e| event_dict(py, e))
+            .map(|e| event_to_py(py, &self.keys, e))
             .collect()
     }
 
@@ -330,66 +344,12 @@ impl KvReceiver {
     }
 }
 
-fn event_dict<'py>(py: Python<'py>, e: &ReceiverEvent) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    let e = match e {
-        ReceiverEvent::Transfer(t) => t,
-        ReceiverEvent::PrefixQuery {
-            peer,
-            request_id,
-            matched_tokens,
-            lease_id,
-        } => {
-            d.set_item("type", "prefix_query")?;
-            d.set_item("peer", peer)?;
-            d.set_item("request_id", request_id)?;
-            d.set_item("matched_tokens", matched_tokens)?;
-            d.set_item("lease_id", lease_id)?;
-            return Ok(d);
-        }
-    };
-    match e {
-        TransferEvent::LayerComplete {
-            transfer_id,
-            request_id,
-            layer,
-        } => {
-            d.set_item("type", "layer_complete")?;
-            d.set_item("transfer_id", transfer_id)?;
-            d.set_item("request_id", request_id)?;
-            d.set_item("layer", layer)?;
-        }
-        TransferEvent::Complete {
-            transfer_id,
-            request_id,
-            bytes,
-            blocks,
-        } => {
-            d.set_item("type", "complete")?;
-            d.set_item("transfer_id", transfer_id)?;
-            d.set_item("request_id", request_id)?;
-            d.set_item("bytes", bytes)?;
-            d.set_item("blocks", blocks)?;
-        }
-        TransferEvent::Failed {
-            transfer_id,
-            request_id,
-            error,
-        } => {
-            d.set_item("type", "failed")?;
-            d.set_item("transfer_id", transfer_id)?;
-            d.set_item("request_id", request_id)?;
-            d.set_item("reason", error.reason())?;
-            d.set_item("message", error.to_string())?;
-        }
-    }
-    Ok(d)
-}
-
 /// The receiver's handle on one granted transfer.
 #[pyclass(frozen, module = "pdd_transport._native")]
 pub struct InboundTransfer {
     inner: receiver::InboundTransfer,
+    receiver: Arc<receiver::KvReceiver>,
+    key: Py<PyAny>,
 }
 
 #[pymethods]
@@ -404,9 +364,59 @@ impl InboundTransfer {
         self.inner.grant.request_id
     }
 
+    /// The request key the grant was made with (int, str or bytes).
+    #[getter]
+    fn request_key(&self, py: Python<'_>) -> Py<PyAny> {
+        self.key.clone_ref(py)
+    }
+
     #[getter]
     fn peer(&self) -> u64 {
         self.inner.peer
+    }
+
+    /// Where the transfer stands, without waiting.
+    fn poll(&self) -> KvPoll {
+        let started = self
+            .receiver
+            .transfer_started(self.inner.grant.transfer_id)
+            .unwrap_or(true);
+        match self.inner.status() {
+            TransferStatus::Complete { .. } => poll_state(Some(Ok(())), true),
+            TransferStatus::Failed(e) => poll_state(Some(Err(&e)), true),
+            TransferStatus::InProgress { layers_done } => {
+                poll_state(None, started || layers_done > 0)
+            }
+        }
+    }
+
+    /// What a sender needs to find and fill this grant, as a small JSON-safe dict to
+    /// carry in the engine's own request metadata: `{"version", "address",
+    /// "request_id", "request_key" (str keys only), "peer", "layers", "pages",
+    /// "page_bytes"}`. `address` defaults to the receiver's bound address; pass the
+    /// one senders should dial when that differs (a wildcard bind, NAT).
+    #[pyo3(signature = (address = None))]
+    fn ticket<'py>(
+        &self,
+        py: Python<'py>,
+        address: Option<String>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let g = &self.inner.grant;
+        let d = PyDict::new(py);
+        d.set_item("version", 1)?;
+        d.set_item(
+            "address",
+            address.unwrap_or_else(|| self.receiver.local_addr().to_string()),
+        )?;
+        d.set_item("request_id", g.request_id)?;
+        if self.key.bind(py).is_instance_of::<pyo3::types::PyString>() {
+            d.set_item("request_key", self.key.bind(py))?;
+        }
+        d.set_item("peer", self.inner.peer)?;
+        d.set_item("layers", g.layer_count)?;
+        d.set_item("pages", g.page_count)?;
+        d.set_item("page_bytes", g.page_bytes)?;
+        Ok(d)
     }
 
     #[getter]
@@ -539,20 +549,25 @@ impl KvSender {
         })
     }
 
-    /// Wait for the receiver's grant for `request_id`.
+    /// Wait for the receiver's grant for `request_id` (an int, or the str/bytes key
+    /// the receiver granted with).
     #[pyo3(signature = (request_id, timeout = 10.0))]
     fn wait_grant(
         &self,
         py: Python<'_>,
-        request_id: RequestId,
+        request_id: RequestKey,
         timeout: f64,
     ) -> PyResult<OutboundTransfer> {
-        let request_id = request_id.0;
+        let key = request_id.key;
+        let request_id = request_id.id;
         let tx = self.inner.clone();
         let t = wait_bounded(py, seconds(timeout, "timeout")?, "the grant", async move {
             tx.wait_grant(request_id).await
         })?;
-        Ok(OutboundTransfer { inner: Arc::new(t) })
+        Ok(OutboundTransfer {
+            inner: Arc::new(t),
+            key,
+        })
     }
 
     /// Ask the receiver how much of `tokens` it caches (and pin it for `lease_s`).
@@ -564,14 +579,14 @@ impl KvSender {
     fn query_prefix<'py>(
         &self,
         py: Python<'py>,
-        request_id: RequestId,
+        request_id: RequestKey,
         tokens: &Bound<'py, PyAny>,
         namespace: u64,
         page_size: u16,
         lease_s: f64,
         timeout: f64,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let request_id = request_id.0;
+        let request_id = request_id.id;
         let tokens = u32s_from_py(tokens, "tokens")?;
         if !lease_s.is_finite() || lease_s < 0.0 {
             return Err(invalid(format!("lease_s must be >= 0, got {lease_s}")));
@@ -632,6 +647,7 @@ fn random_node_id() -> u64 {
 #[pyclass(frozen, module = "pdd_transport._native")]
 pub struct OutboundTransfer {
     inner: Arc<sender::OutboundTransfer>,
+    key: Py<PyAny>,
 }
 
 #[pymethods]
@@ -644,6 +660,12 @@ impl OutboundTransfer {
     #[getter]
     fn request_id(&self) -> u64 {
         self.inner.grant().request_id
+    }
+
+    /// The request key given to `wait_grant` (int, str or bytes).
+    #[getter]
+    fn request_key(&self, py: Python<'_>) -> Py<PyAny> {
+        self.key.clone_ref(py)
     }
 
     #[getter]
@@ -683,6 +705,61 @@ impl OutboundTransfer {
                     .await
             },
         )
+    }
+
+    /// Queue grant pages `grant_pages` (grant-relative indices, any subset, any
+    /// order) from source pages `src_pages` (one per grant page), on grant layer
+    /// `layer` (every grant layer with None, each from the same source layer index)
+    /// of source pool layer `src_layer` (`layer` with None). Each `(layer, page)` goes
+    /// once per transfer; a call that repeats one queues nothing and raises.
+    #[pyo3(signature = (grant_pages, src_pages, *, layer = None, src_layer = None, timeout = 60.0))]
+    fn send_pages(
+        &self,
+        py: Python<'_>,
+        grant_pages: &Bound<'_, PyAny>,
+        src_pages: &Bound<'_, PyAny>,
+        layer: Option<u16>,
+        src_layer: Option<u16>,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let grant_pages = u32s_from_py(grant_pages, "grant_pages")?;
+        let src_pages = u32s_from_py(src_pages, "src_pages")?;
+        let layers = match layer {
+            Some(l) => l..l.saturating_add(1),
+            None => 0..self.inner.grant().layer_count,
+        };
+        if layer.is_none() && src_layer.is_some() {
+            return Err(crate::errors::invalid(
+                "src_layer needs layer: one source layer feeds one grant layer",
+            ));
+        }
+        let t = self.inner.clone();
+        wait_bounded(
+            py,
+            seconds(timeout, "timeout")?,
+            "queueing the pages",
+            async move {
+                t.send_pages(layers, src_layer, &grant_pages, &src_pages)
+                    .await
+            },
+        )
+    }
+
+    /// Give up on the transfer: the receiver fails it with `peer_aborted` and a
+    /// message carrying `reason`; here it fails with `cancelled`. False if it had
+    /// already ended.
+    #[pyo3(signature = (reason = "aborted"))]
+    fn abort(&self, reason: &str) -> bool {
+        self.inner.abort(reason)
+    }
+
+    /// Where the transfer stands, without waiting.
+    fn poll(&self) -> KvPoll {
+        match self.inner.status() {
+            OutboundStatus::Complete { .. } => poll_state(Some(Ok(())), true),
+            OutboundStatus::Failed(e) => poll_state(Some(Err(&e)), true),
+            OutboundStatus::InProgress => poll_state(None, self.inner.started()),
+        }
     }
 
     /// Every layer is queued: send KV_DONE.

@@ -13,6 +13,7 @@ mod errors;
 mod handoff;
 mod kv;
 mod local;
+mod kv_events;
 mod policy;
 mod radix;
 mod runtime;
@@ -27,6 +28,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     wire::register(m)?;
     kv::register(m)?;
     local::register(m)?;
+    kv_events::register(m)?;
     radix::register(m)?;
     wanem::register(m)?;
     policy::register(m)?;
