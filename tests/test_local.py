@@ -224,9 +224,10 @@ def test_prefill_role_send_is_the_dual_path_send() -> None:
         assert np.array_equal(md_mem[:, [20, 21, 22]], src[:, SRC[-3:]])
         assert md_in.wait(timeout=5) == LAYERS * 3 * PAGE
         assert polled.wait_event(timeout=5)
-        [ev] = polled.poll_events()
+        evs = polled.poll_events()
         assert not polled.wait_event(timeout=0.01)
-        assert (ev["type"], ev["request_id"], ev["bytes"]) == ("complete", 21, LAYERS * len(DEST) * PAGE)
+        assert [type(e) for e in evs] == [kv.LayerComplete] * LAYERS + [kv.TransferComplete], evs
+        assert (evs[-1].request_id, evs[-1].bytes) == (21, LAYERS * len(DEST) * PAGE)
         # MD cancels the next one before any byte: only the WAN side fails (its grant
         # never comes, or comes cancelled); RLD's transfer completes meanwhile.
         polled.grant(22, DEST, deadline_s=30)
@@ -235,8 +236,7 @@ def test_prefill_role_send_is_the_dual_path_send() -> None:
         failures = role.send(Prefilled(Plan(22, "p_rld_md", 0), SRC, [], None), timeout=3)
         assert [f.where for f in failures] == ["send to main"], failures
         assert failures[0].reason in ("peer_aborted", "deadline_exceeded"), failures
-        [ev] = polled.poll_events()
-        assert ev["type"] == "complete"
+        assert isinstance(polled.poll_events()[-1], kv.TransferComplete)
     finally:
         to_rld.close()
         to_md.close()

@@ -35,7 +35,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pdd_transport._native import LocalInbound, LocalOutbound, LocalReceiver, LocalSender, ucx_version
+from pdd_transport._native import (
+    LocalInbound,
+    LocalOutbound,
+    LocalReceiver,
+    LocalSender,
+    TransferComplete,
+    TransferFailed,
+    ucx_version,
+)
 from pdd_transport.errors import InvalidArgument, PddError
 
 __all__ = [
@@ -200,8 +208,8 @@ class DualSender:
 
 class PolledLocalReceiver:
     """A :class:`LocalReceiver` with the surface engine roles use of a
-    ``kv.KvReceiver``: ``grant``, ``poll_events`` (``complete`` / ``failed`` dicts as
-    ``KvReceiver.poll_events`` gives them), ``address``, ``close``. The local path has
+    ``kv.KvReceiver``: ``grant``, ``poll_events`` (typed events, as
+    ``KvReceiver.poll_events`` gives them), ``wait_event``, ``address``, ``close``. The local path has
     no prefix cache, so ``release_lease`` has nothing to release."""
 
     def __init__(self, pool: Any, listen: str = "127.0.0.1:0", *, receiver: LocalReceiver | None = None,
@@ -226,23 +234,15 @@ class PolledLocalReceiver:
             self._live[inbound.transfer_id] = inbound
         return inbound
 
-    def poll_events(self, max: int = 1024) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
+    def poll_events(self, max: int = 1024) -> list[Any]:
+        """Typed events, as ``kv.KvReceiver.poll_events`` gives them
+        (``LayerComplete``, ``TransferComplete``, ``TransferFailed``)."""
+        events = self.rx.poll_events(max)
         with self._lock:
-            for tid, inbound in list(self._live.items()):
-                if len(out) >= max:
-                    break
-                st = inbound.status()
-                if st["state"] == "in_progress":
-                    continue
-                del self._live[tid]
-                ev: dict[str, Any] = {"type": st["state"], "transfer_id": tid, "request_id": inbound.request_id}
-                if st["state"] == "complete":
-                    ev["bytes"] = st["bytes"]
-                else:
-                    ev["reason"], ev["message"] = st["reason"], st["message"]
-                out.append(ev)
-        return out
+            for ev in events:
+                if isinstance(ev, (TransferComplete, TransferFailed)):
+                    self._live.pop(ev.transfer_id, None)
+        return events
 
     def wait_event(self, timeout: float = 10.0) -> bool:
         """Wait up to ``timeout`` seconds for a transfer to end; True if one has (its

@@ -106,6 +106,7 @@ fn metrics_dict<'py>(
 #[pyclass(frozen, module = "pdd_transport._native")]
 pub struct LocalReceiver {
     inner: Arc<receiver::LocalReceiver>,
+    keys: crate::kv_events::KeyBook,
 }
 
 #[pymethods]
@@ -137,6 +138,7 @@ impl LocalReceiver {
         let rx = block_on(py, receiver::LocalReceiver::start(pool, cfg))?.map_err(PddErr)?;
         Ok(LocalReceiver {
             inner: Arc::new(rx),
+            keys: Default::default(),
         })
     }
 
@@ -194,6 +196,23 @@ impl LocalReceiver {
         let rt = runtime()?;
         let _guard = rt.enter();
         Ok(self.inner.cancel(transfer_id))
+    }
+
+    /// Take up to `max` events (`LayerComplete`, `TransferComplete`,
+    /// `TransferFailed`, as `KvReceiver.poll_events` gives them), oldest first.
+    #[pyo3(signature = (max = 1024))]
+    fn poll_events(&self, py: Python<'_>, max: usize) -> PyResult<Vec<Py<PyAny>>> {
+        self.inner
+            .poll_events(max)
+            .into_iter()
+            .map(|e| {
+                crate::kv_events::event_to_py(
+                    py,
+                    &self.keys,
+                    &pdd_io::receiver::ReceiverEvent::Transfer(e),
+                )
+            })
+            .collect()
     }
 
     /// Counters.

@@ -83,7 +83,12 @@ struct Entry {
     bytes: u64,
 }
 
+/// Transfer events kept for [`LocalReceiver::poll_events`]; past this the oldest are
+/// dropped (an engine that never polls does not grow the queue without bound).
+pub const MAX_QUEUED_EVENTS: usize = 65_536;
+
 struct Shared {
+    events: Mutex<std::collections::VecDeque<TransferEvent>>,
     pool: Arc<PagePool>,
     cfg: LocalReceiverConfig,
     ucx: UcxEndpoint,
@@ -152,6 +157,7 @@ impl LocalReceiver {
         })?;
         let state = ReceiverState::new(pool.layers(), pool.pages(), pool.page_bytes())?;
         let shared = Arc::new(Shared {
+            events: Mutex::new(std::collections::VecDeque::new()),
             pool,
             cfg,
             ucx,
@@ -337,6 +343,14 @@ impl LocalReceiver {
         Ok(LocalInbound { grant, status: rx })
     }
 
+    /// Take up to `max` transfer events (layer complete, complete, failed), oldest
+    /// first.
+    pub fn poll_events(&self, max: usize) -> Vec<TransferEvent> {
+        let mut q = lock(&self.shared.events);
+        let n = max.min(q.len());
+        q.drain(..n).collect()
+    }
+
     /// Cancel a transfer: it fails `cancelled`, the sender is told, the pages'
     /// registrations are revoked. False if it already ended.
     pub fn cancel(&self, transfer_id: u64) -> bool {
@@ -376,6 +390,15 @@ impl Drop for LocalReceiver {
 
 /// Act on transfer events: statuses, the sender's KV_DONE or ABORT, revocation.
 fn apply(shared: &Arc<Shared>, events: Vec<TransferEvent>) {
+    {
+        let mut q = lock(&shared.events);
+        for ev in &events {
+            if q.len() >= MAX_QUEUED_EVENTS {
+                q.pop_front();
+            }
+            q.push_back(ev.clone());
+        }
+    }
     for ev in events {
         let (tid, outcome) = match ev {
             TransferEvent::LayerComplete { .. } => continue,
