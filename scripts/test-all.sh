@@ -11,6 +11,24 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n==> %s\n' "$*"; }
 
+step "UCX for the local path (Debian's libucx0, loaded at run time)"
+# The local path dlopens libucp.so.0; its tests run on shared memory / CMA and TCP.
+# Installed when missing (as root, with apt-get); then PDD_REQUIRE_UCX=1 makes a
+# missing UCX a test failure instead of a skip.
+have_ucp() { { ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null; } | grep 'libucp\.so\.0' >/dev/null; }
+if ! have_ucp; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        timeout 300 apt-get install -y -q --no-install-recommends libucx0 >/dev/null 2>&1 \
+            || { timeout 300 apt-get update -q >/dev/null && timeout 300 apt-get install -y -q --no-install-recommends libucx0 >/dev/null; } \
+            || echo "warning: could not install libucx0: the local path's tests will skip"
+    else
+        echo "warning: libucp.so.0 missing and cannot apt-get it here: the local path's tests will skip"
+    fi
+fi
+if have_ucp; then
+    export PDD_REQUIRE_UCX=1
+fi
+
 step "python environment"
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv

@@ -54,7 +54,7 @@ def _examples() -> list[tuple[dict[str, Any], bytes]]:
 
 
 def _to_native(frame: dict[str, Any]) -> dict[str, Any]:
-    binary = {"auth", "data", "proof"} | ({"nonce"} if frame["kind"] == "AUTH" else set())
+    binary = {"auth", "data", "proof", "address"} | ({"nonce"} if frame["kind"] == "AUTH" else set())
     return {k: base64.b64decode(v) if k in binary else v for k, v in frame.items()}
 
 
@@ -106,6 +106,11 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "PROGRESS": {"kind": "PROGRESS", "request_id": 5, "position": 4099, "kv_complete": True},
     "ABORT": {"kind": "ABORT", "request_id": 5, "reason": "deadline_exceeded", "message": "late"},
     "PING": {"kind": "PING", "nonce": 77, "sent_at_ns": 123456789},
+    "LOCAL_ADDR": {"kind": "LOCAL_ADDR", "memory_kind": 1, "address": bytes(range(40))},
+    "LOCAL_GRANT": {"kind": "LOCAL_GRANT", "transfer_id": 11, "regions": [
+        {"layer": 2, "page_start": 5, "page_count": 3, "remote_addr": 0x7F00DEAD0000, "rkey": b"k" * 9}]},
+    "LOCAL_DONE": {"kind": "LOCAL_DONE", "transfer_id": 11, "layer_start": 3, "layer_count": 2,
+                   "page_count": 2000, "byte_count": 2000 * 36864},
 }
 
 

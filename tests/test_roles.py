@@ -3,6 +3,7 @@ both pipelines and the handoff, outputs equal to one monolithic engine's."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pdd_transport import local
 from pdd_transport.engine import Engine, EngineConfig, generate
 from pdd_transport.policy import AnomalyPolicy, PipelinePolicy, WanEstimate
 from pdd_transport.roles import Failed, Finished, MainDecodeRole, Output, PrefillRole, RelayDecodeRole
@@ -17,8 +19,14 @@ from pdd_transport.security import NONE as NO_SECURITY
 from pdd_transport.security import Security, test_pki
 
 
-@pytest.mark.parametrize("secured", [False, True], ids=["open", "tls_and_secret"])
-def test_roles_run_both_pipelines_and_match_a_monolithic_engine(secured: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("secured", "relay_local"), [(False, False), (True, False), (False, True)],
+                         ids=["open", "tls_and_secret", "open_relay_on_the_local_path"])
+def test_roles_run_both_pipelines_and_match_a_monolithic_engine(secured: bool, relay_local: bool,
+                                                                tmp_path: Path) -> None:
+    if relay_local and not local.available():
+        if os.environ.get("PDD_REQUIRE_UCX"):
+            raise RuntimeError("PDD_REQUIRE_UCX is set but libucp cannot be loaded")
+        pytest.skip("UCX (libucp.so.0) is not installed here")
     cfg = EngineConfig(num_pages=256)
     # Secured: every lane (P->MD, P->RLD KV; RLD->MD handoff) under mutual TLS with one
     # certificate for the whole test deployment, and the shared secret on top.
@@ -27,11 +35,11 @@ def test_roles_run_both_pipelines_and_match_a_monolithic_engine(secured: bool, t
         pki = test_pki(tmp_path, ["pdd.test"])
         security = Security(secret=b"test deployment", tls=pki.tls("pdd.test", server_name="pdd.test"))
     md = MainDecodeRole(Engine(cfg), security=security)
-    rld = RelayDecodeRole(Engine(cfg), md.handoff_address, security=security)
+    rld = RelayDecodeRole(Engine(cfg), md.handoff_address, security=security, local=relay_local)
     p_engine = Engine(cfg)
     # A budget of 0 ms sends every request with a miss through RLD; a full hit
     # (nothing missing) still goes P-MD.
-    p = PrefillRole.connect(p_engine, md.kv_address, rld.kv_address, security=security,
+    p = PrefillRole.connect(p_engine, md.kv_address, rld.kv_address, security=security, relay_local=relay_local,
                             main_lanes=2, kv_bytes_per_token=cfg.kv_bytes_per_token,
                             wan=WanEstimate(1.0, 30.0), pipeline_policy=PipelinePolicy(ttft_budget_ms=0.0),
                             anomaly_policy=AnomalyPolicy.disabled())

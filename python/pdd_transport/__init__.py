@@ -6,7 +6,7 @@ The public API is re-exported here; the Rust extension lives in
 
 from __future__ import annotations
 
-from pdd_transport import handoff, kv, policy, radix, security, wanem, wire
+from pdd_transport import handoff, kv, local, policy, radix, security, wanem, wire
 from pdd_transport._native import __version__
 from pdd_transport.errors import (
     DeadlineExceeded,
@@ -33,6 +33,7 @@ from pdd_transport.wanem import Wanem
 __all__ = [
     "__version__",
     "kv",
+    "local",
     "policy",
     "radix",
     "wire",

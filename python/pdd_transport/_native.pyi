@@ -28,6 +28,11 @@ __all__ = [
     "KvSender",
     "InboundTransfer",
     "OutboundTransfer",
+    "LocalReceiver",
+    "LocalSender",
+    "LocalInbound",
+    "LocalOutbound",
+    "ucx_version",
     "KvPoll",
     "LayerComplete",
     "TransferComplete",
@@ -141,6 +146,8 @@ class KvPool:
     def pages(self) -> int: ...
     @property
     def page_bytes(self) -> int: ...
+    @property
+    def memory_kind(self) -> str: ...
 
 _RequestKey: TypeAlias = int | str | bytes
 
@@ -881,3 +888,98 @@ class TlsConfig:
 def make_test_pki(directory: str | os.PathLike[str], names: Sequence[str]) -> dict[str, Any]:
     """A throwaway CA (``ca.pem``) and per-name certificates (``<name>.pem``,
     ``<name>.key``) in ``directory``; returns ``{"ca": path, name: (cert, key)}``."""
+
+# The local (UCX) path: pdd_transport.local.
+
+def ucx_version() -> str: ...
+@final
+class LocalReceiver:
+    """The local path's receiver: exposes exactly the pages it grants to UCX puts."""
+
+    def __new__(
+        cls,
+        pool: KvPool,
+        listen: str = "127.0.0.1:0",
+        *,
+        role: str = "relay_decode",
+        secret: bytes | None = None,
+        insecure: bool = False,
+        tls: TlsConfig | None = None,
+        heartbeat_s: float = 1.0,
+        dead_after_s: float = 5.0,
+        hello_timeout_s: float = 5.0,
+    ) -> LocalReceiver: ...
+    @property
+    def address(self) -> tuple[str, int]: ...
+    def peers(self) -> list[int]: ...
+    def wait_peer(self, timeout: float = 10.0) -> int: ...
+    def grant(
+        self,
+        request_id: int,
+        pages: _Pages,
+        *,
+        peer: int | None = None,
+        deadline_s: float | None = None,
+        timeout: float = 10.0,
+    ) -> LocalInbound: ...
+    def cancel(self, transfer_id: int) -> bool: ...
+    def poll_events(self, max: int = 1024) -> list[LayerComplete | TransferComplete | TransferFailed]: ...
+    def metrics(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+
+@final
+class LocalInbound:
+    """The local receiver's handle on one transfer."""
+
+    @property
+    def transfer_id(self) -> int: ...
+    @property
+    def request_id(self) -> int: ...
+    @property
+    def layer_count(self) -> int: ...
+    @property
+    def page_count(self) -> int: ...
+    def status(self) -> dict[str, Any]: ...
+    def wait(self, timeout: float = 60.0) -> int: ...
+
+@final
+class LocalSender:
+    """The local path's sender: one control lane and one UCX endpoint."""
+
+    def __new__(
+        cls,
+        pool: KvPool,
+        connect: str,
+        *,
+        node_id: int | None = None,
+        role: str = "prefill",
+        secret: bytes | None = None,
+        tls: TlsConfig | None = None,
+        heartbeat_s: float = 1.0,
+        dead_after_s: float = 5.0,
+        connect_timeout_s: float = 5.0,
+        put_timeout_s: float = 30.0,
+    ) -> LocalSender: ...
+    def wait_grant(self, request_id: int, timeout: float = 10.0) -> LocalOutbound: ...
+    def metrics(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+
+@final
+class LocalOutbound:
+    """The local sender's handle on one grant."""
+
+    @property
+    def transfer_id(self) -> int: ...
+    @property
+    def request_id(self) -> int: ...
+    @property
+    def layer_count(self) -> int: ...
+    @property
+    def page_count(self) -> int: ...
+    @property
+    def page_bytes(self) -> int: ...
+    def send_layer(self, layer: int, src_pages: _Pages, src_layer: int | None = None, timeout: float = 60.0) -> None: ...
+    def finish(self) -> None: ...
+    def abort(self) -> None: ...
+    def status(self) -> dict[str, Any]: ...
+    def wait(self, timeout: float = 60.0) -> int: ...

@@ -58,8 +58,10 @@ from pdd_transport._native import (
     request_id_of,
 )
 from pdd_transport.errors import InvalidArgument
+from pdd_transport.local import DualSender
 
 __all__ = [
+    "DualSender",
     "GrantTicket",
     "InboundTransfer",
     "KvEvent",
@@ -157,6 +159,12 @@ def as_bytes_view(buffer: Any) -> np.ndarray[Any, np.dtype[np.uint8]]:
     """
     if type(buffer).__module__.startswith("torch"):
         tensor = buffer
+        if tensor.device.type == "cuda":
+            raise InvalidArgument(
+                f"tensor on {tensor.device}: memory kind 'cuda' is not registered by this build "
+                "(untested without a GPU); stage the KV in host memory",
+                "unsupported_memory_kind",
+            )
         if tensor.device.type != "cpu":
             raise InvalidArgument(f"tensor on {tensor.device}: only CPU memory can be registered", "invalid_argument")
         if not tensor.is_contiguous():
@@ -164,6 +172,12 @@ def as_bytes_view(buffer: Any) -> np.ndarray[Any, np.dtype[np.uint8]]:
         import torch
 
         buffer = tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    if hasattr(buffer, "__cuda_array_interface__"):
+        raise InvalidArgument(
+            f"{type(buffer).__name__} exposes __cuda_array_interface__: memory kind 'cuda' is not registered "
+            "by this build (untested without a GPU); stage the KV in host memory",
+            "unsupported_memory_kind",
+        )
     array = buffer if isinstance(buffer, np.ndarray) else np.frombuffer(memoryview(buffer), dtype=np.uint8)
     if not array.flags.c_contiguous:
         raise InvalidArgument("buffer is not C-contiguous; registering it would need a copy", "invalid_argument")

@@ -21,12 +21,14 @@ own thread, except where a method says otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pdd_transport import kv
 from pdd_transport.errors import PddError
+from pdd_transport.local import DualSender, LocalSender, PolledLocalReceiver
 from pdd_transport.policy import AnomalyPolicy, PipelinePolicy, WanEstimate, route
 from pdd_transport.radix import RadixCache
 from pdd_transport.security import NONE as NO_SECURITY
@@ -126,7 +128,7 @@ class PrefillRole:
         self,
         engine: Engine,
         to_main: kv.KvSender,
-        to_relay: kv.KvSender | None = None,
+        to_relay: kv.KvSender | LocalSender | None = None,
         *,
         kv_bytes_per_token: int,
         wan: WanEstimate | None = None,
@@ -156,16 +158,20 @@ class PrefillRole:
         node_id: int = 1,
         main_lanes: int = 4,
         relay_lanes: int = 2,
+        relay_local: bool = False,
         **kwargs: Any,
     ) -> PrefillRole:
         """Connect the KV senders to MainDecode (``main_kv``, over the WAN) and
-        RelayDecode (``relay_kv``) with ``security`` on every lane, then build the
-        role (``kwargs`` as for the constructor)."""
+        RelayDecode (``relay_kv``: over the local UCX path with ``relay_local``, whose
+        RelayDecodeRole must be ``local=True`` too; else TCP lanes) with ``security``
+        on every lane, then build the role (``kwargs`` as for the constructor)."""
         pool = engine.kv_pool()
         to_main = kv.KvSender(pool, main_kv, lanes=main_lanes, node_id=node_id, secret=security.secret,
                               tls=security.tls)
-        to_relay = None
-        if relay_kv is not None:
+        to_relay: kv.KvSender | LocalSender | None = None
+        if relay_kv is not None and relay_local:
+            to_relay = LocalSender(pool, relay_kv, node_id=node_id, secret=security.secret, tls=security.tls)
+        elif relay_kv is not None:
             to_relay = kv.KvSender(pool, relay_kv, lanes=relay_lanes, node_id=node_id, secret=security.secret,
                                    tls=security.tls)
         return cls(engine, to_main, to_relay, **kwargs)
@@ -221,32 +227,33 @@ class PrefillRole:
         return Prefilled(plan, list(table.pages), own, node)
 
     def send(self, prefilled: Prefilled, timeout: float = 120.0) -> list[Failed]:
-        """Stream the KV the plan calls for, as each receiver grants it (a grant that
-        follows the prefix handshake covers the prompt's last pages), and wait for the
-        receivers' confirmation. Blocking and GIL-free while it waits: run it on a
-        worker thread. Returns the failures (empty when both went through)."""
-        targets: list[tuple[str, kv.KvSender]] = []
-        if prefilled.plan.pipeline in ("p_rld_md", "p_rld") and self.to_relay is not None:
-            targets.append(("relay", self.to_relay))
-        if prefilled.plan.pipeline in ("p_md", "p_rld_md"):
-            targets.append(("main", self.to_main))
-        outs = []
+        """Stream the KV the plan calls for, as each receiver grants it, and wait for
+        the receivers' confirmation. With both receivers (P-RLD-MD) it is the dual-path
+        send (:class:`~pdd_transport.local.DualSender`): each layer goes to RelayDecode
+        (every page its grant covers) and to MainDecode (the pages its grant covers,
+        which after the prefix handshake are the ones it lacks) at once, each side on
+        its own, so that one side's failure never holds or fails the other. Blocking
+        and GIL-free while it waits: run it on a worker thread. Returns the failures
+        (empty when every side went through)."""
+        rid = prefilled.plan.request_id
+        to_relay = self.to_relay if prefilled.plan.pipeline in ("p_rld_md", "p_rld") else None
+        to_main = self.to_main if prefilled.plan.pipeline in ("p_md", "p_rld_md") else None
+        if to_relay is None and to_main is None:
+            return []
+
+        def grant_of(sender: Any) -> Callable[[], Any]:
+            return lambda: sender.wait_grant(rid, timeout=timeout)
+
+        dual = DualSender(None if to_relay is None else grant_of(to_relay),
+                          None if to_main is None else grant_of(to_main), prefilled.pages, timeout=timeout)
+        for layer in range(self.engine.config.num_layers):
+            dual.send_layer(layer)
+        dual.finish()
+        outcome = dual.wait()
         failures = []
-        for label, sender in targets:
-            try:
-                out = sender.wait_grant(prefilled.plan.request_id, timeout=timeout)
-                src = prefilled.pages[len(prefilled.pages) - out.page_count :]
-                for layer in range(out.layer_count):
-                    out.send_layer(layer, src)
-                out.finish()
-                outs.append((label, out))
-            except PddError as exc:
-                failures.append(Failed(prefilled.plan.request_id, f"send to {label}", exc.reason, str(exc)))
-        for label, out in outs:
-            try:
-                out.wait(timeout=timeout)
-            except PddError as exc:
-                failures.append(Failed(prefilled.plan.request_id, f"send to {label}", exc.reason, str(exc)))
+        for label, side in (("relay", outcome.local), ("main", outcome.wan)):
+            if side is not None and not side.ok:
+                failures.append(Failed(rid, f"send to {label}", side.reason or "internal", side.message or ""))
         return failures
 
     def release(self, prefilled: Prefilled) -> None:
@@ -275,12 +282,17 @@ class _DecodeRole:
     ownership, and one batched decode step."""
 
     def __init__(self, engine: Engine, listen: str, role: str, cache: RadixCache | None,
-                 security: Security) -> None:
+                 security: Security, local: bool = False) -> None:
         self.engine = engine
         self.page_tokens = engine.config.page_tokens
         self.cache = cache
-        self.receiver = kv.KvReceiver(engine.kv_pool(), listen, prefix_cache=cache, role=role,
-                                      secret=security.secret, insecure=security.insecure, tls=security.tls)
+        self.receiver: kv.KvReceiver | PolledLocalReceiver
+        if local:
+            self.receiver = PolledLocalReceiver(engine.kv_pool(), listen, role=role, secret=security.secret,
+                                                insecure=security.insecure, tls=security.tls)
+        else:
+            self.receiver = kv.KvReceiver(engine.kv_pool(), listen, prefix_cache=cache, role=role,
+                                          secret=security.secret, insecure=security.insecure, tls=security.tls)
         self.requests: dict[int, _Request] = {}
         self.leases: dict[int, int] = {}
         self.decoded_tokens = 0
@@ -384,10 +396,13 @@ class RelayDecodeRole(_DecodeRole):
     and hands the token IDs to MainDecode once MainDecode holds the prompt KV."""
 
     def __init__(self, engine: Engine, main_handoff: str, *, listen: str = "127.0.0.1:0",
-                 policy: Any = None, security: Security = NO_SECURITY) -> None:
+                 policy: Any = None, security: Security = NO_SECURITY, local: bool = False) -> None:
+        """``local``: Prefill reaches this role over the local UCX path
+        (``pdd_transport.local``; Prefill connects with ``relay_local=True``), else
+        over TCP lanes."""
         from pdd_transport.handoff import RelayLink
 
-        super().__init__(engine, listen, "relay_decode", None, security)
+        super().__init__(engine, listen, "relay_decode", None, security, local)
         self.link = RelayLink.connect(main_handoff, policy=policy, secret=security.secret, tls=security.tls)
         self.modes: dict[str, int] = {}
 

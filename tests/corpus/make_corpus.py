@@ -160,6 +160,33 @@ def cases() -> dict[str, tuple[bytes, str, str]]:
     f = enc(kind="ABORT", request_id=0, reason="cancelled", message="")
     f[16 + 10:16 + 12] = struct.pack("<H", 2000); f = f + b"a" * 2000; f = seal(set_len(f, len(f) - 16))
     add("abort_message_too_long", f, "invalid_field", "message_len 2000 > 1024")
+    # The local path's frames (capability local_ucx).
+    f = enc(kind="LOCAL_ADDR", memory_kind=1, address=b"ucx-worker-address")
+    f[16] = 3
+    add("local_addr_unknown_memory_kind", seal(f), "invalid_field", "memory_kind 3")
+    f = enc(kind="LOCAL_ADDR", memory_kind=1, address=b"a")
+    f[17:19] = struct.pack("<H", 0); f = seal(set_len(f[:-1], 3))
+    add("local_addr_empty", f, "invalid_field", "an empty worker address")
+    region = {"layer": 0, "page_start": 0, "page_count": 1, "remote_addr": 0x7F0000001000, "rkey": b"key"}
+    f = enc(kind="LOCAL_GRANT", transfer_id=1, regions=[region])
+    f[16 + 8:16 + 12] = struct.pack("<I", 0xFFFFFFFF)
+    add("local_grant_region_count_huge", seal(f), "truncated",
+        "region_count 4G in a 36-byte payload: refused before any allocation")
+    f = enc(kind="LOCAL_GRANT", transfer_id=1, regions=[region])
+    f[16 + 8:16 + 12] = struct.pack("<I", 0); f = seal(set_len(f[: 16 + 12], 12))
+    add("local_grant_no_regions", f, "invalid_field", "region_count 0")
+    f = enc(kind="LOCAL_GRANT", transfer_id=1, regions=[region])
+    f[16 + 14:16 + 18] = struct.pack("<I", 0xFFFFFFFF); f[16 + 18:16 + 22] = struct.pack("<I", 2)
+    add("local_grant_page_range_overflow", seal(f), "invalid_field", "page_start + page_count overflows u32")
+    f = enc(kind="LOCAL_GRANT", transfer_id=1, regions=[region])
+    f[16 + 30:16 + 32] = struct.pack("<H", 0)
+    add("local_grant_empty_rkey", seal(f), "invalid_field", "a region whose rkey_len is 0")
+    f = enc(kind="LOCAL_DONE", transfer_id=1, layer_start=0, layer_count=1, page_count=1, byte_count=1)
+    f[16 + 10:16 + 12] = struct.pack("<H", 0)
+    add("local_done_zero_layers", seal(f), "invalid_field", "layer_count 0")
+    f = enc(kind="LOCAL_DONE", transfer_id=1, layer_start=0, layer_count=2, page_count=1, byte_count=1)
+    f[16 + 8:16 + 10] = struct.pack("<H", 0xFFFF)
+    add("local_done_layer_overflow", seal(f), "invalid_field", "layer_start + layer_count past 65536")
     return out
 
 

@@ -17,6 +17,9 @@ Requests (``cmd``):
   of its pages on every layer
 - ``pdd_digests`` (slot): wait for the transfer, then the digest of every granted
   page in grant order -> ``bytes``, ``digests``
+- ``local_open`` (slot, layers, pages, page_bytes): a local-path ``LocalReceiver``
+  (UCX) over a fresh pool -> ``address``; ``local_wait_peer``, ``local_grant``,
+  ``local_digests``: as the ``pdd_*`` commands, for that slot
 - ``sock_listen`` (bytes) -> ``address``; ``sock_recv``: accept one connection and
   ``recv_into`` a buffer until ``bytes`` arrived -> ``bytes``, ``cpu``
 - ``zmq_listen`` -> ``address``; ``zmq_recv`` (messages): PULL that many -> ``bytes``, ``cpu``
@@ -39,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from pdd_transport import kv
+from pdd_transport import kv, local
 from pdd_transport.bench.stream import page_digests
 
 BIND = os.environ.get("PDD_BENCH_BIND", "127.0.0.1")
@@ -50,9 +53,9 @@ class _Slot:
     layers: list[np.ndarray[Any, np.dtype[np.uint8]]]
     page_bytes: int
     pages: int
-    rx: kv.KvReceiver
+    rx: kv.KvReceiver | local.LocalReceiver
     order: np.ndarray[Any, np.dtype[np.uint32]] | None = None
-    transfer: kv.InboundTransfer | None = None
+    transfer: kv.InboundTransfer | local.LocalInbound | None = None
 
 
 class _Receiver:
@@ -92,14 +95,42 @@ class _Receiver:
         host, port = rx.address
         return {"address": f"{host}:{port}"}
 
+    def local_open(self, slot: int, layers: int, pages: int, page_bytes: int) -> dict[str, Any]:
+        arrays = [np.zeros(pages * page_bytes, dtype=np.uint8) for _ in range(layers)]
+        rx = local.LocalReceiver(kv.pool_from_buffers(arrays, page_bytes), "127.0.0.1:0")
+        self.slots[slot] = _Slot(arrays, page_bytes, pages, rx)
+        host, port = rx.address
+        return {"address": f"{host}:{port}", "ucx_version": local.ucx_version()}
+
+    def local_wait_peer(self, slot: int) -> dict[str, Any]:
+        rx = self.slots[slot].rx
+        assert isinstance(rx, local.LocalReceiver)
+        return {"peer": rx.wait_peer(timeout=30.0)}
+
+    def local_grant(self, slot: int, request_id: int, seed: int, timeout: float = 60.0) -> dict[str, Any]:
+        s = self.slots[slot]
+        assert isinstance(s.rx, local.LocalReceiver)
+        for arr in s.layers:
+            arr.fill(0)
+        s.order = np.random.default_rng(seed).permutation(s.pages).astype(np.uint32)
+        t0 = time.perf_counter()
+        s.transfer = s.rx.grant(request_id, s.order, timeout=timeout)
+        return {"transfer_id": s.transfer.transfer_id, "grant_seconds": time.perf_counter() - t0}
+
+    def local_digests(self, slot: int, timeout: float = 60.0) -> dict[str, Any]:
+        return self.pdd_digests(slot, timeout)
+
     def pdd_wait_peer(self, slot: int) -> dict[str, Any]:
-        return {"peer": self.slots[slot].rx.wait_peer(timeout=30.0)}
+        rx = self.slots[slot].rx
+        assert isinstance(rx, kv.KvReceiver)
+        return {"peer": rx.wait_peer(timeout=30.0)}
 
     def pdd_grant(self, slot: int, request_id: int, seed: int) -> dict[str, Any]:
         s = self.slots[slot]
         for arr in s.layers:
             arr.fill(0)  # also faults the pages in, outside the timed part
         s.order = np.random.default_rng(seed).permutation(s.pages).astype(np.uint32)
+        assert isinstance(s.rx, kv.KvReceiver)
         s.transfer = s.rx.grant(request_id, s.order)
         return {"transfer_id": s.transfer.transfer_id}
 

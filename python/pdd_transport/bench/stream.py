@@ -248,8 +248,10 @@ class Peer:
 
     def __init__(self, timeout: float, packet_end: dict[str, str] | None = None) -> None:
         env = dict(os.environ)
-        # The child must print nothing but replies on stdout.
+        # The child must print nothing but replies on stdout (UCX logs to stdout
+        # unless told otherwise).
         env["PYTHONUNBUFFERED"] = "1"
+        env.setdefault("UCX_LOG_FILE", "/dev/stderr")
         prefix: list[str] = []
         if packet_end is not None:
             # In end B's namespace, listening on end B's address.

@@ -18,7 +18,7 @@ import threading
 import traceback
 from typing import Any
 
-from pdd_transport import kv
+from pdd_transport import kv, local
 from pdd_transport.security import Security
 from pdd_transport.engine import Engine, EngineConfig
 from pdd_transport.roles import (
@@ -67,7 +67,12 @@ def run_prefill(cfg: dict[str, Any]) -> None:
     pool = engine.kv_pool()
     secret = security(cfg).secret
     to_md = kv.KvSender(pool, cfg["md_kv"], lanes=int(cfg["lanes"]), node_id=1, dead_after_s=10.0, secret=secret)
-    to_rld = kv.KvSender(pool, cfg["rld_kv"], lanes=2, node_id=1, secret=secret) if cfg.get("rld_kv") else None
+    to_rld: kv.KvSender | local.LocalSender | None = None
+    if cfg.get("rld_kv") and cfg.get("local_path"):
+        # RelayDecode is next to us: the local path (UCX), as in a PDD deployment.
+        to_rld = local.LocalSender(pool, cfg["rld_kv"], node_id=1, secret=secret)
+    elif cfg.get("rld_kv"):
+        to_rld = kv.KvSender(pool, cfg["rld_kv"], lanes=2, node_id=1, secret=secret)
     role = PrefillRole(
         engine,
         to_md,
@@ -130,7 +135,8 @@ def run_decoder(cfg: dict[str, Any], name: str) -> None:
         threshold = int(cfg["catch_up_threshold"])
         policy = HandoffPolicy(catch_up_threshold_tokens=threshold, level_tokens=max(1, threshold // 4),
                                chunk_tokens=threshold, max_eager_tokens=int(cfg["max_eager"]))
-        role = RelayDecodeRole(engine, cfg["md_handoff"], policy=policy, security=security(cfg))
+        role = RelayDecodeRole(engine, cfg["md_handoff"], policy=policy, security=security(cfg),
+                               local=bool(cfg.get("local_path")))
         emit("ready", kv=role.kv_address)
         takes = ("p_rld_md", "p_rld")
     else:

@@ -25,6 +25,7 @@ from typing import Any
 
 from pdd_transport.demo.plot import cdf_plot
 from pdd_transport.demo.workload import Request, WorkloadConfig, generate
+from pdd_transport import local
 from pdd_transport.errors import InvalidArgument
 from pdd_transport.specs import WanSpec
 from pdd_transport.stats import percentile
@@ -141,15 +142,18 @@ def run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: bool
     # meet the cap, and the KV path's window is not the handoff link's.
     wan_ho = Wanem(md_ready["handoff"], delay_ms=cfg.wan.rtt_ms / 2, jitter_ms=cfg.wan.jitter_ms / 2, seed=2)
     nodes = [md]
+    # P -> RLD on the local path (UCX) where UCX is installed, TCP lanes otherwise.
+    local_path = rld is not None and local.available()
     if rld is not None:
         rld.configure(_node_cfg(cfg, pages=per_req * 12, md_handoff=wan_ho.address_str, max_eager=cfg.max_eager_tokens,
-                                catch_up_threshold=cfg.catch_up_threshold_tokens))
+                                catch_up_threshold=cfg.catch_up_threshold_tokens, local_path=local_path))
         nodes.append(rld)
         rld_ready = rld.wait_ready()
     p_extra = {
         "mode": mode,
         "md_kv": wan_kv.address_str,
         "rld_kv": rld_ready["kv"] if rld else None,
+        "local_path": local_path,
         "lanes": cfg.lanes,
         "ttft_budget_ms": cfg.ttft_budget_ms,
         "anomaly_min_input": 2048,
@@ -274,6 +278,7 @@ def run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: bool
         "ttft_s": ttft,
         "wan_bytes": int(metrics.get("prefill", {}).get("wan_bytes", 0)),
         "local_bytes": int(metrics.get("prefill", {}).get("local_bytes", 0)),
+        "relay_path": None if rld is None else ("ucx" if local_path else "tcp"),
         "full_kv_bytes": full_kv,
         "pipelines": {k: list(plans.values()).count(k) for k in sorted(set(plans.values()))},
         "handoffs_by_mode": metrics.get("relay", {}).get("handoff_modes", {}),
@@ -321,7 +326,7 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
         "TTFT CDF: BASELINE CROSS-DC PD VS PDD",
         "TTFT (S)",
     )
-    keep = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "wan_bytes", "local_bytes", "completed", "errors",
+    keep = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "wan_bytes", "local_bytes", "relay_path", "completed", "errors",
             "pipelines", "handoffs_by_mode", "tokens_by_rld", "tokens_by_md", "greedy_mismatches", "error_samples")
     for mode, r in runs.items():
         out[mode] = {k: r[k] for k in keep}
@@ -359,7 +364,9 @@ def print_table(summary: dict[str, Any]) -> None:
     print()
     for name, fb, fp in rows:
         print(f"  {name:<24}{fb:>{wb}}{fp:>{wp}}")
-    print(f"\n  full prompt KV of the workload: {full / 1e6:.1f} MB")
+    path = {"ucx": "local path (UCX)", "tcp": "TCP lanes (UCX not installed)"}.get(p["relay_path"], "-")
+    print(f"\n  P -> RLD KV path: {path}")
+    print(f"  full prompt KV of the workload: {full / 1e6:.1f} MB")
     print(f"  greedy output equals one monolithic engine's: {summary['greedy_equal']}")
     print(f"  TTFT p90, PDD / baseline: {p['ttft_p90_s'] / b['ttft_p90_s']:.2f}")
     print(f"  plot: {summary['plot']}")

@@ -308,6 +308,30 @@ pub enum Error {
         /// Id received.
         found: u64,
     },
+    /// The local (UCX) path cannot run here: the library is missing or unusable, or
+    /// the peer did not negotiate it.
+    #[error("local path unavailable: {detail}")]
+    LocalPathUnavailable {
+        /// What is missing, naming the library or the peer.
+        detail: String,
+    },
+    /// A UCX operation of the local path failed.
+    #[error("local transport: {op} failed: {detail}")]
+    LocalTransport {
+        /// The UCX call.
+        op: &'static str,
+        /// UCX's status string.
+        detail: String,
+    },
+    /// Memory of a kind this build does not register (CUDA memory until a GPU
+    /// machine tests it).
+    #[error("unsupported memory kind '{kind}': {detail}")]
+    UnsupportedMemoryKind {
+        /// The kind (`cuda`, ...).
+        kind: String,
+        /// Why, and what to use instead.
+        detail: String,
+    },
     /// Mirror: an event (or snapshot) contradicts the mirrored state; resync from a
     /// snapshot.
     #[error("cache event {event_id} of source {source_id} does not fit the mirror: {detail}; resync from a snapshot")]
@@ -363,6 +387,9 @@ impl Error {
             Error::RadixHashCollision => "radix_hash_collision",
             Error::CacheEventGap { .. } => "cache_event_gap",
             Error::CacheEventMismatch { .. } => "cache_event_mismatch",
+            Error::LocalPathUnavailable { .. } => "local_path_unavailable",
+            Error::LocalTransport { .. } => "local_transport_error",
+            Error::UnsupportedMemoryKind { .. } => "unsupported_memory_kind",
         }
     }
 
@@ -374,7 +401,10 @@ impl Error {
             | Error::RoleRefused { .. }
             | Error::PeerAborted { .. }
             | Error::ConnectionLost { .. }
-            | Error::Cancelled { .. } => ErrorClass::Connection,
+            | Error::Cancelled { .. }
+            | Error::LocalPathUnavailable { .. }
+            | Error::LocalTransport { .. } => ErrorClass::Connection,
+            Error::UnsupportedMemoryKind { .. } => ErrorClass::InvalidArgument,
             Error::InvalidArgument(_) | Error::PagesBusy { .. } | Error::HandoffClosed { .. } => {
                 ErrorClass::InvalidArgument
             }
@@ -432,6 +462,9 @@ impl Error {
             }
             Error::Cancelled { .. } => AbortReason::Cancelled,
             Error::ConnectionLost { .. } => AbortReason::Shutdown,
+            Error::LocalPathUnavailable { .. }
+            | Error::LocalTransport { .. }
+            | Error::UnsupportedMemoryKind { .. } => AbortReason::Internal,
             Error::RadixMisaligned { .. }
             | Error::RadixHandleCount { .. }
             | Error::RadixStaleNode

@@ -3,13 +3,15 @@
 //! Protocol decisions live in `pdd-core` (sans-IO); this crate adapts them to tokio.
 //! [`lane`]: one TCP connection of a session (tuning, HELLO exchange, TCP_INFO);
 //! [`pool`]: registered memory seen as pages; [`metrics`]: endpoint counters;
-//! [`codec`]: the framing adapter for small-frame connections. [`wanem`] is the user-space WAN
+//! [`codec`]: the framing adapter for small-frame connections; [`local`]: the local
+//! (UCX, one-sided put) path to a receiver in the same datacenter. [`wanem`] is the user-space WAN
 //! emulator (a delaying, shaping TCP proxy) the tests run the lanes through.
 
 pub mod codec;
 pub mod event_queue;
 pub mod handoff_link;
 pub mod lane;
+pub mod local;
 pub mod metrics;
 pub mod pool;
 pub mod receiver;

@@ -112,12 +112,43 @@ impl MemoryRegion {
     }
 }
 
+/// Where a pool's memory lives. The WAN path reads and writes it with the CPU, so
+/// only host memory works there; the local path registers it with UCX, which must be
+/// told the kind. CUDA memory is modelled but refused ([`PagePool::with_memory_kind`])
+/// until a machine with a GPU tests that path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryKind {
+    /// Host (CPU) memory.
+    Host,
+    /// CUDA device memory.
+    Cuda,
+}
+
+impl MemoryKind {
+    /// `"host"` or `"cuda"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryKind::Host => "host",
+            MemoryKind::Cuda => "cuda",
+        }
+    }
+
+    /// The LOCAL_ADDR code (`pdd_core::wire::MEMORY_KIND_*`).
+    pub fn code(self) -> u8 {
+        match self {
+            MemoryKind::Host => pdd_core::wire::MEMORY_KIND_HOST,
+            MemoryKind::Cuda => pdd_core::wire::MEMORY_KIND_CUDA,
+        }
+    }
+}
+
 /// `layers` regions of `pages x page_bytes` bytes each.
 #[derive(Debug)]
 pub struct PagePool {
     layers: Vec<MemoryRegion>,
     pages: u32,
     page_bytes: u32,
+    memory_kind: MemoryKind,
 }
 
 impl PagePool {
@@ -150,7 +181,38 @@ impl PagePool {
             layers,
             pages,
             page_bytes,
+            memory_kind: MemoryKind::Host,
         })
+    }
+
+    /// The same pool, recording that its memory is of `kind`. Only host memory is
+    /// accepted today: CUDA memory is refused with `unsupported_memory_kind` until a
+    /// machine with a GPU tests its registration.
+    pub fn with_memory_kind(self, kind: MemoryKind) -> Result<PagePool, Error> {
+        match kind {
+            MemoryKind::Host => Ok(PagePool {
+                memory_kind: kind,
+                ..self
+            }),
+            MemoryKind::Cuda => Err(Error::UnsupportedMemoryKind {
+                kind: kind.name().into(),
+                detail: "CUDA memory is not registered by this build (untested without a \
+                         GPU); stage the KV in host memory"
+                    .into(),
+            }),
+        }
+    }
+
+    /// Where the pool's memory lives.
+    pub fn memory_kind(&self) -> MemoryKind {
+        self.memory_kind
+    }
+
+    /// The address of a page (for registering it with the local path's transport,
+    /// and for the local sender's puts). Reading or writing through it is subject to
+    /// the same rules as [`PagePool::page`] and [`PagePool::page_raw`].
+    pub fn page_addr(&self, layer: u16, page: u32) -> Result<usize, Error> {
+        self.page_ptr(layer, page).map(|p| p as usize)
     }
 
     /// Layers in the pool.
@@ -243,6 +305,10 @@ mod tests {
         assert_eq!((p.layers(), p.pages(), p.page_bytes()), (2, 3, 4));
         assert!(p.copy_page(2, 0).is_err());
         assert!(p.copy_page(0, 3).is_err());
+        assert_eq!(p.memory_kind(), MemoryKind::Host);
+        assert_eq!(p.page_addr(1, 2).unwrap() - p.page_addr(1, 0).unwrap(), 8);
+        let refused = p.with_memory_kind(MemoryKind::Cuda).unwrap_err();
+        assert_eq!(refused.reason(), "unsupported_memory_kind");
     }
 
     #[test]

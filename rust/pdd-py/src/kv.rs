@@ -171,6 +171,13 @@ impl KvPool {
     fn page_bytes(&self) -> u32 {
         self.pool.page_bytes()
     }
+
+    /// Where the pool's memory lives: `"host"` (CUDA memory is refused when the
+    /// pool is made, until a GPU machine tests it).
+    #[getter]
+    fn memory_kind(&self) -> &'static str {
+        self.pool.memory_kind().name()
+    }
 }
 
 /// A KV receiver listening for senders.

@@ -13,6 +13,7 @@ mod errors;
 mod handoff;
 mod kv;
 mod kv_events;
+mod local;
 mod policy;
 mod radix;
 mod runtime;
@@ -27,6 +28,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     wire::register(m)?;
     kv::register(m)?;
+    local::register(m)?;
     kv_events::register(m)?;
     radix::register(m)?;
     wanem::register(m)?;

@@ -9,8 +9,8 @@ use pdd_core::wire::handshake::{negotiate, LocalHello};
 use pdd_core::wire::{
     self, capability, decode_frame as core_decode, decode_frame_shared,
     encode_frame as core_encode, Abort, AbortReason, Auth, CacheEvent, CacheEvents, Frame,
-    FrameKind, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvPages, Ping, PrefixQuery,
-    PrefixReply, Progress, Role, AUTH_LEN,
+    FrameKind, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvPages, LocalAddr, LocalDone,
+    LocalGrant, LocalRegion, Ping, PrefixQuery, PrefixReply, Progress, Role, AUTH_LEN,
 };
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -62,6 +62,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ("prefix_cache", capability::PREFIX_CACHE),
         ("cache_events", capability::CACHE_EVENTS),
         ("aead", capability::AEAD),
+        ("local_ucx", capability::LOCAL_UCX),
     ] {
         caps.set_item(name, bit)?;
     }
@@ -426,6 +427,52 @@ fn frame_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Frame> {
                 proof: fixed(&mut f, "proof")?,
             })
         }
+        FrameKind::LocalAddr => Frame::LocalAddr(LocalAddr {
+            memory_kind: get!(f, "memory_kind"),
+            address: bytes_field(&mut f, "address")?,
+        }),
+        FrameKind::LocalGrant => {
+            let transfer_id = get!(f, "transfer_id");
+            let list = f.item("regions")?;
+            let mut regions = Vec::new();
+            for item in list.try_iter()? {
+                let item = item?;
+                let rd = item.cast::<PyDict>().map_err(|_| {
+                    PyTypeError::new_err("LOCAL_GRANT.regions: each region must be a dict")
+                })?;
+                let field = |name: &str| -> PyResult<Bound<'_, PyAny>> {
+                    rd.get_item(name)?
+                        .ok_or_else(|| invalid(format!("a LOCAL_GRANT region needs '{name}'")))
+                };
+                let rkey: PyBackedBytes = field("rkey")?.extract().map_err(|_| {
+                    PyTypeError::new_err("LOCAL_GRANT.regions.rkey: expected bytes")
+                })?;
+                if rd.len() != 5 {
+                    return Err(invalid(
+                        "a LOCAL_GRANT region has exactly the keys layer, page_start, \
+                         page_count, remote_addr, rkey",
+                    ));
+                }
+                regions.push(LocalRegion {
+                    layer: field("layer")?.extract()?,
+                    page_start: field("page_start")?.extract()?,
+                    page_count: field("page_count")?.extract()?,
+                    remote_addr: field("remote_addr")?.extract()?,
+                    rkey: Bytes::copy_from_slice(&rkey),
+                });
+            }
+            Frame::LocalGrant(LocalGrant {
+                transfer_id,
+                regions,
+            })
+        }
+        FrameKind::LocalDone => Frame::LocalDone(LocalDone {
+            transfer_id: get!(f, "transfer_id"),
+            layer_start: get!(f, "layer_start"),
+            layer_count: get!(f, "layer_count"),
+            page_count: get!(f, "page_count"),
+            byte_count: get!(f, "byte_count"),
+        }),
     };
     f.finish()?;
     Ok(frame)
@@ -577,6 +624,31 @@ fn frame_to_dict<'py>(py: Python<'py>, frame: &Frame) -> PyResult<Bound<'py, PyD
         Frame::Auth(a) => {
             d.set_item("nonce", PyBytes::new(py, &a.nonce))?;
             d.set_item("proof", PyBytes::new(py, &a.proof))?;
+        }
+        Frame::LocalAddr(a) => {
+            d.set_item("memory_kind", a.memory_kind)?;
+            d.set_item("address", PyBytes::new(py, &a.address))?;
+        }
+        Frame::LocalGrant(g) => {
+            d.set_item("transfer_id", g.transfer_id)?;
+            let regions = PyList::empty(py);
+            for r in &g.regions {
+                let rd = PyDict::new(py);
+                rd.set_item("layer", r.layer)?;
+                rd.set_item("page_start", r.page_start)?;
+                rd.set_item("page_count", r.page_count)?;
+                rd.set_item("remote_addr", r.remote_addr)?;
+                rd.set_item("rkey", PyBytes::new(py, &r.rkey))?;
+                regions.append(rd)?;
+            }
+            d.set_item("regions", regions)?;
+        }
+        Frame::LocalDone(l) => {
+            d.set_item("transfer_id", l.transfer_id)?;
+            d.set_item("layer_start", l.layer_start)?;
+            d.set_item("layer_count", l.layer_count)?;
+            d.set_item("page_count", l.page_count)?;
+            d.set_item("byte_count", l.byte_count)?;
         }
     }
     Ok(d)

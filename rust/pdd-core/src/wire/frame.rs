@@ -7,7 +7,8 @@ use super::reader::{PayloadReader, PayloadWriter};
 use super::tokens::{encoded_len, put_tokens, read_tokens};
 use super::{
     AbortReason, FrameKind, Role, AUTH_LEN, FLAG_FINAL, FLAG_KV_COMPLETE, FLAG_RESUME,
-    HARD_MAX_PAYLOAD, MAX_ABORT_MESSAGE_LEN, MAX_HELLO_AUTH_LEN, MAX_PAGE_SIZE, MIN_MAX_PAYLOAD,
+    HARD_MAX_PAYLOAD, MAX_ABORT_MESSAGE_LEN, MAX_HELLO_AUTH_LEN, MAX_LOCAL_ADDRESS_LEN,
+    MAX_LOCAL_RKEY_LEN, MAX_PAGE_SIZE, MEMORY_KIND_CUDA, MEMORY_KIND_HOST, MIN_MAX_PAYLOAD,
 };
 use crate::error::{Error, Result};
 
@@ -227,6 +228,63 @@ pub struct Ping {
     pub sent_at_ns: u64,
 }
 
+/// LOCAL_ADDR (local path): the KV receiver's UCX worker address, from which the
+/// sender creates its endpoint, and the memory kind of the receiver's pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalAddr {
+    /// [`MEMORY_KIND_HOST`] or [`MEMORY_KIND_CUDA`].
+    pub memory_kind: u8,
+    /// The worker address, 1..=[`MAX_LOCAL_ADDRESS_LEN`] bytes, opaque.
+    pub address: Bytes,
+}
+
+/// One region of a LOCAL_GRANT: grant pages `page_start..page_start + page_count`
+/// of grant layer `layer`, contiguous in the receiver's memory from `remote_addr`,
+/// registered for remote access with the packed key `rkey`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalRegion {
+    /// Grant-relative layer.
+    pub layer: u16,
+    /// First grant page.
+    pub page_start: u32,
+    /// Pages (>= 1).
+    pub page_count: u32,
+    /// The receiver's address of the first page (receiver -> sender only; a
+    /// receiver never acts on an address it is sent).
+    pub remote_addr: u64,
+    /// Packed remote key (ucp_rkey_pack), 1..=[`MAX_LOCAL_RKEY_LEN`] bytes.
+    pub rkey: Bytes,
+}
+
+/// Fixed bytes of one LOCAL_GRANT region before its key, plus at least one key byte.
+pub const LOCAL_REGION_MIN_LEN: u64 = 2 + 4 + 4 + 8 + 2 + 1;
+
+/// LOCAL_GRANT (local path): for the transfer a KV_GRANT just granted, the regions
+/// the receiver registered: exactly the granted pages, nothing else.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalGrant {
+    /// The transfer (its KV_GRANT came first).
+    pub transfer_id: u64,
+    /// Regions (>= 1).
+    pub regions: Vec<LocalRegion>,
+}
+
+/// LOCAL_DONE (local path): the sender put every page of grant layers
+/// `layer_start..layer_start + layer_count` and its flush completed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalDone {
+    /// The transfer.
+    pub transfer_id: u64,
+    /// First grant layer.
+    pub layer_start: u16,
+    /// Layers (>= 1).
+    pub layer_count: u16,
+    /// Pages put, over all these layers.
+    pub page_count: u64,
+    /// Bytes put, over all these layers.
+    pub byte_count: u64,
+}
+
 /// Any frame of wire protocol v1.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {
@@ -258,6 +316,12 @@ pub enum Frame {
     Pong(Ping),
     /// AUTH
     Auth(Auth),
+    /// LOCAL_ADDR
+    LocalAddr(LocalAddr),
+    /// LOCAL_GRANT
+    LocalGrant(LocalGrant),
+    /// LOCAL_DONE
+    LocalDone(LocalDone),
 }
 
 impl Frame {
@@ -278,6 +342,9 @@ impl Frame {
             Frame::Ping(_) => FrameKind::Ping,
             Frame::Pong(_) => FrameKind::Pong,
             Frame::Auth(_) => FrameKind::Auth,
+            Frame::LocalAddr(_) => FrameKind::LocalAddr,
+            Frame::LocalGrant(_) => FrameKind::LocalGrant,
+            Frame::LocalDone(_) => FrameKind::LocalDone,
         }
     }
 
@@ -371,6 +438,28 @@ impl Frame {
                     ));
                 }
             }
+            Frame::LocalAddr(a) => {
+                if a.memory_kind != MEMORY_KIND_HOST && a.memory_kind != MEMORY_KIND_CUDA {
+                    return arg(format!("LOCAL_ADDR memory_kind {} unknown", a.memory_kind));
+                }
+                if a.address.is_empty() || a.address.len() > MAX_LOCAL_ADDRESS_LEN {
+                    return arg(format!(
+                        "LOCAL_ADDR address of {} bytes outside 1..={MAX_LOCAL_ADDRESS_LEN}",
+                        a.address.len()
+                    ));
+                }
+            }
+            Frame::LocalGrant(g) => {
+                if g.regions.is_empty() {
+                    return arg("LOCAL_GRANT needs at least one region".into());
+                }
+                for reg in &g.regions {
+                    check_region(reg).or_else(arg)?;
+                }
+            }
+            Frame::LocalDone(d) => {
+                check_local_done(d).or_else(arg)?;
+            }
             Frame::KvDone(_)
             | Frame::HandoffAck(_)
             | Frame::Progress(_)
@@ -412,6 +501,15 @@ impl Frame {
             Frame::Abort(a) => 8 + 2 + 2 + a.message.len(),
             Frame::Ping(_) | Frame::Pong(_) => 16,
             Frame::Auth(_) => 2 * AUTH_LEN,
+            Frame::LocalAddr(a) => 1 + 2 + a.address.len(),
+            Frame::LocalGrant(g) => {
+                4 + 8
+                    + g.regions
+                        .iter()
+                        .map(|r| LOCAL_REGION_MIN_LEN as usize - 1 + r.rkey.len())
+                        .sum::<usize>()
+            }
+            Frame::LocalDone(_) => 8 + 2 + 2 + 8 + 8,
         })
     }
 
@@ -514,6 +612,30 @@ impl Frame {
             Frame::Auth(a) => {
                 out.put_slice(&a.nonce);
                 out.put_slice(&a.proof);
+            }
+            Frame::LocalAddr(a) => {
+                out.put_u8(a.memory_kind);
+                out.put_u16_le(a.address.len() as u16);
+                out.put_slice(&a.address);
+            }
+            Frame::LocalGrant(g) => {
+                out.put_u64_le(g.transfer_id);
+                out.put_u32_le(len_u32(g.regions.len(), "regions")?);
+                for reg in &g.regions {
+                    out.put_u16_le(reg.layer);
+                    out.put_u32_le(reg.page_start);
+                    out.put_u32_le(reg.page_count);
+                    out.put_u64_le(reg.remote_addr);
+                    out.put_u16_le(reg.rkey.len() as u16);
+                    out.put_slice(&reg.rkey);
+                }
+            }
+            Frame::LocalDone(d) => {
+                out.put_u64_le(d.transfer_id);
+                out.put_u16_le(d.layer_start);
+                out.put_u16_le(d.layer_count);
+                out.put_u64_le(d.page_count);
+                out.put_u64_le(d.byte_count);
             }
         }
         Ok(())
@@ -759,6 +881,78 @@ impl Frame {
                 a.proof.copy_from_slice(&r.bytes(AUTH_LEN, "proof")?);
                 Frame::Auth(a)
             }
+            FrameKind::LocalAddr => {
+                let memory_kind = r.u8("memory_kind")?;
+                if memory_kind != MEMORY_KIND_HOST && memory_kind != MEMORY_KIND_CUDA {
+                    return Err(r.invalid("memory_kind", format!("unknown kind {memory_kind}")));
+                }
+                let len = r.u16("address_len")? as usize;
+                if len == 0 || len > MAX_LOCAL_ADDRESS_LEN {
+                    return Err(r.invalid(
+                        "address_len",
+                        format!("{len} outside 1..={MAX_LOCAL_ADDRESS_LEN}"),
+                    ));
+                }
+                Frame::LocalAddr(LocalAddr {
+                    memory_kind,
+                    address: r.bytes(len, "address")?,
+                })
+            }
+            FrameKind::LocalGrant => {
+                let transfer_id = r.u64("transfer_id")?;
+                let count = r.u32("region_count")?;
+                if count == 0 {
+                    return Err(r.invalid("region_count", "must be >= 1"));
+                }
+                // Every region takes at least LOCAL_REGION_MIN_LEN bytes.
+                r.check_room(u64::from(count), LOCAL_REGION_MIN_LEN, "regions")?;
+                let mut regions = Vec::with_capacity(count as usize);
+                for _ in 0..count {
+                    let layer = r.u16("layer")?;
+                    let page_start = r.u32("page_start")?;
+                    let page_count = r.u32("page_count")?;
+                    let remote_addr = r.u64("remote_addr")?;
+                    let rkey_len = r.u16("rkey_len")? as usize;
+                    if rkey_len == 0 || rkey_len > MAX_LOCAL_RKEY_LEN {
+                        return Err(r.invalid(
+                            "rkey_len",
+                            format!("{rkey_len} outside 1..={MAX_LOCAL_RKEY_LEN}"),
+                        ));
+                    }
+                    let reg = LocalRegion {
+                        layer,
+                        page_start,
+                        page_count,
+                        remote_addr,
+                        rkey: r.bytes(rkey_len, "rkey")?,
+                    };
+                    check_region(&reg).map_err(|detail| Error::InvalidField {
+                        kind,
+                        field: "page_count",
+                        detail,
+                    })?;
+                    regions.push(reg);
+                }
+                Frame::LocalGrant(LocalGrant {
+                    transfer_id,
+                    regions,
+                })
+            }
+            FrameKind::LocalDone => {
+                let d = LocalDone {
+                    transfer_id: r.u64("transfer_id")?,
+                    layer_start: r.u16("layer_start")?,
+                    layer_count: r.u16("layer_count")?,
+                    page_count: r.u64("page_count")?,
+                    byte_count: r.u64("byte_count")?,
+                };
+                check_local_done(&d).map_err(|detail| Error::InvalidField {
+                    kind,
+                    field: "layer_count",
+                    detail,
+                })?;
+                Frame::LocalDone(d)
+            }
         };
         r.finish()?;
         Ok(frame)
@@ -773,6 +967,34 @@ const EVENT_CLEARED: u8 = 3;
 fn check_page_block(p: &KvPages) -> std::result::Result<(), String> {
     // One rule for the whole-frame decoder and the receiver's header-first path.
     crate::kv::KvBlock::of(p).check(p.data.len() as u64)
+}
+
+/// A region names >= 1 page, its page range fits u32, its key 1..=1024 bytes.
+fn check_region(r: &LocalRegion) -> std::result::Result<(), String> {
+    if r.page_count == 0 {
+        return Err("a region needs at least one page".into());
+    }
+    if r.page_start.checked_add(r.page_count).is_none() {
+        return Err("page_start + page_count overflows u32".into());
+    }
+    if r.rkey.is_empty() || r.rkey.len() > MAX_LOCAL_RKEY_LEN {
+        return Err(format!(
+            "remote key of {} bytes outside 1..={MAX_LOCAL_RKEY_LEN}",
+            r.rkey.len()
+        ));
+    }
+    Ok(())
+}
+
+/// A completion notice names >= 1 layer and its layer range fits u16.
+fn check_local_done(d: &LocalDone) -> std::result::Result<(), String> {
+    if d.layer_count == 0 {
+        return Err("layer_count must be >= 1".into());
+    }
+    if u32::from(d.layer_start) + u32::from(d.layer_count) > u32::from(u16::MAX) + 1 {
+        return Err("layer_start + layer_count overflows u16".into());
+    }
+    Ok(())
 }
 
 fn len_u32(n: usize, what: &str) -> Result<u32> {

@@ -24,7 +24,8 @@ pub use codec::{
 };
 pub use frame::{
     Abort, Auth, CacheEvent, CacheEvents, Frame, Handoff, HandoffAck, Hello, KvDone, KvGrant,
-    KvPages, Ping, PrefixQuery, PrefixReply, Progress, KV_PAGES_FIXED_LEN,
+    KvPages, LocalAddr, LocalDone, LocalGrant, LocalRegion, Ping, PrefixQuery, PrefixReply,
+    Progress, KV_PAGES_FIXED_LEN, LOCAL_REGION_MIN_LEN,
 };
 
 use std::fmt;
@@ -53,6 +54,14 @@ pub const AUTH_LEN: usize = 32;
 pub const MAX_ABORT_MESSAGE_LEN: usize = 1024;
 /// Largest radix page size a PREFIX_QUERY may name.
 pub const MAX_PAGE_SIZE: u16 = 256;
+/// Longest UCX worker address LOCAL_ADDR carries.
+pub const MAX_LOCAL_ADDRESS_LEN: usize = 16 << 10;
+/// Longest packed remote key of one LOCAL_GRANT region.
+pub const MAX_LOCAL_RKEY_LEN: usize = 1024;
+/// LOCAL_ADDR memory kind: host memory.
+pub const MEMORY_KIND_HOST: u8 = 1;
+/// LOCAL_ADDR memory kind: CUDA device memory (not registered by this build yet).
+pub const MEMORY_KIND_CUDA: u8 = 2;
 
 /// Flag bit of HANDOFF: the last handoff of this request; MD owns it afterwards.
 pub const FLAG_FINAL: u16 = 0x0001;
@@ -136,6 +145,14 @@ frame_kinds! {
     Pong = 0x0D, "PONG", flags = 0;
     /// Challenge-response after HELLO: nonce and HMAC proof (protocol v2).
     Auth = 0x0E, "AUTH", flags = 0;
+    /// Local path (capability `local_ucx`): the receiver's UCX worker address and
+    /// its pool's memory kind.
+    LocalAddr = 0x0F, "LOCAL_ADDR", flags = 0;
+    /// Local path: remote keys and addresses of exactly the pages of one grant.
+    LocalGrant = 0x10, "LOCAL_GRANT", flags = 0;
+    /// Local path: the sender's completion notice for a range of a grant's layers,
+    /// sent after its puts were flushed.
+    LocalDone = 0x11, "LOCAL_DONE", flags = 0;
 }
 
 impl fmt::Display for FrameKind {
@@ -297,8 +314,12 @@ pub mod capability {
     /// sides offer it, KV_PAGES carry no CRC32C (the header's `crc32c` is 0 and is
     /// not checked). Offered only on TLS lanes.
     pub const AEAD: u64 = 1 << 4;
+    /// The local (UCX) path: LOCAL_ADDR, LOCAL_GRANT and LOCAL_DONE on the control
+    /// lane, KV written by one-sided puts. Offered only by the local path's
+    /// endpoints (`pdd_io::local`).
+    pub const LOCAL_UCX: u64 = 1 << 5;
     /// Every bit defined by this build.
-    pub const ALL_KNOWN: u64 = KV_STREAM | HANDOFF | PREFIX_CACHE | CACHE_EVENTS | AEAD;
+    pub const ALL_KNOWN: u64 = KV_STREAM | HANDOFF | PREFIX_CACHE | CACHE_EVENTS | AEAD | LOCAL_UCX;
 }
 
 /// The fixed header in front of every payload.

@@ -227,5 +227,56 @@ pub fn any_frame() -> impl Strategy<Value = Frame> {
             .prop_map(|(nonce, sent_at_ns)| Frame::Pong(Ping { nonce, sent_at_ns })),
         (any::<[u8; AUTH_LEN]>(), any::<[u8; AUTH_LEN]>())
             .prop_map(|(nonce, proof)| Frame::Auth(Auth { nonce, proof })),
+        (
+            prop_oneof![Just(MEMORY_KIND_HOST), Just(MEMORY_KIND_CUDA)],
+            vec(any::<u8>(), 1..300)
+        )
+            .prop_map(|(memory_kind, address)| Frame::LocalAddr(LocalAddr {
+                memory_kind,
+                address: Bytes::from(address),
+            })),
+        (any::<u64>(), vec(local_region(), 1..8)).prop_map(|(transfer_id, regions)| {
+            Frame::LocalGrant(LocalGrant {
+                transfer_id,
+                regions,
+            })
+        }),
+        (
+            any::<u64>(),
+            any::<u16>(),
+            1u16..,
+            any::<u64>(),
+            any::<u64>()
+        )
+            .prop_map(|(transfer_id, start, count, page_count, byte_count)| {
+                // Keep layer_start + layer_count <= 65536.
+                let layer_start = start.min(u16::MAX - count + 1);
+                Frame::LocalDone(LocalDone {
+                    transfer_id,
+                    layer_start,
+                    layer_count: count,
+                    page_count,
+                    byte_count,
+                })
+            }),
     ]
+}
+
+fn local_region() -> impl Strategy<Value = LocalRegion> {
+    (
+        any::<u16>(),
+        0u32..u32::MAX / 2,
+        1u32..u32::MAX / 2,
+        any::<u64>(),
+        vec(any::<u8>(), 1..64),
+    )
+        .prop_map(
+            |(layer, page_start, page_count, remote_addr, rkey)| LocalRegion {
+                layer,
+                page_start,
+                page_count,
+                remote_addr,
+                rkey: Bytes::from(rkey),
+            },
+        )
 }

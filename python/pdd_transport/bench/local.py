@@ -1,0 +1,439 @@
+"""``pdd-transport bench local`` and ``bench dual``: the local (UCX) path.
+
+``bench local`` streams ``--bytes`` of KV pages from this process (Prefill) to a
+receiver child process (RelayDecode, ``python -m pdd_transport.bench.peer``) over
+the local path, for each page size asked (1 MiB, 64 KiB and 4 KiB by default), with
+everything ``bench stream`` does: the receiver grants a fresh random permutation of
+its pool (pages land shuffled), the clock covers every ``send_layer``, ``finish`` and
+the receiver's confirmation, and every landed page is checked by digest afterwards
+(``verified``). The grant itself (registering exactly the granted pages with UCX and
+sending their keys) is timed apart (``grant_seconds``). In each repetition, on the
+same machine, it also measures:
+
+- our WAN path (``KvSender`` / ``KvReceiver``, TCP lanes) on loopback, 1 MiB pages,
+  the same bytes between the same two processes (``baseline_wan_gbytes_per_s``);
+- a single-threaded memcpy of the same bytes in this process (``baseline_memcpy``);
+- ``ucx_perftest -t ucp_put_bw`` between two processes at the page size, where the
+  ``ucx-utils`` package is installed: UCX's own contiguous-buffer put loop, the
+  ceiling our path runs under (``baseline_ucx_perftest``).
+
+``UCX_TLS`` (``--ucx-tls``) picks the transports for both processes; unset, UCX
+chooses (shared memory / CMA between two processes on one host).
+
+``bench dual`` measures the dual-path send: RelayDecode's transfer of the whole KV
+over the local path alone (``rld_seconds_alone``), and again while the pages
+MainDecode lacks (``--missing`` of them) go to MainDecode over the WAN path at the
+same time through :class:`~pdd_transport.local.DualSender` (``rld_seconds_with_wan``),
+alternating, in the same run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pdd_transport.bench.stream import (
+    Peer,
+    PddPath,
+    StreamConfig,
+    _free_port,
+    _random_layers,
+    page_digests,
+)
+from pdd_transport.errors import InvalidArgument
+
+__all__ = ["DualConfig", "LocalConfig", "run_args", "run_dual", "run_local"]
+
+MiB = 1 << 20
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b <= 0 else a / b
+
+
+def _round(v: float | None, digits: int = 4) -> float | None:
+    return None if v is None else round(v, digits)
+
+
+@dataclass
+class LocalConfig:
+    """What one ``bench local`` run measures."""
+
+    bytes: int = 1 << 30
+    page_bytes: list[int] = field(default_factory=lambda: [MiB, 64 << 10, 4 << 10])
+    layers: int = 1
+    repeat: int = 3
+    baselines: bool = True
+    ucx_tls: str | None = None
+    seed: int = 0
+    timeout: float | None = None
+
+    def check(self) -> None:
+        if not self.page_bytes:
+            raise InvalidArgument("--page-bytes needs at least one size", "invalid_argument")
+        if self.repeat < 1 or self.repeat > 100:
+            raise InvalidArgument(f"--repeat must be in 1..100, got {self.repeat}", "invalid_argument")
+        for p in self.page_bytes:
+            if p < 1 or self.bytes % (p * self.layers):
+                raise InvalidArgument(
+                    f"--bytes {self.bytes} is not a whole number of {self.layers} layer(s) of {p}-byte pages",
+                    "invalid_argument",
+                )
+
+    def transfer_timeout(self) -> float:
+        return self.timeout if self.timeout is not None else 30.0 + self.bytes / 10e6
+
+
+class LocalPath:
+    """The local path: a LocalSender here, a LocalReceiver (slot ``slot``) in the peer."""
+
+    def __init__(self, peer: Peer, cfg: LocalConfig, page_bytes: int, slot: int, src: list[np.ndarray[Any, Any]],
+                 stack: ExitStack) -> None:
+        from pdd_transport import kv, local
+
+        self.peer, self.cfg, self.page_bytes, self.slot, self.src = peer, cfg, page_bytes, slot, src
+        per_layer = cfg.bytes // cfg.layers
+        self.pages = per_layer // page_bytes
+        self.src_pages = np.arange(self.pages, dtype=np.uint32)
+        self.src_digests = page_digests(src, page_bytes, range(self.pages))
+        r = peer.request("local_open", slot=slot, layers=cfg.layers, pages=self.pages, page_bytes=page_bytes)
+        self.ucx_version = r["ucx_version"]
+        self.pool = kv.pool_from_buffers(src, page_bytes)
+        self.tx = local.LocalSender(self.pool, r["address"], put_timeout_s=cfg.transfer_timeout())
+        stack.callback(self.tx.close)
+        peer.request("local_wait_peer", slot=slot, timeout=30.0)
+        self._request_id = 0
+
+    def prepare(self, rep: int) -> tuple[Any, float]:
+        timeout = self.cfg.transfer_timeout()
+        self._request_id += 1
+        rid = self._request_id
+        r = self.peer.request("local_grant", slot=self.slot, request_id=rid, seed=self.cfg.seed * 1000 + rep,
+                              timeout=timeout)
+        return self.tx.wait_grant(rid, timeout=timeout), float(r["grant_seconds"])
+
+    def transfer(self, out: Any) -> dict[str, Any]:
+        timeout = self.cfg.transfer_timeout()
+        child_cpu0 = self.peer.request("cpu")["cpu"]
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        for layer in range(self.cfg.layers):
+            out.send_layer(layer, self.src_pages, timeout=timeout)
+        out.finish()
+        landed: int = out.wait(timeout=timeout)
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        cpu += self.peer.request("cpu")["cpu"] - child_cpu0
+        return {"seconds": seconds, "gbytes_per_s": landed / seconds / 1e9, "bytes": landed,
+                "cpu_s_per_gbyte": cpu / (landed / 1e9)}
+
+    def run_once(self, rep: int) -> dict[str, Any]:
+        out, grant_seconds = self.prepare(rep)
+        figures = self.transfer(out)
+        r = self.peer.request("local_digests", slot=self.slot, timeout=self.cfg.transfer_timeout())
+        digests: list[str] = r["digests"]
+        mismatched = sum(a != b for a, b in zip(digests, self.src_digests)) + abs(len(digests) - len(self.src_digests))
+        return figures | {"grant_seconds": grant_seconds, "verified": figures["bytes"] == self.cfg.bytes
+                          and mismatched == 0, "pages_mismatched": mismatched}
+
+
+def memcpy_baseline(src: np.ndarray[Any, Any]) -> float:
+    """GB/s of one ``np.copyto`` of ``src`` into a fresh, pre-faulted buffer."""
+    dst = np.ones_like(src)
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    seconds = time.perf_counter() - t0
+    assert dst[-1] == src[-1]
+    return src.nbytes / seconds / 1e9
+
+
+def ucx_perftest_baseline(message: int, total: int, timeout: float) -> float | None:
+    """``ucx_perftest -t ucp_put_bw`` between two processes at ``message`` bytes, as
+    many iterations as make ``total`` bytes (at least 100); GB/s, or None when
+    ucx_perftest is not installed or fails."""
+    exe = shutil.which("ucx_perftest")
+    if exe is None:
+        return None
+    iters = max(100, total // message)
+    port = str(_free_port())
+    args = [exe, "-t", "ucp_put_bw", "-s", str(message), "-n", str(iters), "-p", port]
+    server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = None
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            client = subprocess.run([*args, "127.0.0.1"], capture_output=True, text=True, timeout=timeout,
+                                    check=False)
+            if client.returncode == 0:
+                break
+        if client is None or client.returncode != 0:
+            return None
+        final = [line for line in client.stdout.splitlines() if line.startswith("Final:")]
+        if not final:
+            return None
+        # Final: iterations, then 50%ile / average / overall latency (usec), then
+        # average / overall bandwidth in MB/s (MB = 2^20 bytes), then message rates.
+        numbers = re.findall(r"[-+]?\d+(?:\.\d+)?", final[0])
+        return float(numbers[5]) * MiB / 1e9
+    except (subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.wait(timeout=10)
+
+
+def run_local(cfg: LocalConfig, progress: Any = None) -> dict[str, Any]:
+    """Run ``bench local``; the result is what ``--json`` prints."""
+    cfg.check()
+    from pdd_transport import local
+
+    local.ucx_version()  # a missing libucp: the clear error, before any process starts
+    timeout = cfg.transfer_timeout()
+    notes: list[str] = []
+    saved = os.environ.get("UCX_TLS")
+    if cfg.ucx_tls:
+        os.environ["UCX_TLS"] = cfg.ucx_tls
+    runs: list[dict[str, Any]] = []
+    try:
+        with ExitStack() as stack:
+            peer = Peer(timeout)
+            stack.callback(peer.close)
+            per_layer = cfg.bytes // cfg.layers
+            src = _random_layers(cfg.layers, per_layer, cfg.seed)
+            paths = [LocalPath(peer, cfg, p, 10 + i, src, stack) for i, p in enumerate(cfg.page_bytes)]
+            wan = None
+            if cfg.baselines:
+                wan = PddPath(peer, StreamConfig(bytes=cfg.bytes, page_bytes=MiB, layers=cfg.layers, repeat=cfg.repeat,
+                                                 seed=cfg.seed + 1, timeout=timeout), MiB, 0, stack)
+                if shutil.which("ucx_perftest") is None:
+                    notes.append("ucx_perftest_missing")
+            flat = src[0] if cfg.layers == 1 else np.concatenate(src)
+            for rep in range(cfg.repeat):
+                one: dict[str, Any] = {"paths": []}
+                for path in paths:
+                    one["paths"].append({"page_bytes": path.page_bytes, **path.run_once(rep)})
+                if cfg.baselines:
+                    assert wan is not None
+                    w = wan.run_once(rep)
+                    one["wan_gbytes_per_s"], one["wan_verified"] = w["gbytes_per_s"], w["verified"]
+                    one["memcpy_gbytes_per_s"] = memcpy_baseline(flat)
+                    one["ucx_perftest_gbytes_per_s"] = {
+                        str(p): ucx_perftest_baseline(p, min(cfg.bytes, 1 << 30), timeout) for p in cfg.page_bytes
+                    }
+                runs.append(one)
+                if progress is not None:
+                    progress(f"bench local: repeat {rep + 1}/{cfg.repeat} done")
+            ucx_version = paths[0].ucx_version
+    finally:
+        if cfg.ucx_tls:
+            if saved is None:
+                os.environ.pop("UCX_TLS", None)
+            else:
+                os.environ["UCX_TLS"] = saved
+
+    def med_path(i: int, key: str) -> float | None:
+        return _median([r["paths"][i][key] for r in runs])
+
+    def paired_path(i: int, other: Any) -> float | None:
+        return _median([_ratio(r["paths"][i]["gbytes_per_s"], other(r)) for r in runs])
+
+    main = 0
+    compare = []
+    for i, p in enumerate(cfg.page_bytes):
+        compare.append({
+            "page_bytes": p,
+            "pages_per_layer": cfg.bytes // cfg.layers // p,
+            "gbytes_per_s": _round(med_path(i, "gbytes_per_s")),
+            "seconds": _round(med_path(i, "seconds"), 6),
+            "grant_seconds": _round(med_path(i, "grant_seconds"), 6),
+            "cpu_s_per_gbyte": _round(med_path(i, "cpu_s_per_gbyte")),
+            "ratio_vs_main": _round(paired_path(i, lambda r: r["paths"][main]["gbytes_per_s"]), 3),
+            "ratio_vs_wan": _round(paired_path(i, lambda r: r.get("wan_gbytes_per_s")), 3),
+            "baseline_ucx_perftest_gbytes_per_s": _round(
+                _median([r.get("ucx_perftest_gbytes_per_s", {}).get(str(p)) for r in runs])),
+            "ratio_vs_ucx_perftest": _round(
+                paired_path(i, lambda r, p=p: r.get("ucx_perftest_gbytes_per_s", {}).get(str(p))), 3),
+            "verified": all(r["paths"][i]["verified"] for r in runs),
+        })
+    head = compare[main]
+    return {
+        "bytes": cfg.bytes,
+        "seconds": head["seconds"],
+        "gbytes_per_s": head["gbytes_per_s"],
+        "page_bytes": cfg.page_bytes[main],
+        "layers": cfg.layers,
+        "pages_per_layer": head["pages_per_layer"],
+        "shuffled": True,
+        "processes": 2,
+        "verified": all(c["verified"] for c in compare) and all(r.get("wan_verified", True) for r in runs),
+        "repeat": cfg.repeat,
+        "ucx_version": ucx_version,
+        "ucx_tls": cfg.ucx_tls or os.environ.get("UCX_TLS") or "default",
+        "grant_seconds": head["grant_seconds"],
+        "cpu_s_per_gbyte": head["cpu_s_per_gbyte"],
+        "baseline_wan_gbytes_per_s": _round(_median([r.get("wan_gbytes_per_s") for r in runs])),
+        "ratio_vs_wan": head["ratio_vs_wan"],
+        "baseline_memcpy_gbytes_per_s": _round(_median([r.get("memcpy_gbytes_per_s") for r in runs])),
+        "ratio_vs_memcpy": _round(paired_path(main, lambda r: r.get("memcpy_gbytes_per_s")), 3),
+        "baseline_ucx_perftest_gbytes_per_s": head["baseline_ucx_perftest_gbytes_per_s"],
+        "ratio_vs_ucx_perftest": head["ratio_vs_ucx_perftest"],
+        "compare": compare,
+        "notes": notes,
+        "runs": [_rounded(r) for r in runs],
+    }
+
+
+def _rounded(v: Any) -> Any:
+    if isinstance(v, float):
+        return round(v, 6)
+    if isinstance(v, dict):
+        return {k: _rounded(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_rounded(x) for x in v]
+    return v
+
+
+@dataclass
+class DualConfig:
+    """What one ``bench dual`` run measures."""
+
+    bytes: int = 256 * MiB
+    page_bytes: int = MiB
+    missing: float = 0.25
+    layers: int = 4
+    repeat: int = 5
+    lanes: int = 4
+    wan: Any = None
+    ucx_tls: str | None = None
+    seed: int = 0
+    timeout: float | None = None
+
+    def check(self) -> None:
+        if not 0 < self.missing <= 1:
+            raise InvalidArgument(f"--missing must be in (0, 1], got {self.missing}", "invalid_argument")
+        if self.bytes % (self.page_bytes * self.layers):
+            raise InvalidArgument("--bytes must be a whole number of layers of pages", "invalid_argument")
+        if self.repeat < 1 or self.repeat > 100:
+            raise InvalidArgument(f"--repeat must be in 1..100, got {self.repeat}", "invalid_argument")
+
+    def transfer_timeout(self) -> float:
+        return self.timeout if self.timeout is not None else 30.0 + self.bytes / 10e6
+
+
+def run_dual(cfg: DualConfig, progress: Any = None) -> dict[str, Any]:
+    """Run ``bench dual``; the result is what ``--json`` prints."""
+    cfg.check()
+    from pdd_transport import kv, local
+    from pdd_transport.bench.stream import _via_wan
+
+    local.ucx_version()
+    timeout = cfg.transfer_timeout()
+    saved = os.environ.get("UCX_TLS")
+    if cfg.ucx_tls:
+        os.environ["UCX_TLS"] = cfg.ucx_tls
+    per_layer = cfg.bytes // cfg.layers
+    pages = per_layer // cfg.page_bytes
+    missing = max(1, int(pages * cfg.missing))
+    alone: list[float] = []
+    with_wan: list[float] = []
+    wan_seconds: list[float] = []
+    verified = True
+    try:
+        with ExitStack() as stack:
+            peer = Peer(timeout)
+            stack.callback(peer.close)
+            src = _random_layers(cfg.layers, per_layer, cfg.seed)
+            pool = kv.pool_from_buffers(src, cfg.page_bytes)
+            order = list(range(pages))
+            digests = page_digests(src, cfg.page_bytes, order)
+            # RelayDecode: the local path, the whole KV.
+            r = peer.request("local_open", slot=1, layers=cfg.layers, pages=pages, page_bytes=cfg.page_bytes)
+            to_rld = local.LocalSender(pool, r["address"], put_timeout_s=timeout)
+            stack.callback(to_rld.close)
+            peer.request("local_wait_peer", slot=1, timeout=30.0)
+            # MainDecode: the WAN path, only the missing pages (its pool holds just those).
+            r = peer.request("pdd_open", slot=2, layers=cfg.layers, pages=missing, page_bytes=cfg.page_bytes)
+            address = stack.enter_context(_via_wan(r["address"], cfg.wan))
+            to_md = kv.KvSender(pool, address, lanes=cfg.lanes)
+            stack.callback(to_md.close)
+            peer.request("pdd_wait_peer", slot=2, timeout=30.0)
+            rid = 0
+            for rep in range(cfg.repeat):
+                for dual in (False, True) if rep % 2 == 0 else (True, False):
+                    rid += 1
+                    peer.request("local_grant", slot=1, request_id=rid, seed=cfg.seed + rid, timeout=timeout)
+                    rld_out = to_rld.wait_grant(rid, timeout=timeout)
+                    md_out = None
+                    if dual:
+                        peer.request("pdd_grant", slot=2, request_id=rid, seed=cfg.seed + rid, timeout=timeout)
+                        md_out = to_md.wait_grant(rid, timeout=timeout)
+                    sender = local.DualSender(rld_out, md_out, order, timeout=timeout)
+                    for layer in range(cfg.layers):
+                        sender.send_layer(layer)
+                    sender.finish()
+                    outcome = sender.wait()
+                    assert outcome.local is not None
+                    if not outcome.local.ok or (dual and not (outcome.wan and outcome.wan.ok)):
+                        raise InvalidArgument(f"bench dual: a side failed: {outcome}", "internal")
+                    (with_wan if dual else alone).append(outcome.local.seconds)
+                    if dual and outcome.wan is not None:
+                        wan_seconds.append(outcome.wan.seconds)
+                    got = peer.request("local_digests", slot=1, timeout=timeout)["digests"]
+                    verified &= got == digests
+                    if dual:
+                        got = peer.request("pdd_digests", slot=2, timeout=timeout)["digests"]
+                        want = page_digests(src, cfg.page_bytes, order[pages - missing:])
+                        verified &= got == want
+                if progress is not None:
+                    progress(f"bench dual: repeat {rep + 1}/{cfg.repeat} done")
+    finally:
+        if cfg.ucx_tls:
+            if saved is None:
+                os.environ.pop("UCX_TLS", None)
+            else:
+                os.environ["UCX_TLS"] = saved
+    a, w = statistics.median(alone), statistics.median(with_wan)
+    return {
+        "rld_seconds_alone": round(a, 6),
+        "rld_seconds_with_wan": round(w, 6),
+        "ratio_with_wan_vs_alone": round(w / a, 3),
+        "wan_seconds": round(statistics.median(wan_seconds), 6),
+        "rld_bytes": cfg.bytes,
+        "wan_bytes": missing * cfg.page_bytes * cfg.layers,
+        "page_bytes": cfg.page_bytes,
+        "layers": cfg.layers,
+        "missing_share": round(missing / pages, 4),
+        "repeat": cfg.repeat,
+        "verified": verified,
+        "wan": None if cfg.wan is None else cfg.wan.to_json(),
+        "ucx_tls": cfg.ucx_tls or os.environ.get("UCX_TLS") or "default",
+        "runs": {"rld_seconds_alone": [round(x, 6) for x in alone],
+                 "rld_seconds_with_wan": [round(x, 6) for x in with_wan]},
+    }
+
+
+def run_args(args: Any, wan: Any, progress: Any = None) -> dict[str, Any]:
+    """``bench local`` / ``bench dual`` from the CLI's parsed arguments."""
+    from pdd_transport.specs import parse_size
+
+    common = dict(bytes=parse_size(args.bytes), layers=args.layers, repeat=args.repeat, ucx_tls=args.ucx_tls,
+                  seed=args.seed, timeout=args.timeout)
+    if args.bench == "dual":
+        return run_dual(DualConfig(page_bytes=parse_size(args.page_bytes), missing=args.missing, lanes=args.lanes,
+                                   wan=wan, **common), progress)
+    return run_local(LocalConfig(page_bytes=[parse_size(p) for p in args.page_bytes.split(",") if p],
+                                 baselines=not args.no_baselines, **common), progress)

@@ -1,0 +1,676 @@
+//! The local path's receiver (RelayDecode): listens for a sender's control lane,
+//! grants pages, exposes exactly the granted pages to the sender's puts, and checks
+//! the sender's completion notices against the grant.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use pdd_core::kv::{BlockDisposition, KvBlock, ReceiverState, TransferEvent};
+use pdd_core::wire::handshake::LocalHello;
+use pdd_core::wire::{
+    capability, Abort, Frame, KvDone, KvGrant, LocalAddr, LocalDone, LocalGrant, LocalRegion,
+};
+use pdd_core::Error;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, Notify};
+use tokio_util::sync::CancellationToken;
+
+use super::ucx::UcxEndpoint;
+use super::{lock, runs, wait_status, Control, LocalStatus};
+use crate::lane::{self, LaneStream, SocketTuning, TlsConfig};
+use crate::metrics::Metrics;
+use crate::pool::{MemoryKind, PagePool};
+
+/// Local receiver settings.
+#[derive(Debug, Clone)]
+pub struct LocalReceiverConfig {
+    /// Where the control lane listens.
+    pub listen: SocketAddr,
+    /// Our HELLO (`local_ucx` is added).
+    pub hello: LocalHello,
+    /// TLS on the control lane.
+    pub tls: Option<TlsConfig>,
+    /// Listen beyond loopback without a secret or TLS.
+    pub allow_insecure: bool,
+    /// Bound on a connecting peer's HELLO + AUTH.
+    pub hello_timeout: Duration,
+    /// PING interval.
+    pub heartbeat: Duration,
+    /// A control lane silent this long is dead.
+    pub dead_after: Duration,
+}
+
+impl LocalReceiverConfig {
+    /// Defaults: HELLO in 5 s, 1 s heartbeats, dead after 5 s.
+    pub fn new(listen: SocketAddr, hello: LocalHello) -> Self {
+        LocalReceiverConfig {
+            listen,
+            hello,
+            tls: None,
+            allow_insecure: false,
+            hello_timeout: Duration::from_secs(5),
+            heartbeat: Duration::from_secs(1),
+            dead_after: Duration::from_secs(5),
+        }
+    }
+}
+
+struct Session {
+    control: lane::ControlTx,
+    end: CancellationToken,
+    peer_max_payload: u32,
+}
+
+fn control_max(shared: &Shared, peer: u64) -> u32 {
+    lock(&shared.sessions)
+        .get(&peer)
+        .map_or(0, |s| s.peer_max_payload)
+}
+
+struct Entry {
+    /// Keeps the UCX thread progressing while the transfer lives.
+    _busy: super::ucx::BusyGuard,
+    session: u64,
+    grant: KvGrant,
+    memory: Vec<u64>,
+    status: watch::Sender<LocalStatus>,
+    notices: u32,
+    layers_done: u32,
+    bytes: u64,
+}
+
+/// Transfer events kept for [`LocalReceiver::poll_events`]; past this the oldest are
+/// dropped (an engine that never polls does not grow the queue without bound).
+pub const MAX_QUEUED_EVENTS: usize = 65_536;
+
+struct Shared {
+    events: Mutex<std::collections::VecDeque<TransferEvent>>,
+    pool: Arc<PagePool>,
+    cfg: LocalReceiverConfig,
+    ucx: UcxEndpoint,
+    state: Mutex<ReceiverState>,
+    sessions: Mutex<HashMap<u64, Session>>,
+    transfers: Mutex<HashMap<u64, Entry>>,
+    peers_changed: Notify,
+    next_session: AtomicU64,
+    metrics: Arc<Metrics>,
+    cancel: CancellationToken,
+}
+
+/// The receiver's handle on one local-path transfer.
+#[derive(Clone)]
+pub struct LocalInbound {
+    /// The grant (what the sender was told).
+    pub grant: KvGrant,
+    status: watch::Receiver<LocalStatus>,
+}
+
+impl LocalInbound {
+    /// Current status.
+    pub fn status(&self) -> LocalStatus {
+        self.status.borrow().clone()
+    }
+
+    /// Wait until every page is in (bytes) or the transfer fails.
+    pub async fn wait(&self) -> Result<u64, Error> {
+        wait_status(self.status.clone()).await
+    }
+}
+
+/// A local-path receiver.
+pub struct LocalReceiver {
+    shared: Arc<Shared>,
+    local_addr: SocketAddr,
+}
+
+impl LocalReceiver {
+    /// Load UCX, create its worker, listen for senders. Refuses a pool whose memory
+    /// is not host memory, and listening beyond loopback without authentication.
+    pub async fn start(
+        pool: Arc<PagePool>,
+        mut cfg: LocalReceiverConfig,
+    ) -> Result<LocalReceiver, Error> {
+        if pool.memory_kind() != MemoryKind::Host {
+            return Err(Error::UnsupportedMemoryKind {
+                kind: pool.memory_kind().name().into(),
+                detail: "the local path registers host memory only".into(),
+            });
+        }
+        cfg.hello.capabilities |= capability::LOCAL_UCX;
+        lane::check_exposure(
+            cfg.listen,
+            &cfg.hello,
+            cfg.allow_insecure || cfg.tls.is_some(),
+        )?;
+        let ucx = UcxEndpoint::start()?;
+        let listener = TcpListener::bind(cfg.listen)
+            .await
+            .map_err(|e| Error::ConnectionLost {
+                detail: format!("bind {}: {e}", cfg.listen),
+            })?;
+        let local_addr = listener.local_addr().map_err(|e| Error::ConnectionLost {
+            detail: format!("local_addr: {e}"),
+        })?;
+        let state = ReceiverState::new(pool.layers(), pool.pages(), pool.page_bytes())?;
+        let shared = Arc::new(Shared {
+            events: Mutex::new(std::collections::VecDeque::new()),
+            pool,
+            cfg,
+            ucx,
+            state: Mutex::new(state),
+            sessions: Mutex::new(HashMap::new()),
+            transfers: Mutex::new(HashMap::new()),
+            peers_changed: Notify::new(),
+            next_session: AtomicU64::new(1),
+            metrics: Arc::new(Metrics::default()),
+            cancel: CancellationToken::new(),
+        });
+        let s = shared.clone();
+        tokio::spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    _ = s.cancel.cancelled() => return,
+                    a = listener.accept() => a,
+                };
+                if let Ok((tcp, _)) = accepted {
+                    tokio::spawn(session(s.clone(), tcp));
+                }
+            }
+        });
+        Ok(LocalReceiver { shared, local_addr })
+    }
+
+    /// The control lane's listening address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// The receiver's pool.
+    pub fn pool(&self) -> &Arc<PagePool> {
+        &self.shared.pool
+    }
+
+    /// Endpoint counters.
+    pub fn metrics(&self) -> &Metrics {
+        &self.shared.metrics
+    }
+
+    /// Connected senders (local session numbers).
+    pub fn peers(&self) -> Vec<u64> {
+        lock(&self.shared.sessions).keys().copied().collect()
+    }
+
+    /// Wait until a sender is connected (its endpoint can be granted to).
+    pub async fn wait_peer(&self) -> u64 {
+        loop {
+            let notified = self.shared.peers_changed.notified();
+            if let Some(&p) = lock(&self.shared.sessions).keys().min() {
+                return p;
+            }
+            notified.await;
+        }
+    }
+
+    /// Grant pool pages `pages` (in grant order) on every pool layer to `peer` (the
+    /// only connected sender with `None`) for `request_id`: registers exactly those
+    /// pages with UCX and sends KV_GRANT and LOCAL_GRANT. With a deadline, the
+    /// transfer fails `deadline_exceeded` if it is not complete in time.
+    pub async fn grant(
+        &self,
+        request_id: u64,
+        pages: &[u32],
+        peer: Option<u64>,
+        deadline: Option<Duration>,
+    ) -> Result<LocalInbound, Error> {
+        let shared = &self.shared;
+        let (peer, control) = {
+            let sessions = lock(&shared.sessions);
+            let peer = match peer {
+                Some(p) => p,
+                None if sessions.len() == 1 => *sessions.keys().next().unwrap_or(&0),
+                None => {
+                    return Err(Error::InvalidArgument(format!(
+                        "{} senders connected: name the peer",
+                        sessions.len()
+                    )))
+                }
+            };
+            let s = sessions.get(&peer).ok_or_else(|| Error::ConnectionLost {
+                detail: format!("sender {peer} is not connected"),
+            })?;
+            (peer, s.control.clone())
+        };
+        let deadline_ms =
+            deadline.map_or(0, |d| d.as_millis().clamp(1, u128::from(u32::MAX)) as u32);
+        let layers = shared.pool.layers();
+        let grant = {
+            let mut st = lock(&shared.state);
+            let mut id: u64 = rand::random();
+            while st.id_in_use(id) {
+                id = rand::random();
+            }
+            st.grant_to(peer, id, request_id, pages, layers, deadline_ms)?
+        };
+        // Register exactly the granted pages: one region per run of consecutive
+        // pool pages, per layer.
+        let pb = shared.pool.page_bytes() as usize;
+        let mut regions = Vec::new();
+        let mut spans = Vec::new();
+        for layer in 0..layers {
+            for r in runs(pages) {
+                let addr = shared.pool.page_addr(layer, r.pool_start)?;
+                spans.push((addr, r.count as usize * pb));
+                regions.push((layer, r));
+            }
+        }
+        let mapped = match shared.ucx.map(spans.clone()).await {
+            Ok(m) => m,
+            Err(e) => {
+                lock(&shared.state).fail(grant.transfer_id, e.clone());
+                return Err(e);
+            }
+        };
+        let local = LocalGrant {
+            transfer_id: grant.transfer_id,
+            regions: regions
+                .iter()
+                .zip(&mapped)
+                .zip(&spans)
+                .map(|(((layer, r), (_, key)), (addr, _))| LocalRegion {
+                    layer: *layer,
+                    page_start: r.grant_start,
+                    page_count: r.count,
+                    remote_addr: *addr as u64,
+                    rkey: Bytes::copy_from_slice(key),
+                })
+                .collect(),
+        };
+        let memory: Vec<u64> = mapped.iter().map(|(id, _)| *id).collect();
+        let (status, rx) = watch::channel(LocalStatus::InProgress);
+        lock(&shared.transfers).insert(
+            grant.transfer_id,
+            Entry {
+                _busy: shared.ucx.busy(),
+                session: peer,
+                grant: grant.clone(),
+                memory,
+                status,
+                notices: 0,
+                layers_done: 0,
+                bytes: 0,
+            },
+        );
+        let frame = Frame::LocalGrant(local);
+        let sent = frame
+            .validate()
+            .and_then(|()| frame.payload_len())
+            .and_then(|len| {
+                if len > control_max(shared, peer) as usize {
+                    Err(Error::LimitExceeded {
+                        what: "LOCAL_GRANT bytes (regions x keys) for the peer's max_payload"
+                            .into(),
+                        limit: u64::from(control_max(shared, peer)),
+                    })
+                } else {
+                    Ok(())
+                }
+            })
+            .and_then(|()| control.send(Frame::KvGrant(grant.clone())))
+            .and_then(|()| control.send(frame));
+        if let Err(e) = sent {
+            let ev = lock(&shared.state).fail(grant.transfer_id, e.clone());
+            apply(shared, ev);
+            return Err(e);
+        }
+        if let Some(d) = deadline {
+            let (s, tid) = (shared.clone(), grant.transfer_id);
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = s.cancel.cancelled() => {}
+                    _ = tokio::time::sleep(d) => {
+                        let ev = lock(&s.state).fail(tid, Error::DeadlineExceeded {
+                            what: format!("local transfer {tid} within {d:?}"),
+                        });
+                        apply(&s, ev);
+                    }
+                }
+            });
+        }
+        Ok(LocalInbound { grant, status: rx })
+    }
+
+    /// Take up to `max` transfer events (layer complete, complete, failed), oldest
+    /// first.
+    pub fn poll_events(&self, max: usize) -> Vec<TransferEvent> {
+        let mut q = lock(&self.shared.events);
+        let n = max.min(q.len());
+        q.drain(..n).collect()
+    }
+
+    /// Cancel a transfer: it fails `cancelled`, the sender is told, the pages'
+    /// registrations are revoked. False if it already ended.
+    pub fn cancel(&self, transfer_id: u64) -> bool {
+        let ev = lock(&self.shared.state).fail(
+            transfer_id,
+            Error::Cancelled {
+                detail: "the receiver cancelled the transfer".into(),
+            },
+        );
+        let any = !ev.is_empty();
+        apply(&self.shared, ev);
+        any
+    }
+
+    /// Stop listening, end every session (their transfers fail), release UCX.
+    pub async fn close(&self) {
+        let sessions: Vec<CancellationToken> = lock(&self.shared.sessions)
+            .values()
+            .map(|s| s.end.clone())
+            .collect();
+        for s in sessions {
+            s.cancel();
+        }
+        let ev = lock(&self.shared.state).fail_all(&Error::Cancelled {
+            detail: "receiver closed".into(),
+        });
+        apply(&self.shared, ev);
+        self.shared.cancel.cancel();
+    }
+}
+
+impl Drop for LocalReceiver {
+    fn drop(&mut self) {
+        self.shared.cancel.cancel();
+    }
+}
+
+/// Act on transfer events: statuses, the sender's KV_DONE or ABORT, revocation.
+fn apply(shared: &Arc<Shared>, events: Vec<TransferEvent>) {
+    {
+        let mut q = lock(&shared.events);
+        for ev in &events {
+            if q.len() >= MAX_QUEUED_EVENTS {
+                q.pop_front();
+            }
+            q.push_back(ev.clone());
+        }
+    }
+    for ev in events {
+        let (tid, outcome) = match ev {
+            TransferEvent::LayerComplete { .. } => continue,
+            TransferEvent::Complete {
+                transfer_id, bytes, ..
+            } => (transfer_id, Ok(bytes)),
+            TransferEvent::Failed {
+                transfer_id, error, ..
+            } => (transfer_id, Err(error)),
+        };
+        let Some(entry) = lock(&shared.transfers).remove(&tid) else {
+            continue;
+        };
+        // Revoke first: once the sender hears the transfer ended, the keys it
+        // holds are already useless where the transport enforces them.
+        shared.ucx.unmap(entry.memory.clone());
+        let control = lock(&shared.sessions)
+            .get(&entry.session)
+            .map(|s| s.control.clone());
+        match outcome {
+            Ok(bytes) => {
+                Metrics::add(&shared.metrics.transfers_completed_total, 1);
+                Metrics::add(&shared.metrics.bytes_received_total, bytes);
+                if let Some(c) = control {
+                    let _ = c.send(Frame::KvDone(KvDone {
+                        transfer_id: tid,
+                        chunk_count: entry.notices,
+                        byte_count: bytes,
+                    }));
+                }
+                let _ = entry.status.send(LocalStatus::Complete { bytes });
+            }
+            Err(e) => {
+                Metrics::add(&shared.metrics.transfers_failed_total, 1);
+                if let Some(c) = control {
+                    let mut message = e.to_string();
+                    message.truncate(pdd_core::wire::MAX_ABORT_MESSAGE_LEN);
+                    while !message.is_char_boundary(message.len()) {
+                        message.pop();
+                    }
+                    let _ = c.send(Frame::Abort(Abort {
+                        request_id: entry.grant.request_id,
+                        reason: e.abort_reason(),
+                        message,
+                    }));
+                }
+                let _ = entry.status.send(LocalStatus::Failed(e));
+            }
+        }
+    }
+}
+
+/// One sender's control lane: opening (refusing a peer without `local_ucx`, data
+/// lanes and resumptions: the local path has none), LOCAL_ADDR, then its frames.
+async fn session(shared: Arc<Shared>, tcp: TcpStream) {
+    lane::tune(&tcp, &SocketTuning::default(), true);
+    let hello = &lane::with_aead(&shared.cfg.hello, shared.cfg.tls.is_some());
+    let timeout = shared.cfg.hello_timeout;
+    let opening = async {
+        let mut stream = match &shared.cfg.tls {
+            Some(tls) => {
+                tokio::time::timeout(timeout, tls.accept(tcp))
+                    .await
+                    .map_err(|_| Error::DeadlineExceeded {
+                        what: "TLS handshake of a connecting peer".into(),
+                    })??
+                    .0
+            }
+            None => LaneStream::Plain(tcp),
+        };
+        let offered = lane::read_hello(&mut stream, hello, timeout).await?;
+        let key: Result<&[u8], Error> = if offered.agreed.resume || offered.agreed.lane != 0 {
+            Err(Error::AuthFailed {
+                detail: "the local path has one control lane per session and no resumption",
+            })
+        } else {
+            Ok(hello.root_key())
+        };
+        lane::authenticate(&mut stream, hello, &offered, key, timeout).await?;
+        let admitted = if offered.agreed.capabilities & capability::LOCAL_UCX == 0 {
+            Err(Error::LocalPathUnavailable {
+                detail: "the peer did not offer local_ucx".into(),
+            })
+        } else {
+            Ok(())
+        };
+        lane::answer_hello(&mut stream, hello, &offered.agreed, admitted, timeout).await?;
+        Ok::<_, Error>((stream, offered.agreed))
+    };
+    let opened = tokio::select! {
+        _ = shared.cancel.cancelled() => return,
+        r = opening => r,
+    };
+    let Ok((stream, agreed)) = opened else {
+        Metrics::add(&shared.metrics.lanes_refused_total, 1);
+        return;
+    };
+    let mut control = Control::start(
+        stream,
+        shared.cfg.hello.max_payload,
+        agreed.peer_max_payload,
+        shared.cfg.heartbeat,
+        shared.cfg.dead_after,
+        shared.metrics.clone(),
+        &shared.cancel,
+    );
+    let address = Bytes::copy_from_slice(shared.ucx.worker_address());
+    if control
+        .tx
+        .send(Frame::LocalAddr(LocalAddr {
+            memory_kind: shared.pool.memory_kind().code(),
+            address,
+        }))
+        .is_err()
+    {
+        return;
+    }
+    let id = shared.next_session.fetch_add(1, Ordering::Relaxed);
+    lock(&shared.sessions).insert(
+        id,
+        Session {
+            control: control.tx.clone(),
+            end: control.cancel.clone(),
+            peer_max_payload: agreed.peer_max_payload,
+        },
+    );
+    shared.peers_changed.notify_waiters();
+    let why = loop {
+        let frame = match control.next().await {
+            Ok(f) => f,
+            Err(e) => break e,
+        };
+        match frame {
+            Frame::LocalDone(done) => {
+                if let Err(e) = local_done(&shared, id, &done) {
+                    Metrics::add(&shared.metrics.violations_total, 1);
+                    control.end(&e);
+                    break e;
+                }
+            }
+            Frame::Abort(a) if a.request_id != 0 => {
+                // The sender gave up on a request: fail its transfers here.
+                let ids: Vec<u64> = lock(&shared.transfers)
+                    .iter()
+                    .filter(|(_, t)| t.session == id && t.grant.request_id == a.request_id)
+                    .map(|(tid, _)| *tid)
+                    .collect();
+                for tid in ids {
+                    let ev = lock(&shared.state).fail(
+                        tid,
+                        Error::PeerAborted {
+                            reason: a.reason,
+                            message: a.message.clone(),
+                        },
+                    );
+                    apply(&shared, ev);
+                }
+            }
+            Frame::Abort(a) => {
+                break Error::PeerAborted {
+                    reason: a.reason,
+                    message: a.message,
+                }
+            }
+            other => {
+                let e = Error::InvalidField {
+                    kind: other.kind(),
+                    field: "kind",
+                    detail: "not sent to a local-path receiver".into(),
+                };
+                control.end(&e);
+                break e;
+            }
+        }
+    };
+    lock(&shared.sessions).remove(&id);
+    control.cancel.cancel();
+    let ids: Vec<u64> = lock(&shared.transfers)
+        .iter()
+        .filter(|(_, t)| t.session == id)
+        .map(|(tid, _)| *tid)
+        .collect();
+    for tid in ids {
+        let ev = lock(&shared.state).fail(tid, why.clone());
+        apply(&shared, ev);
+    }
+    shared.peers_changed.notify_waiters();
+}
+
+/// The sender's completion notice: its puts of grant layers
+/// `layer_start..+layer_count` were flushed. Counts that disagree with the grant
+/// fail the transfer (`transfer_incomplete`); layers outside the grant, twice, or a
+/// transfer the session was not granted end the session (`grant_violation`).
+fn local_done(shared: &Arc<Shared>, session: u64, done: &LocalDone) -> Result<(), Error> {
+    let tid = done.transfer_id;
+    let grant = {
+        let transfers = lock(&shared.transfers);
+        match transfers.get(&tid).filter(|t| t.session == session) {
+            Some(t) => t.grant.clone(),
+            None => {
+                // Unknown to this session, or ended: ReceiverState tells apart a
+                // late notice of our own ended transfer (ignored) from a violation.
+                let block = KvBlock {
+                    transfer_id: tid,
+                    layer_start: done.layer_start,
+                    layer_count: done.layer_count,
+                    page_start: 0,
+                    page_count: 1,
+                    page_bytes: shared.pool.page_bytes(),
+                };
+                return match lock(&shared.state).begin_block(session, &block)? {
+                    BlockDisposition::Drain => Ok(()),
+                    BlockDisposition::Land(_) => Err(Error::InvalidField {
+                        kind: pdd_core::wire::FrameKind::LocalDone,
+                        field: "transfer_id",
+                        detail: "no such transfer".into(),
+                    }),
+                };
+            }
+        }
+    };
+    let block = KvBlock {
+        transfer_id: tid,
+        layer_start: done.layer_start,
+        layer_count: done.layer_count,
+        page_start: 0,
+        page_count: grant.page_count,
+        page_bytes: grant.page_bytes,
+    };
+    let pages = u64::from(done.layer_count) * u64::from(grant.page_count);
+    let bytes = pages * u64::from(grant.page_bytes);
+    if done.page_count != pages || done.byte_count != bytes {
+        let ev = lock(&shared.state).fail(
+            tid,
+            Error::TransferIncomplete {
+                transfer_id: tid,
+                detail: format!(
+                    "LOCAL_DONE for {} layers says {} pages / {} bytes; the grant's are {pages} / {bytes}",
+                    done.layer_count, done.page_count, done.byte_count
+                ),
+            },
+        );
+        apply(shared, ev);
+        return Ok(());
+    }
+    let mut events = {
+        let mut st = lock(&shared.state);
+        match st.begin_block(session, &block)? {
+            BlockDisposition::Drain => return Ok(()),
+            BlockDisposition::Land(_) => st.finish_block(&block, Ok(())),
+        }
+    };
+    let all_in = {
+        let mut transfers = lock(&shared.transfers);
+        let Some(t) = transfers.get_mut(&tid) else {
+            return Ok(());
+        };
+        t.notices += 1;
+        t.layers_done += u32::from(done.layer_count);
+        t.bytes += bytes;
+        (t.layers_done == u32::from(grant.layer_count)).then_some((t.notices, t.bytes))
+    };
+    if let Some((notices, total)) = all_in {
+        events.extend(lock(&shared.state).sender_done(
+            session,
+            &KvDone {
+                transfer_id: tid,
+                chunk_count: notices,
+                byte_count: total,
+            },
+        )?);
+    }
+    apply(shared, events);
+    Ok(())
+}

@@ -1,0 +1,614 @@
+//! The local path's sender (Prefill): one control lane to a local receiver, one UCX
+//! endpoint to its worker; each layer is put straight from the source pool into the
+//! granted regions, flushed, then announced with LOCAL_DONE.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pdd_core::wire::handshake::LocalHello;
+use pdd_core::wire::{capability, Abort, Frame, KvGrant, LocalDone, LocalGrant, MEMORY_KIND_HOST};
+use pdd_core::Error;
+use tokio::sync::{watch, Notify};
+use tokio_util::sync::CancellationToken;
+
+use super::ucx::{PutOp, UcxEndpoint};
+use super::{lock, wait_status, Control, LocalStatus};
+use crate::lane::{self, LaneKey, SocketTuning, TlsConfig};
+use crate::metrics::Metrics;
+use crate::pool::{MemoryKind, PagePool};
+
+/// The largest control frame (a LOCAL_GRANT) a local sender accepts.
+pub const LOCAL_MAX_PAYLOAD: u32 = 256 << 20;
+
+/// Local sender settings.
+#[derive(Debug, Clone)]
+pub struct LocalSenderConfig {
+    /// The receiver's control lane.
+    pub addr: SocketAddr,
+    /// Session id (the receiver grants to the connected session).
+    pub session_id: u64,
+    /// Our HELLO (`local_ucx` is added).
+    pub hello: LocalHello,
+    /// TLS on the control lane.
+    pub tls: Option<TlsConfig>,
+    /// Connect + HELLO + LOCAL_ADDR bound.
+    pub connect_timeout: Duration,
+    /// PING interval.
+    pub heartbeat: Duration,
+    /// A control lane silent this long is dead.
+    pub dead_after: Duration,
+    /// Bound on one layer's puts and flush.
+    pub put_timeout: Duration,
+}
+
+impl LocalSenderConfig {
+    /// Defaults: connect in 5 s, 1 s heartbeats, dead after 5 s, 30 s per layer.
+    pub fn new(addr: SocketAddr, session_id: u64, hello: LocalHello) -> Self {
+        LocalSenderConfig {
+            addr,
+            session_id,
+            hello,
+            tls: None,
+            connect_timeout: Duration::from_secs(5),
+            heartbeat: Duration::from_secs(1),
+            dead_after: Duration::from_secs(5),
+            put_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// One region of a grant, its key unpacked on our endpoint.
+#[derive(Debug, Clone, Copy)]
+struct Region {
+    layer: u16,
+    page_start: u32,
+    page_count: u32,
+    remote_addr: u64,
+    rkey: u64,
+}
+
+struct Ready {
+    grant: KvGrant,
+    regions: Vec<Region>,
+    keys: Vec<u64>,
+}
+
+struct Transfer {
+    request_id: u64,
+    status: watch::Sender<LocalStatus>,
+    keys: Arc<Mutex<Option<Vec<u64>>>>,
+}
+
+struct Shared {
+    pool: Arc<PagePool>,
+    cfg: LocalSenderConfig,
+    ucx: UcxEndpoint,
+    control: lane::ControlTx,
+    /// KV_GRANTs waiting for their LOCAL_GRANT.
+    half: Mutex<HashMap<u64, KvGrant>>,
+    /// Grants ready to send, by request.
+    ready: Mutex<HashMap<u64, Vec<Ready>>>,
+    ready_changed: Notify,
+    transfers: Mutex<HashMap<u64, Transfer>>,
+    death: Mutex<Option<Error>>,
+    metrics: Arc<Metrics>,
+    cancel: CancellationToken,
+}
+
+/// A local-path sender.
+pub struct LocalSender {
+    shared: Arc<Shared>,
+}
+
+impl LocalSender {
+    /// Load UCX, connect the control lane (which must negotiate `local_ucx`), take
+    /// the receiver's LOCAL_ADDR and create the UCX endpoint, all within
+    /// `connect_timeout`.
+    pub async fn connect(
+        pool: Arc<PagePool>,
+        mut cfg: LocalSenderConfig,
+    ) -> Result<LocalSender, Error> {
+        if pool.memory_kind() != MemoryKind::Host {
+            return Err(Error::UnsupportedMemoryKind {
+                kind: pool.memory_kind().name().into(),
+                detail: "the local path registers host memory only".into(),
+            });
+        }
+        cfg.hello.capabilities |= capability::LOCAL_UCX;
+        // A LOCAL_GRANT carries one key per run of granted pages: a gigabyte of
+        // shuffled 4 KiB pages is 262,144 regions. The receiver is authenticated and
+        // in our datacenter; its frames may take up to this.
+        cfg.hello.max_payload = cfg.hello.max_payload.max(LOCAL_MAX_PAYLOAD);
+        let ucx = UcxEndpoint::start()?;
+        let connected = lane::connect(
+            cfg.addr,
+            &cfg.hello,
+            cfg.session_id,
+            0,
+            &LaneKey::Root,
+            &SocketTuning::default(),
+            cfg.tls.as_ref(),
+            cfg.connect_timeout,
+        )
+        .await?;
+        if connected.agreed.capabilities & capability::LOCAL_UCX == 0 {
+            return Err(Error::LocalPathUnavailable {
+                detail: format!("{} did not negotiate local_ucx", cfg.addr),
+            });
+        }
+        let cancel = CancellationToken::new();
+        let metrics = Arc::new(Metrics::default());
+        let mut control = Control::start(
+            connected.stream,
+            cfg.hello.max_payload,
+            connected.agreed.peer_max_payload,
+            cfg.heartbeat,
+            cfg.dead_after,
+            metrics.clone(),
+            &cancel,
+        );
+        let first = tokio::time::timeout(cfg.connect_timeout, control.next())
+            .await
+            .map_err(|_| Error::DeadlineExceeded {
+                what: format!("LOCAL_ADDR from {}", cfg.addr),
+            })??;
+        let addr = match first {
+            Frame::LocalAddr(a) => a,
+            other => {
+                let e = Error::InvalidField {
+                    kind: other.kind(),
+                    field: "kind",
+                    detail: "expected LOCAL_ADDR first".into(),
+                };
+                control.end(&e);
+                return Err(e);
+            }
+        };
+        if addr.memory_kind != MEMORY_KIND_HOST {
+            let e = Error::UnsupportedMemoryKind {
+                kind: "cuda".into(),
+                detail: "the receiver's pool is CUDA memory, which this build does not put to"
+                    .into(),
+            };
+            control.end(&e);
+            return Err(e);
+        }
+        if let Err(e) = ucx.connect(addr.address.to_vec()).await {
+            control.end(&e);
+            return Err(e);
+        }
+        let shared = Arc::new(Shared {
+            pool,
+            cfg,
+            ucx,
+            control: control.tx.clone(),
+            half: Mutex::new(HashMap::new()),
+            ready: Mutex::new(HashMap::new()),
+            ready_changed: Notify::new(),
+            transfers: Mutex::new(HashMap::new()),
+            death: Mutex::new(None),
+            metrics,
+            cancel,
+        });
+        tokio::spawn(read_loop(shared.clone(), control));
+        Ok(LocalSender { shared })
+    }
+
+    /// Endpoint counters.
+    pub fn metrics(&self) -> &Metrics {
+        &self.shared.metrics
+    }
+
+    /// Wait for the receiver's grant for `request_id` (KV_GRANT and its LOCAL_GRANT).
+    pub async fn wait_grant(&self, request_id: u64) -> Result<LocalOutbound, Error> {
+        loop {
+            let notified = self.shared.ready_changed.notified();
+            if let Some(e) = lock(&self.shared.death).clone() {
+                return Err(e);
+            }
+            let ready = {
+                let mut ready = lock(&self.shared.ready);
+                let r = ready.get_mut(&request_id).and_then(|v| {
+                    if v.is_empty() {
+                        None
+                    } else {
+                        Some(v.remove(0))
+                    }
+                });
+                if ready.get(&request_id).is_some_and(Vec::is_empty) {
+                    ready.remove(&request_id);
+                }
+                r
+            };
+            if let Some(r) = ready {
+                let (status, rx) = watch::channel(LocalStatus::InProgress);
+                let keys = Arc::new(Mutex::new(Some(r.keys)));
+                lock(&self.shared.transfers).insert(
+                    r.grant.transfer_id,
+                    Transfer {
+                        request_id,
+                        status,
+                        keys: keys.clone(),
+                    },
+                );
+                let layers = usize::from(r.grant.layer_count);
+                return Ok(LocalOutbound {
+                    shared: self.shared.clone(),
+                    grant: r.grant,
+                    regions: r.regions,
+                    keys,
+                    sent: tokio::sync::Mutex::new(vec![false; layers]),
+                    status: rx,
+                });
+            }
+            notified.await;
+        }
+    }
+
+    /// End the session (live transfers fail) and release UCX.
+    pub async fn close(&self) {
+        let e = Error::Cancelled {
+            detail: "sender closed".into(),
+        };
+        end_session(&self.shared, e);
+        self.shared.cancel.cancel();
+    }
+}
+
+impl Drop for LocalSender {
+    fn drop(&mut self) {
+        self.shared.cancel.cancel();
+    }
+}
+
+fn end_transfer(shared: &Shared, tid: u64, status: LocalStatus) {
+    if let Some(t) = lock(&shared.transfers).remove(&tid) {
+        if let Some(keys) = lock(&t.keys).take() {
+            shared.ucx.destroy(keys);
+        }
+        let _ = t.status.send(status);
+    }
+}
+
+fn end_session(shared: &Shared, why: Error) {
+    lock(&shared.death).get_or_insert(why.clone());
+    let ids: Vec<u64> = lock(&shared.transfers).keys().copied().collect();
+    for tid in ids {
+        end_transfer(shared, tid, LocalStatus::Failed(why.clone()));
+    }
+    let keys: Vec<u64> = lock(&shared.ready)
+        .drain()
+        .flat_map(|(_, v)| v.into_iter().flat_map(|r| r.keys))
+        .collect();
+    shared.ucx.destroy(keys);
+    shared.ready_changed.notify_waiters();
+}
+
+/// Check that a LOCAL_GRANT covers every page of every layer of its grant exactly
+/// once, with no page outside it.
+fn check_cover(grant: &KvGrant, local: &LocalGrant) -> Result<(), Error> {
+    let bad = |detail: String| Error::InvalidField {
+        kind: pdd_core::wire::FrameKind::LocalGrant,
+        field: "regions",
+        detail,
+    };
+    let mut by_layer: Vec<Vec<(u32, u32)>> = vec![Vec::new(); usize::from(grant.layer_count)];
+    for r in &local.regions {
+        let slot = by_layer
+            .get_mut(usize::from(r.layer))
+            .ok_or_else(|| bad(format!("layer {} outside the grant", r.layer)))?;
+        slot.push((r.page_start, r.page_count));
+    }
+    for (layer, mut spans) in by_layer.into_iter().enumerate() {
+        spans.sort_unstable();
+        let mut next = 0u64;
+        for (start, count) in spans {
+            if u64::from(start) != next {
+                return Err(bad(format!(
+                    "layer {layer}: pages from {next} not covered exactly once"
+                )));
+            }
+            next += u64::from(count);
+        }
+        if next != u64::from(grant.page_count) {
+            return Err(bad(format!(
+                "layer {layer}: regions cover {next} pages, the grant has {}",
+                grant.page_count
+            )));
+        }
+    }
+    Ok(())
+}
+
+async fn read_loop(shared: Arc<Shared>, mut control: Control) {
+    let why = loop {
+        let frame = tokio::select! {
+            _ = shared.cancel.cancelled() => break Error::Cancelled { detail: "sender closed".into() },
+            f = control.next() => match f {
+                Ok(f) => f,
+                Err(e) => break e,
+            },
+        };
+        match frame {
+            Frame::KvGrant(g) => {
+                if g.page_bytes != shared.pool.page_bytes() {
+                    // Answered with an ABORT for the request: we cannot fill it.
+                    let _ = shared.control.send(Frame::Abort(Abort {
+                        request_id: g.request_id,
+                        reason: pdd_core::wire::AbortReason::Internal,
+                        message: format!(
+                            "page_bytes {} but our pool's are {}",
+                            g.page_bytes,
+                            shared.pool.page_bytes()
+                        ),
+                    }));
+                    continue;
+                }
+                lock(&shared.half).insert(g.transfer_id, g);
+            }
+            Frame::LocalGrant(l) => {
+                let Some(grant) = lock(&shared.half).remove(&l.transfer_id) else {
+                    let e = Error::InvalidField {
+                        kind: pdd_core::wire::FrameKind::LocalGrant,
+                        field: "transfer_id",
+                        detail: "LOCAL_GRANT without its KV_GRANT".into(),
+                    };
+                    control.end(&e);
+                    break e;
+                };
+                if let Err(e) = check_cover(&grant, &l) {
+                    control.end(&e);
+                    break e;
+                }
+                let keys = match shared
+                    .ucx
+                    .unpack(l.regions.iter().map(|r| r.rkey.to_vec()).collect())
+                    .await
+                {
+                    Ok(k) => k,
+                    Err(e) => {
+                        let _ = shared.control.send(Frame::Abort(Abort {
+                            request_id: grant.request_id,
+                            reason: e.abort_reason(),
+                            message: e.to_string(),
+                        }));
+                        continue;
+                    }
+                };
+                let regions = l
+                    .regions
+                    .iter()
+                    .zip(&keys)
+                    .map(|(r, &k)| Region {
+                        layer: r.layer,
+                        page_start: r.page_start,
+                        page_count: r.page_count,
+                        remote_addr: r.remote_addr,
+                        rkey: k,
+                    })
+                    .collect();
+                lock(&shared.ready)
+                    .entry(grant.request_id)
+                    .or_default()
+                    .push(Ready {
+                        grant,
+                        regions,
+                        keys,
+                    });
+                shared.ready_changed.notify_waiters();
+            }
+            Frame::KvDone(d) => {
+                Metrics::add(&shared.metrics.transfers_completed_total, 1);
+                end_transfer(
+                    &shared,
+                    d.transfer_id,
+                    LocalStatus::Complete {
+                        bytes: d.byte_count,
+                    },
+                );
+            }
+            Frame::Abort(a) if a.request_id != 0 => {
+                let e = Error::PeerAborted {
+                    reason: a.reason,
+                    message: a.message,
+                };
+                let ids: Vec<u64> = lock(&shared.transfers)
+                    .iter()
+                    .filter(|(_, t)| t.request_id == a.request_id)
+                    .map(|(id, _)| *id)
+                    .collect();
+                for tid in ids {
+                    Metrics::add(&shared.metrics.transfers_failed_total, 1);
+                    end_transfer(&shared, tid, LocalStatus::Failed(e.clone()));
+                }
+                // A grant not yet taken by the engine is revoked too.
+                let keys: Vec<u64> = lock(&shared.ready)
+                    .remove(&a.request_id)
+                    .into_iter()
+                    .flatten()
+                    .flat_map(|r| r.keys)
+                    .collect();
+                shared.ucx.destroy(keys);
+            }
+            Frame::Abort(a) => {
+                break Error::PeerAborted {
+                    reason: a.reason,
+                    message: a.message,
+                }
+            }
+            other => {
+                let e = Error::InvalidField {
+                    kind: other.kind(),
+                    field: "kind",
+                    detail: "not sent to a local-path sender".into(),
+                };
+                control.end(&e);
+                break e;
+            }
+        }
+    };
+    control.cancel.cancel();
+    end_session(&shared, why);
+}
+
+/// The sender's handle on one local-path grant.
+pub struct LocalOutbound {
+    shared: Arc<Shared>,
+    grant: KvGrant,
+    regions: Vec<Region>,
+    keys: Arc<Mutex<Option<Vec<u64>>>>,
+    sent: tokio::sync::Mutex<Vec<bool>>,
+    status: watch::Receiver<LocalStatus>,
+}
+
+impl LocalOutbound {
+    /// The grant being filled.
+    pub fn grant(&self) -> &KvGrant {
+        &self.grant
+    }
+
+    /// Current status.
+    pub fn status(&self) -> LocalStatus {
+        self.status.borrow().clone()
+    }
+
+    /// Put grant layer `layer` from source pool pages `src_pages` (one per grant
+    /// page, in grant order) of pool layer `src_layer`; returns once the puts are
+    /// flushed (the bytes are in the receiver's memory) and LOCAL_DONE is queued.
+    /// Runs of consecutive source pages that land in one region go as one put.
+    pub async fn send_layer(
+        &self,
+        layer: u16,
+        src_layer: u16,
+        src_pages: &[u32],
+    ) -> Result<(), Error> {
+        let pool = &self.shared.pool;
+        let g = &self.grant;
+        if src_pages.len() != g.page_count as usize {
+            return Err(Error::InvalidArgument(format!(
+                "{} source pages for a grant of {}",
+                src_pages.len(),
+                g.page_count
+            )));
+        }
+        if layer >= g.layer_count {
+            return Err(Error::InvalidArgument(format!(
+                "layer {layer} outside the grant's {}",
+                g.layer_count
+            )));
+        }
+        if pool.page_bytes() != g.page_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "source pages are {} bytes, the grant's are {}",
+                pool.page_bytes(),
+                g.page_bytes
+            )));
+        }
+        let mut sent = self.sent.lock().await;
+        if sent[usize::from(layer)] {
+            return Err(Error::InvalidArgument(format!(
+                "layer {layer} was already sent"
+            )));
+        }
+        if let LocalStatus::Failed(e) = self.status() {
+            return Err(e);
+        }
+        if lock(&self.keys).is_none() {
+            return Err(Error::GrantViolation {
+                transfer_id: g.transfer_id,
+                detail: "the grant ended: its remote keys are revoked".into(),
+            });
+        }
+        let pb = u64::from(g.page_bytes);
+        let mut ops: Vec<PutOp> = Vec::new();
+        for r in self.regions.iter().filter(|r| r.layer == layer) {
+            for i in 0..r.page_count {
+                let gp = r.page_start + i;
+                let src = pool.page_addr(src_layer, src_pages[gp as usize])?;
+                let remote = r.remote_addr + u64::from(i) * pb;
+                match ops.last_mut() {
+                    Some(last)
+                        if last.rkey == r.rkey
+                            && last.src + last.len == src
+                            && last.remote + last.len as u64 == remote =>
+                    {
+                        last.len += pb as usize;
+                    }
+                    _ => ops.push(PutOp {
+                        src,
+                        len: pb as usize,
+                        remote,
+                        rkey: r.rkey,
+                    }),
+                }
+            }
+        }
+        // SAFETY: every op reads pages of our pool, which `self.shared` keeps alive
+        // across the call; the engine may not modify source pages until the
+        // transfer completes (the documented contract of send_layer).
+        let put = unsafe { self.shared.ucx.put_all(ops, self.shared.cfg.put_timeout) }.await;
+        if let Err(e) = put {
+            let _ = self.shared.control.send(Frame::Abort(Abort {
+                request_id: g.request_id,
+                reason: e.abort_reason(),
+                message: e.to_string(),
+            }));
+            Metrics::add(&self.shared.metrics.transfers_failed_total, 1);
+            end_transfer(&self.shared, g.transfer_id, LocalStatus::Failed(e.clone()));
+            return Err(e);
+        }
+        let pages = u64::from(g.page_count);
+        Metrics::add(&self.shared.metrics.bytes_sent_total, pages * pb);
+        sent[usize::from(layer)] = true;
+        self.shared
+            .control
+            .send(Frame::LocalDone(LocalDone {
+                transfer_id: g.transfer_id,
+                layer_start: layer,
+                layer_count: 1,
+                page_count: pages,
+                byte_count: pages * pb,
+            }))
+            .map_err(|_| {
+                lock(&self.shared.death)
+                    .clone()
+                    .unwrap_or(Error::ConnectionLost {
+                        detail: "control lane closed".into(),
+                    })
+            })
+    }
+
+    /// Every layer was sent (nothing more goes on the wire: each layer's LOCAL_DONE
+    /// already did); an error names a layer not sent.
+    pub async fn finish(&self) -> Result<(), Error> {
+        let sent = self.sent.lock().await;
+        match sent.iter().position(|s| !s) {
+            None => Ok(()),
+            Some(l) => Err(Error::InvalidArgument(format!("layer {l} was not sent"))),
+        }
+    }
+
+    /// Give up on the transfer: the receiver is told (ABORT for the request), the
+    /// keys are destroyed.
+    pub fn abort(&self) {
+        let _ = self.shared.control.send(Frame::Abort(Abort {
+            request_id: self.grant.request_id,
+            reason: pdd_core::wire::AbortReason::Cancelled,
+            message: "the sender aborted the transfer".into(),
+        }));
+        end_transfer(
+            &self.shared,
+            self.grant.transfer_id,
+            LocalStatus::Failed(Error::Cancelled {
+                detail: "the sender aborted the transfer".into(),
+            }),
+        );
+    }
+
+    /// Wait for the receiver's confirmation (bytes) or the transfer's failure.
+    pub async fn wait(&self) -> Result<u64, Error> {
+        wait_status(self.status.clone()).await
+    }
+}

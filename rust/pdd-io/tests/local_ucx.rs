@@ -1,0 +1,433 @@
+//! The local (UCX) path end to end: a receiver here and a sender in a second
+//! process restricted to shared memory / CMA (`UCX_TLS=sm,self`) or to TCP over
+//! loopback (`UCX_TLS=tcp,self`), and the grant rules with both ends in this process
+//! (UCX's worker is per process and reads `UCX_TLS` once, so this process leaves it
+//! unset). Skipped, loudly, only where libucp cannot be loaded; CI installs it
+//! (`scripts/test-all.sh`) and sets `PDD_REQUIRE_UCX=1`, which turns the skip into a
+//! failure.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pdd_core::wire::handshake::LocalHello;
+use pdd_core::wire::{capability, Frame, LocalDone, Role};
+use pdd_core::Error;
+use pdd_io::lane::{self, LaneKey, SocketTuning};
+use pdd_io::local::receiver::{LocalReceiver, LocalReceiverConfig};
+use pdd_io::local::sender::{LocalSender, LocalSenderConfig};
+use pdd_io::local::LocalStatus;
+use pdd_io::pool::{MemoryRegion, PagePool};
+
+/// Tests that set environment variables (PDD_UCX_LIBRARY) run one at a time.
+static ENV: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+const LAYERS: u16 = 3;
+const PAGES: u32 = 32;
+const PB: u32 = 4096;
+
+fn ucx_here() -> bool {
+    match pdd_io::local::ucx_available() {
+        Ok(_) => true,
+        Err(e) => {
+            assert!(
+                std::env::var("PDD_REQUIRE_UCX").is_err(),
+                "PDD_REQUIRE_UCX is set but UCX is missing: {e}"
+            );
+            eprintln!("SKIPPED: {e}");
+            false
+        }
+    }
+}
+
+fn pool(fill: impl Fn(u16, usize) -> u8) -> Arc<PagePool> {
+    let layers = (0..LAYERS)
+        .map(|l| MemoryRegion::from_vec((0..(PAGES * PB) as usize).map(|i| fill(l, i)).collect()))
+        .collect();
+    Arc::new(PagePool::new(layers, PB).unwrap())
+}
+
+fn source() -> Arc<PagePool> {
+    pool(|l, i| (i / PB as usize * 7 + usize::from(l) * 31 + i % 251) as u8 | 1)
+}
+
+async fn pair() -> (LocalReceiver, LocalSender) {
+    let rx = LocalReceiver::start(
+        pool(|_, _| 0),
+        LocalReceiverConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            LocalHello::new(Role::RelayDecode, capability::KV_STREAM),
+        ),
+    )
+    .await
+    .unwrap();
+    let tx = LocalSender::connect(
+        source(),
+        LocalSenderConfig::new(
+            rx.local_addr(),
+            42,
+            LocalHello::new(Role::Prefill, capability::KV_STREAM),
+        ),
+    )
+    .await
+    .unwrap();
+    (rx, tx)
+}
+
+const DEST: [u32; 9] = [5, 6, 7, 30, 2, 19, 20, 11, 0];
+const SRC: [u32; 9] = [9, 10, 11, 3, 31, 1, 2, 25, 16];
+const CHILD_ENV: &str = "PDD_TEST_LOCAL_CHILD_ADDR";
+
+/// The sender's half of the round trip: grant for request 7, every layer from the
+/// shuffled SRC pages.
+async fn send_all(addr: std::net::SocketAddr) {
+    let tx = LocalSender::connect(
+        source(),
+        LocalSenderConfig::new(
+            addr,
+            42,
+            LocalHello::new(Role::Prefill, capability::KV_STREAM),
+        ),
+    )
+    .await
+    .unwrap();
+    let out = tokio::time::timeout(Duration::from_secs(10), tx.wait_grant(7))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(out.grant().page_count, DEST.len() as u32);
+    for layer in 0..LAYERS {
+        out.send_layer(layer, layer, &SRC).await.unwrap();
+    }
+    out.finish().await.unwrap();
+    let want = u64::from(LAYERS) * DEST.len() as u64 * u64::from(PB);
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(10), out.wait())
+            .await
+            .unwrap()
+            .unwrap(),
+        want
+    );
+    // The keys are revoked with the grant: the handle refuses to put again.
+    let again = out.send_layer(0, 0, &SRC).await.unwrap_err();
+    assert!(
+        matches!(
+            again,
+            Error::InvalidArgument(_) | Error::GrantViolation { .. }
+        ),
+        "{again:?}"
+    );
+    tx.close().await;
+}
+
+/// The sender process of the two-process round trip (does nothing unless the
+/// parent test started it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_sender_process() {
+    if let Ok(addr) = std::env::var(CHILD_ENV) {
+        send_all(addr.parse().unwrap()).await;
+    }
+}
+
+/// Receiver here, sender in a second process restricted to the transports `tls`
+/// allows (shared memory and CMA only reach another process).
+async fn roundtrip(tls: &str) {
+    let _g = ENV.lock().await;
+    if !ucx_here() {
+        return;
+    }
+    let rx = LocalReceiver::start(
+        pool(|_, _| 0),
+        LocalReceiverConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            LocalHello::new(Role::RelayDecode, capability::KV_STREAM),
+        ),
+    )
+    .await
+    .unwrap();
+    let addr = rx.local_addr();
+    let child = tokio::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "child_sender_process",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ENV, addr.to_string())
+        .env("UCX_TLS", tls)
+        .kill_on_drop(true)
+        .output();
+    let sender = tokio::spawn(async move {
+        let out = child.await.unwrap();
+        assert!(
+            out.status.success(),
+            "sender process failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    });
+    let peer = tokio::time::timeout(Duration::from_secs(10), rx.wait_peer())
+        .await
+        .unwrap();
+    let inbound = rx
+        .grant(7, &DEST, Some(peer), Some(Duration::from_secs(20)))
+        .await
+        .unwrap();
+    let want = u64::from(LAYERS) * DEST.len() as u64 * u64::from(PB);
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(15), inbound.wait())
+            .await
+            .unwrap()
+            .unwrap(),
+        want
+    );
+    tokio::time::timeout(Duration::from_secs(15), sender)
+        .await
+        .unwrap()
+        .unwrap();
+    let s = source();
+    for layer in 0..LAYERS {
+        for (d, p) in DEST.iter().zip(&SRC) {
+            assert_eq!(
+                rx.pool().copy_page(layer, *d).unwrap(),
+                s.copy_page(layer, *p).unwrap(),
+                "{tls}: layer {layer} page {d}"
+            );
+        }
+        // Pages outside the grant were never written.
+        for p in (0..PAGES).filter(|p| !DEST.contains(p)) {
+            assert!(
+                rx.pool()
+                    .copy_page(layer, p)
+                    .unwrap()
+                    .iter()
+                    .all(|&b| b == 0),
+                "{tls}: page {p} outside the grant was written"
+            );
+        }
+    }
+    rx.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_memory_roundtrip_between_two_processes() {
+    roundtrip("sm,self").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_roundtrip_between_two_processes() {
+    roundtrip("tcp,self").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_grant_revokes_the_keys_and_refuses_puts() {
+    let _g = ENV.lock().await;
+    if !ucx_here() {
+        return;
+    }
+    let (rx, tx) = pair().await;
+    let peer = rx.wait_peer().await;
+    let inbound = rx.grant(9, &[1, 2, 3], Some(peer), None).await.unwrap();
+    let out = tx.wait_grant(9).await.unwrap();
+    out.send_layer(0, 0, &[4, 5, 6]).await.unwrap();
+    assert!(rx.cancel(inbound.grant.transfer_id));
+    assert_eq!(inbound.wait().await.unwrap_err().reason(), "cancelled");
+    // The sender hears the ABORT, destroys its keys and fails the transfer.
+    let e = tokio::time::timeout(Duration::from_secs(5), out.wait())
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(e.reason(), "peer_aborted");
+    let put = out.send_layer(1, 1, &[4, 5, 6]).await.unwrap_err();
+    assert!(
+        matches!(
+            put,
+            Error::PeerAborted { .. } | Error::GrantViolation { .. }
+        ),
+        "{put:?}"
+    );
+    assert!(matches!(out.status(), LocalStatus::Failed(_)));
+    tx.close().await;
+    rx.close().await;
+}
+
+/// A hand-driven sender on the control lane: what a buggy or hostile peer can send.
+async fn raw_peer(rx: &LocalReceiver) -> (pdd_io::lane::Connected, Frame) {
+    let hello = LocalHello::new(Role::Prefill, capability::KV_STREAM | capability::LOCAL_UCX);
+    let mut c = lane::connect(
+        rx.local_addr(),
+        &hello,
+        77,
+        0,
+        &LaneKey::Root,
+        &SocketTuning::default(),
+        None,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    let addr = lane::read_frame_exact(&mut c.stream, 1 << 24)
+        .await
+        .unwrap()
+        .unwrap();
+    (c, addr)
+}
+
+async fn next_non_ping(c: &mut pdd_io::lane::Connected) -> Frame {
+    loop {
+        match lane::read_frame_exact(&mut c.stream, 1 << 24)
+            .await
+            .unwrap()
+            .unwrap()
+        {
+            Frame::Ping(_) => continue,
+            f => return f,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completion_notice_with_wrong_counts_fails_the_transfer() {
+    let _g = ENV.lock().await;
+    if !ucx_here() {
+        return;
+    }
+    let rx = LocalReceiver::start(
+        pool(|_, _| 0),
+        LocalReceiverConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            LocalHello::new(Role::RelayDecode, capability::KV_STREAM),
+        ),
+    )
+    .await
+    .unwrap();
+    let (mut c, first) = raw_peer(&rx).await;
+    assert!(matches!(first, Frame::LocalAddr(_)), "{first:?}");
+    let peer = rx.wait_peer().await;
+    let inbound = rx.grant(3, &[8, 9, 4], Some(peer), None).await.unwrap();
+    let Frame::KvGrant(g) = next_non_ping(&mut c).await else {
+        panic!("KV_GRANT first")
+    };
+    let Frame::LocalGrant(l) = next_non_ping(&mut c).await else {
+        panic!("then LOCAL_GRANT")
+    };
+    // Pages 8, 9 are one region and 4 another, on each of the 3 layers.
+    assert_eq!(l.regions.len(), 2 * usize::from(LAYERS));
+    // One page short on layer 0.
+    let short = Frame::LocalDone(LocalDone {
+        transfer_id: g.transfer_id,
+        layer_start: 0,
+        layer_count: 1,
+        page_count: 2,
+        byte_count: 2 * u64::from(PB),
+    });
+    lane::write_frame(&mut c.stream, &short, 1 << 24)
+        .await
+        .unwrap();
+    let e = tokio::time::timeout(Duration::from_secs(5), inbound.wait())
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(e.reason(), "transfer_incomplete", "{e}");
+    match next_non_ping(&mut c).await {
+        Frame::Abort(a) => assert_eq!(a.request_id, 3),
+        f => panic!("expected ABORT for the request, got {f:?}"),
+    }
+    rx.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completion_notice_outside_the_grant_ends_the_session() {
+    let _g = ENV.lock().await;
+    if !ucx_here() {
+        return;
+    }
+    let rx = LocalReceiver::start(
+        pool(|_, _| 0),
+        LocalReceiverConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            LocalHello::new(Role::RelayDecode, capability::KV_STREAM),
+        ),
+    )
+    .await
+    .unwrap();
+    let (mut c, _) = raw_peer(&rx).await;
+    let peer = rx.wait_peer().await;
+    let inbound = rx.grant(4, &[1], Some(peer), None).await.unwrap();
+    let Frame::KvGrant(g) = next_non_ping(&mut c).await else {
+        panic!()
+    };
+    let _ = next_non_ping(&mut c).await;
+    // Layer 3 of a 3-layer grant.
+    let outside = Frame::LocalDone(LocalDone {
+        transfer_id: g.transfer_id,
+        layer_start: LAYERS,
+        layer_count: 1,
+        page_count: 1,
+        byte_count: u64::from(PB),
+    });
+    lane::write_frame(&mut c.stream, &outside, 1 << 24)
+        .await
+        .unwrap();
+    let e = tokio::time::timeout(Duration::from_secs(5), inbound.wait())
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(e.reason(), "grant_violation", "{e}");
+    // Another session's transfer id is refused the same way.
+    rx.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_without_local_ucx_is_refused() {
+    let _g = ENV.lock().await;
+    if !ucx_here() {
+        return;
+    }
+    let rx = LocalReceiver::start(
+        pool(|_, _| 0),
+        LocalReceiverConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            LocalHello::new(Role::RelayDecode, capability::KV_STREAM),
+        ),
+    )
+    .await
+    .unwrap();
+    let plain = LocalHello::new(Role::Prefill, capability::KV_STREAM);
+    let e = lane::connect(
+        rx.local_addr(),
+        &plain,
+        5,
+        0,
+        &LaneKey::Root,
+        &SocketTuning::default(),
+        None,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.reason(), "peer_aborted", "{e}");
+    assert!(e.to_string().contains("local_ucx"), "{e}");
+    rx.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_library_is_a_clear_error_naming_it() {
+    let _g = ENV.lock().await;
+    std::env::set_var(
+        pdd_io::local::ucx_ffi::ENV_UCP_LIBRARY,
+        "libucp-nonexistent.so.9",
+    );
+    let r = LocalReceiver::start(
+        pool(|_, _| 0),
+        LocalReceiverConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            LocalHello::new(Role::RelayDecode, capability::KV_STREAM),
+        ),
+    )
+    .await;
+    std::env::remove_var(pdd_io::local::ucx_ffi::ENV_UCP_LIBRARY);
+    let e = r
+        .err()
+        .expect("a missing libucp must refuse the local path");
+    assert_eq!(e.reason(), "local_path_unavailable");
+    assert!(e.to_string().contains("libucp-nonexistent.so.9"), "{e}");
+}

@@ -1,0 +1,447 @@
+//! The local (UCX) path for Python: `LocalReceiver`, `LocalSender` and their
+//! transfer handles, and `ucx_version()`. Conversion and GIL release only; the
+//! logic is `pdd_io::local`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pdd_core::wire::handshake::LocalHello;
+use pdd_core::wire::{capability, Role};
+use pdd_core::Error;
+use pdd_io::local::receiver::{self, LocalReceiverConfig};
+use pdd_io::local::sender::{self, LocalSenderConfig};
+use pdd_io::local::LocalStatus;
+use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
+use pyo3::types::PyDict;
+
+use crate::convert::{u32s_from_py, RequestId};
+use crate::errors::{invalid, PddErr};
+use crate::kv::KvPool;
+use crate::runtime::{block_on, runtime};
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<LocalReceiver>()?;
+    m.add_class::<LocalSender>()?;
+    m.add_class::<LocalInbound>()?;
+    m.add_class::<LocalOutbound>()?;
+    m.add_function(wrap_pyfunction!(ucx_version, m)?)?;
+    Ok(())
+}
+
+/// UCX's version (`"1.13.1"`), loading libucp if needed; raises `TransportError`
+/// (`local_path_unavailable`, naming the library) where it cannot be loaded.
+#[pyfunction]
+fn ucx_version() -> PyResult<String> {
+    pdd_io::local::ucx_version().map_err(|e| PddErr(e).into())
+}
+
+fn secs(v: f64, what: &str) -> PyResult<Duration> {
+    if !v.is_finite() || v <= 0.0 || v > 1e6 {
+        return Err(invalid(format!(
+            "{what} must be a positive number of seconds, got {v}"
+        )));
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+fn addr(s: &str) -> PyResult<SocketAddr> {
+    s.parse()
+        .map_err(|_| invalid(format!("'{s}' is not an IP:port address")))
+}
+
+fn role(name: &str) -> PyResult<Role> {
+    Role::from_name(name).ok_or_else(|| invalid(format!("unknown role '{name}'")))
+}
+
+fn bounded<T: Send>(
+    py: Python<'_>,
+    timeout: Duration,
+    what: &str,
+    fut: impl std::future::Future<Output = Result<T, Error>> + Send,
+) -> PyResult<T> {
+    let what = what.to_owned();
+    block_on(py, async move {
+        match tokio::time::timeout(timeout, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::DeadlineExceeded {
+                what: format!("{what} within {timeout:?}"),
+            }),
+        }
+    })?
+    .map_err(|e| PddErr(e).into())
+}
+
+fn status_dict<'py>(py: Python<'py>, s: &LocalStatus) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    match s {
+        LocalStatus::InProgress => d.set_item("state", "in_progress")?,
+        LocalStatus::Complete { bytes } => {
+            d.set_item("state", "complete")?;
+            d.set_item("bytes", bytes)?;
+        }
+        LocalStatus::Failed(e) => {
+            d.set_item("state", "failed")?;
+            d.set_item("reason", e.reason())?;
+            d.set_item("message", e.to_string())?;
+        }
+    }
+    Ok(d)
+}
+
+fn metrics_dict<'py>(
+    py: Python<'py>,
+    m: &pdd_io::metrics::Metrics,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (name, value, _, _) in m.snapshot() {
+        d.set_item(name, value)?;
+    }
+    Ok(d)
+}
+
+/// The local path's receiver (RelayDecode): senders connect its control lane; KV
+/// arrives by UCX puts into exactly the pages it grants.
+#[pyclass(frozen, module = "pdd_transport._native")]
+pub struct LocalReceiver {
+    inner: Arc<receiver::LocalReceiver>,
+    keys: crate::kv_events::KeyBook,
+}
+
+#[pymethods]
+impl LocalReceiver {
+    #[new]
+    #[pyo3(signature = (pool, listen = "127.0.0.1:0", *, role = "relay_decode", secret = None, insecure = false, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, hello_timeout_s = 5.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        pool: &KvPool,
+        listen: &str,
+        role: &str,
+        secret: Option<PyBackedBytes>,
+        insecure: bool,
+        tls: Option<PyRef<'_, crate::tls::TlsConfig>>,
+        heartbeat_s: f64,
+        dead_after_s: f64,
+        hello_timeout_s: f64,
+    ) -> PyResult<Self> {
+        let mut hello = LocalHello::new(self::role(role)?, capability::KV_STREAM);
+        hello.secret = secret.map(|c| bytes::Bytes::copy_from_slice(&c));
+        let mut cfg = LocalReceiverConfig::new(addr(listen)?, hello);
+        cfg.allow_insecure = insecure;
+        cfg.tls = tls.map(|t| t.inner.clone());
+        cfg.heartbeat = secs(heartbeat_s, "heartbeat_s")?;
+        cfg.dead_after = secs(dead_after_s, "dead_after_s")?;
+        cfg.hello_timeout = secs(hello_timeout_s, "hello_timeout_s")?;
+        let pool = pool.pool.clone();
+        let rx = block_on(py, receiver::LocalReceiver::start(pool, cfg))?.map_err(PddErr)?;
+        Ok(LocalReceiver {
+            inner: Arc::new(rx),
+            keys: Default::default(),
+        })
+    }
+
+    /// `(host, port)` of the control lane's listener.
+    #[getter]
+    fn address(&self) -> (String, u16) {
+        let a = self.inner.local_addr();
+        (a.ip().to_string(), a.port())
+    }
+
+    /// Connected senders.
+    fn peers(&self) -> Vec<u64> {
+        self.inner.peers()
+    }
+
+    /// Wait until a sender is connected; returns its local session number.
+    #[pyo3(signature = (timeout = 10.0))]
+    fn wait_peer(&self, py: Python<'_>, timeout: f64) -> PyResult<u64> {
+        let rx = self.inner.clone();
+        bounded(
+            py,
+            secs(timeout, "timeout")?,
+            "a local-path sender",
+            async move { Ok(rx.wait_peer().await) },
+        )
+    }
+
+    /// Grant `pages` (pool pages, in the order the sender fills them) on every
+    /// layer to `peer` (the only sender with None): only these pages are exposed.
+    #[pyo3(signature = (request_id, pages, *, peer = None, deadline_s = None, timeout = 10.0))]
+    fn grant(
+        &self,
+        py: Python<'_>,
+        request_id: RequestId,
+        pages: &Bound<'_, PyAny>,
+        peer: Option<u64>,
+        deadline_s: Option<f64>,
+        timeout: f64,
+    ) -> PyResult<LocalInbound> {
+        let pages = u32s_from_py(pages, "pages")?;
+        let deadline = deadline_s.map(|d| secs(d, "deadline_s")).transpose()?;
+        let rx = self.inner.clone();
+        let t = bounded(
+            py,
+            secs(timeout, "timeout")?,
+            "registering a grant",
+            async move { rx.grant(request_id.0, &pages, peer, deadline).await },
+        )?;
+        Ok(LocalInbound { inner: t })
+    }
+
+    /// Cancel a live transfer (its keys are revoked, the sender told). False if it
+    /// had ended.
+    fn cancel(&self, transfer_id: u64) -> PyResult<bool> {
+        let rt = runtime()?;
+        let _guard = rt.enter();
+        Ok(self.inner.cancel(transfer_id))
+    }
+
+    /// Take up to `max` events (`LayerComplete`, `TransferComplete`,
+    /// `TransferFailed`, as `KvReceiver.poll_events` gives them), oldest first.
+    #[pyo3(signature = (max = 1024))]
+    fn poll_events(&self, py: Python<'_>, max: usize) -> PyResult<Vec<Py<PyAny>>> {
+        self.inner
+            .poll_events(max)
+            .into_iter()
+            .map(|e| {
+                crate::kv_events::event_to_py(
+                    py,
+                    &self.keys,
+                    &pdd_io::receiver::ReceiverEvent::Transfer(e),
+                )
+            })
+            .collect()
+    }
+
+    /// Counters.
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        metrics_dict(py, self.inner.metrics())
+    }
+
+    /// End every session (their transfers fail) and stop listening.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let rx = self.inner.clone();
+        block_on(py, async move { rx.close().await })
+    }
+}
+
+/// The receiver's handle on one local-path transfer.
+#[pyclass(frozen, module = "pdd_transport._native")]
+pub struct LocalInbound {
+    inner: receiver::LocalInbound,
+}
+
+#[pymethods]
+impl LocalInbound {
+    #[getter]
+    fn transfer_id(&self) -> u64 {
+        self.inner.grant.transfer_id
+    }
+    #[getter]
+    fn request_id(&self) -> u64 {
+        self.inner.grant.request_id
+    }
+    #[getter]
+    fn layer_count(&self) -> u16 {
+        self.inner.grant.layer_count
+    }
+    #[getter]
+    fn page_count(&self) -> u32 {
+        self.inner.grant.page_count
+    }
+
+    /// `{"state": "in_progress" | "complete" | "failed", ...}`.
+    fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        status_dict(py, &self.inner.status())
+    }
+
+    /// Wait until every page is in (returns the bytes) or raise why it failed.
+    #[pyo3(signature = (timeout = 60.0))]
+    fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<u64> {
+        let t = self.inner.clone();
+        bounded(
+            py,
+            secs(timeout, "timeout")?,
+            "a local transfer",
+            async move { t.wait().await },
+        )
+    }
+}
+
+/// The local path's sender (Prefill).
+#[pyclass(frozen, module = "pdd_transport._native")]
+pub struct LocalSender {
+    inner: Arc<sender::LocalSender>,
+}
+
+#[pymethods]
+impl LocalSender {
+    #[new]
+    #[pyo3(signature = (pool, connect, *, node_id = None, role = "prefill", secret = None, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, put_timeout_s = 30.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        pool: &KvPool,
+        connect: &str,
+        node_id: Option<u64>,
+        role: &str,
+        secret: Option<PyBackedBytes>,
+        tls: Option<PyRef<'_, crate::tls::TlsConfig>>,
+        heartbeat_s: f64,
+        dead_after_s: f64,
+        connect_timeout_s: f64,
+        put_timeout_s: f64,
+    ) -> PyResult<Self> {
+        let session_id = match node_id {
+            Some(0) => return Err(invalid("node_id 0 is reserved")),
+            Some(n) => n,
+            None => loop {
+                let n: u64 = rand_id();
+                if n != 0 {
+                    break n;
+                }
+            },
+        };
+        let mut hello = LocalHello::new(self::role(role)?, capability::KV_STREAM);
+        hello.secret = secret.map(|c| bytes::Bytes::copy_from_slice(&c));
+        let mut cfg = LocalSenderConfig::new(addr(connect)?, session_id, hello);
+        cfg.tls = tls.map(|t| t.inner.clone());
+        cfg.heartbeat = secs(heartbeat_s, "heartbeat_s")?;
+        cfg.dead_after = secs(dead_after_s, "dead_after_s")?;
+        cfg.connect_timeout = secs(connect_timeout_s, "connect_timeout_s")?;
+        cfg.put_timeout = secs(put_timeout_s, "put_timeout_s")?;
+        let pool = pool.pool.clone();
+        let tx = block_on(py, sender::LocalSender::connect(pool, cfg))?.map_err(PddErr)?;
+        Ok(LocalSender {
+            inner: Arc::new(tx),
+        })
+    }
+
+    /// Wait for the receiver's grant for `request_id`.
+    #[pyo3(signature = (request_id, timeout = 10.0))]
+    fn wait_grant(
+        &self,
+        py: Python<'_>,
+        request_id: RequestId,
+        timeout: f64,
+    ) -> PyResult<LocalOutbound> {
+        let tx = self.inner.clone();
+        let out = bounded(py, secs(timeout, "timeout")?, "a local grant", async move {
+            tx.wait_grant(request_id.0).await
+        })?;
+        Ok(LocalOutbound {
+            inner: Arc::new(out),
+        })
+    }
+
+    /// Counters.
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        metrics_dict(py, self.inner.metrics())
+    }
+
+    /// End the session (live transfers fail).
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let tx = self.inner.clone();
+        block_on(py, async move { tx.close().await })
+    }
+}
+
+fn rand_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish()
+}
+
+/// The sender's handle on one local-path grant.
+#[pyclass(frozen, module = "pdd_transport._native")]
+pub struct LocalOutbound {
+    inner: Arc<sender::LocalOutbound>,
+}
+
+#[pymethods]
+impl LocalOutbound {
+    #[getter]
+    fn transfer_id(&self) -> u64 {
+        self.inner.grant().transfer_id
+    }
+    #[getter]
+    fn request_id(&self) -> u64 {
+        self.inner.grant().request_id
+    }
+    #[getter]
+    fn layer_count(&self) -> u16 {
+        self.inner.grant().layer_count
+    }
+    #[getter]
+    fn page_count(&self) -> u32 {
+        self.inner.grant().page_count
+    }
+    #[getter]
+    fn page_bytes(&self) -> u32 {
+        self.inner.grant().page_bytes
+    }
+
+    /// Put grant layer `layer` from source pages `src_pages` (one per grant page)
+    /// of pool layer `src_layer` (`layer` with None); returns once the bytes are in
+    /// the receiver's memory and the completion notice is queued.
+    #[pyo3(signature = (layer, src_pages, src_layer = None, timeout = 60.0))]
+    fn send_layer(
+        &self,
+        py: Python<'_>,
+        layer: u16,
+        src_pages: &Bound<'_, PyAny>,
+        src_layer: Option<u16>,
+        timeout: f64,
+    ) -> PyResult<()> {
+        let pages = u32s_from_py(src_pages, "src_pages")?;
+        let out = self.inner.clone();
+        bounded(
+            py,
+            secs(timeout, "timeout")?,
+            "a local layer put",
+            async move {
+                out.send_layer(layer, src_layer.unwrap_or(layer), &pages)
+                    .await
+            },
+        )
+    }
+
+    /// Check every layer was sent.
+    fn finish(&self, py: Python<'_>) -> PyResult<()> {
+        let out = self.inner.clone();
+        block_on(py, async move { out.finish().await })?.map_err(|e| PddErr(e).into())
+    }
+
+    /// Give up (the receiver is told; keys destroyed).
+    fn abort(&self) -> PyResult<()> {
+        let rt = runtime()?;
+        let _guard = rt.enter();
+        self.inner.abort();
+        Ok(())
+    }
+
+    /// `{"state": ...}` as for `LocalInbound.status`.
+    fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        status_dict(py, &self.inner.status())
+    }
+
+    /// Wait for the receiver's confirmation (bytes) or raise why it failed.
+    #[pyo3(signature = (timeout = 60.0))]
+    fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<u64> {
+        let out = self.inner.clone();
+        bounded(
+            py,
+            secs(timeout, "timeout")?,
+            "a local transfer",
+            async move { out.wait().await },
+        )
+    }
+}

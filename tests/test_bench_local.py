@@ -1,0 +1,50 @@
+"""`bench local` and `bench dual`, small: the report's fields, the verification, and
+that the CLI prints one JSON object. Figures are not checked here (speed is measured
+in the benchmark, not in tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pdd_transport import local
+from pdd_transport.bench.local import DualConfig, LocalConfig, run_dual, run_local
+
+if not local.available():
+    if os.environ.get("PDD_REQUIRE_UCX"):
+        raise RuntimeError("PDD_REQUIRE_UCX is set but libucp cannot be loaded")
+    pytest.skip("UCX (libucp.so.0) is not installed here", allow_module_level=True)
+
+
+def test_bench_local_reports_verified_figures_with_its_baselines() -> None:
+    r = run_local(LocalConfig(bytes=4 << 20, page_bytes=[1 << 20, 64 << 10, 4 << 10], repeat=1))
+    assert r["verified"] is True
+    assert r["shuffled"] is True and r["processes"] == 2
+    assert [c["page_bytes"] for c in r["compare"]] == [1 << 20, 64 << 10, 4 << 10]
+    for c in r["compare"]:
+        assert c["verified"] and c["gbytes_per_s"] > 0 and c["grant_seconds"] >= 0
+    assert r["baseline_wan_gbytes_per_s"] > 0 and r["ratio_vs_wan"] > 0
+    assert r["baseline_memcpy_gbytes_per_s"] > 0
+    if "ucx_perftest_missing" not in r["notes"]:
+        assert r["baseline_ucx_perftest_gbytes_per_s"] is not None
+
+
+def test_bench_dual_reports_both_sides() -> None:
+    r = run_dual(DualConfig(bytes=8 << 20, page_bytes=256 << 10, layers=2, repeat=1, missing=0.25))
+    assert r["verified"] is True
+    assert r["rld_bytes"] == 8 << 20 and r["wan_bytes"] == 2 << 20
+    assert r["rld_seconds_alone"] > 0 and r["rld_seconds_with_wan"] > 0
+
+
+def test_cli_prints_one_json_object() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "pdd_transport.cli", "bench", "dual", "--json", "--bytes", "4M", "--layers", "2",
+         "--repeat", "1"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    report = json.loads(out.stdout)
+    assert {"rld_seconds_alone", "rld_seconds_with_wan", "wan_bytes", "rld_bytes"} <= set(report)

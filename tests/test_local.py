@@ -1,0 +1,244 @@
+"""The local (UCX) path from Python: two processes on shared memory / CMA and on TCP,
+the grant rules (only granted pages are written, keys revoked at the grant's end),
+the missing-library error, the pool's memory kind, and the dual-path send's
+isolation of its two sides.
+
+UCX must be installed for these to run: CI installs Debian's libucx0 and sets
+PDD_REQUIRE_UCX=1, which turns the skip below into a failure."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pdd_transport import InvalidArgument, PddError, TransportError, kv, local
+
+if not local.available():
+    if os.environ.get("PDD_REQUIRE_UCX"):
+        raise RuntimeError("PDD_REQUIRE_UCX is set but libucp cannot be loaded")
+    pytest.skip("UCX (libucp.so.0) is not installed here", allow_module_level=True)
+
+LAYERS, PAGES, PAGE = 3, 32, 4096
+DEST = [5, 6, 7, 30, 2, 19, 20, 11, 0]
+SRC = [9, 10, 11, 3, 31, 1, 2, 25, 16]
+
+
+def source_backing() -> np.ndarray:
+    rng = np.random.default_rng(7)
+    return rng.integers(1, 255, (LAYERS, PAGES, PAGE), dtype=np.uint8)
+
+
+def zeros_pool() -> tuple[kv.KvPool, np.ndarray]:
+    backing = np.zeros((LAYERS, PAGES, PAGE), np.uint8)
+    return kv.pool_from_buffers(backing, PAGE, num_layers=LAYERS), backing
+
+
+SENDER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from pdd_transport import kv, local
+    addr, rid = sys.argv[1], int(sys.argv[2])
+    src = np.random.default_rng(7).integers(1, 255, (3, 32, 4096), dtype=np.uint8)
+    tx = local.LocalSender(kv.pool_from_buffers(src, 4096, num_layers=3), addr)
+    out = tx.wait_grant(rid, timeout=20)
+    for layer in range(out.layer_count):
+        out.send_layer(layer, %r)
+    out.finish()
+    print(out.wait(timeout=20))
+    tx.close()
+    """
+    % SRC
+)
+
+
+@pytest.mark.parametrize("ucx_tls", ["sm,self", "tcp,self"])
+def test_two_processes_land_exactly_the_granted_pages(ucx_tls: str) -> None:
+    # UCX's worker is per process and reads UCX_TLS once: this process leaves it
+    # unset (every transport), the sender's is restricted to the one under test.
+    pool, mem = zeros_pool()
+    rx = local.LocalReceiver(pool)
+    addr = "%s:%d" % rx.address
+    child = subprocess.Popen([sys.executable, "-c", SENDER, addr, "7"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, UCX_TLS=ucx_tls))
+    try:
+        rx.wait_peer(timeout=20)
+        inbound = rx.grant(7, DEST, deadline_s=30)
+        assert inbound.wait(timeout=30) == LAYERS * len(DEST) * PAGE
+        out, err = child.communicate(timeout=30)
+        assert child.returncode == 0, err
+        assert int(out.strip()) == LAYERS * len(DEST) * PAGE
+    finally:
+        child.kill()
+        rx.close()
+    src = source_backing()
+    for layer in range(LAYERS):
+        for d, s in zip(DEST, SRC):
+            assert np.array_equal(mem[layer, d], src[layer, s]), (ucx_tls, layer, d)
+        outside = [p for p in range(PAGES) if p not in DEST]
+        assert not mem[layer, outside].any(), f"{ucx_tls}: a page outside the grant was written"
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[local.LocalReceiver, local.LocalSender, np.ndarray]]:
+    pool, mem = zeros_pool()
+    rx = local.LocalReceiver(pool)
+    tx = local.LocalSender(kv.pool_from_buffers(source_backing(), PAGE, num_layers=LAYERS), "%s:%d" % rx.address)
+    rx.wait_peer(timeout=10)
+    yield rx, tx, mem
+    tx.close()
+    rx.close()
+
+
+def test_a_cancelled_grant_revokes_its_keys(pair: tuple[local.LocalReceiver, local.LocalSender, np.ndarray]) -> None:
+    rx, tx, mem = pair
+    inbound = rx.grant(3, [1, 2, 3])
+    out = tx.wait_grant(3, timeout=10)
+    out.send_layer(0, [4, 5, 6])
+    assert rx.cancel(inbound.transfer_id)
+    with pytest.raises(TransportError) as e:
+        inbound.wait(timeout=5)
+    assert e.value.reason == "cancelled"
+    with pytest.raises(PddError) as put:
+        out.wait(timeout=5)
+    assert put.value.reason == "peer_aborted"
+    with pytest.raises(PddError) as again:
+        out.send_layer(1, [4, 5, 6])
+    assert again.value.reason in ("peer_aborted", "grant_violation")
+    assert out.status()["state"] == "failed"
+    assert not mem[1].any() and not mem[2].any()
+
+
+def test_wrong_source_page_count_is_refused(pair: tuple[local.LocalReceiver, local.LocalSender, np.ndarray]) -> None:
+    rx, tx, _ = pair
+    rx.grant(4, [1, 2])
+    out = tx.wait_grant(4, timeout=10)
+    with pytest.raises(InvalidArgument):
+        out.send_layer(0, [1, 2, 3])
+    with pytest.raises(InvalidArgument):
+        out.send_layer(LAYERS, [1, 2])
+    out.abort()
+
+
+def test_a_missing_library_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDD_UCX_LIBRARY", "libucp-not-here.so.7")
+    pool, _ = zeros_pool()
+    with pytest.raises(TransportError) as e:
+        local.LocalReceiver(pool)
+    assert e.value.reason == "local_path_unavailable"
+    assert "libucp-not-here.so.7" in str(e.value)
+    with pytest.raises(TransportError):
+        local.ucx_version()
+    monkeypatch.delenv("PDD_UCX_LIBRARY")
+    assert local.ucx_version().count(".") == 2
+
+
+def test_the_pool_records_its_memory_kind_and_refuses_cuda() -> None:
+    pool, _ = zeros_pool()
+    assert pool.memory_kind == "host"
+
+    class FakeCuda:
+        __cuda_array_interface__ = {"shape": (4096,), "typestr": "|u1", "data": (0, False), "version": 3}
+
+    with pytest.raises(InvalidArgument) as e:
+        kv.pool_from_buffers([FakeCuda()], PAGE)
+    assert e.value.reason == "unsupported_memory_kind"
+
+
+def _dual_fixture() -> tuple[local.LocalReceiver, local.LocalSender, kv.KvReceiver, kv.KvSender, np.ndarray, np.ndarray]:
+    src_pool = kv.pool_from_buffers(source_backing(), PAGE, num_layers=LAYERS)
+    rld_pool, rld_mem = zeros_pool()
+    md_pool, md_mem = zeros_pool()
+    rld = local.LocalReceiver(rld_pool)
+    md = kv.KvReceiver(md_pool)
+    to_rld = local.LocalSender(src_pool, "%s:%d" % rld.address)
+    to_md = kv.KvSender(src_pool, "%s:%d" % md.address, lanes=2)
+    rld.wait_peer(timeout=10)
+    md.wait_peer(timeout=10)
+    return rld, to_rld, md, to_md, rld_mem, md_mem
+
+
+@pytest.mark.parametrize("fail", [None, "wan", "local"])
+def test_dual_send_fans_out_and_isolates_each_side(fail: str | None) -> None:
+    rld, to_rld, md, to_md, rld_mem, md_mem = _dual_fixture()
+    try:
+        pages = SRC  # the request's pages on P, prompt order
+        rld_in = rld.grant(11, DEST, deadline_s=30)
+        md_in = md.grant(11, [20, 21, 22], deadline_s=30)  # MD lacks only the last 3 pages
+        dual = kv.DualSender(to_rld.wait_grant(11, timeout=10), to_md.wait_grant(11, timeout=10), pages)
+        if fail == "wan":
+            md.cancel(md_in.transfer_id)
+        elif fail == "local":
+            rld.cancel(rld_in.transfer_id)
+        for layer in range(LAYERS):
+            dual.send_layer(layer)
+        dual.finish()
+        outcome = dual.wait(timeout=30)
+        assert outcome.local is not None and outcome.wan is not None
+        assert outcome.local.ok is (fail != "local"), outcome.local
+        assert outcome.wan.ok is (fail != "wan"), outcome.wan
+        src = source_backing()
+        if fail != "local":
+            assert outcome.local.bytes == LAYERS * len(DEST) * PAGE
+            assert np.array_equal(rld_mem[:, DEST], src[:, SRC])
+        else:
+            assert outcome.local.reason in ("peer_aborted", "grant_violation")
+        if fail != "wan":
+            assert outcome.wan.bytes == LAYERS * 3 * PAGE
+            assert np.array_equal(md_mem[:, [20, 21, 22]], src[:, SRC[-3:]])
+            assert not md_mem[:, :20].any()
+        else:
+            assert outcome.wan.reason == "peer_aborted"
+    finally:
+        to_rld.close()
+        to_md.close()
+        rld.close()
+        md.close()
+
+
+def test_prefill_role_send_is_the_dual_path_send() -> None:
+    """PrefillRole.send (no engine needed for it) fans out to RLD over the local path
+    and MD over the WAN path; MD failing leaves RLD's transfer complete."""
+    from types import SimpleNamespace
+
+    from pdd_transport.roles import Plan, PrefillRole, Prefilled
+
+    rld, to_rld, md, to_md, rld_mem, md_mem = _dual_fixture()
+    try:
+        engine: Any = SimpleNamespace(config=SimpleNamespace(page_tokens=16, num_layers=LAYERS))
+        role = PrefillRole(engine, to_md, to_rld, kv_bytes_per_token=1)
+        polled = local.PolledLocalReceiver(None, receiver=rld)
+        polled.grant(21, DEST, deadline_s=30)
+        md_in = md.grant(21, [20, 21, 22], deadline_s=30)
+        assert role.send(Prefilled(Plan(21, "p_rld_md", 0), SRC, [], None), timeout=30) == []
+        src = source_backing()
+        assert np.array_equal(rld_mem[:, DEST], src[:, SRC])
+        assert np.array_equal(md_mem[:, [20, 21, 22]], src[:, SRC[-3:]])
+        assert md_in.wait(timeout=5) == LAYERS * 3 * PAGE
+        assert polled.wait_event(timeout=5)
+        evs = polled.poll_events()
+        assert not polled.wait_event(timeout=0.01)
+        assert [type(e) for e in evs] == [kv.LayerComplete] * LAYERS + [kv.TransferComplete], evs
+        assert (evs[-1].request_id, evs[-1].bytes) == (21, LAYERS * len(DEST) * PAGE)
+        # MD cancels the next one before any byte: only the WAN side fails (its grant
+        # never comes, or comes cancelled); RLD's transfer completes meanwhile.
+        polled.grant(22, DEST, deadline_s=30)
+        md.cancel(md.grant(22, [20, 21, 22], deadline_s=30).transfer_id)
+        t0 = time.monotonic()
+        failures = role.send(Prefilled(Plan(22, "p_rld_md", 0), SRC, [], None), timeout=3)
+        assert [f.where for f in failures] == ["send to main"], failures
+        assert failures[0].reason in ("peer_aborted", "deadline_exceeded"), failures
+        assert isinstance(polled.poll_events()[-1], kv.TransferComplete)
+    finally:
+        to_rld.close()
+        to_md.close()
+        rld.close()
+        md.close()
