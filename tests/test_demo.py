@@ -41,7 +41,7 @@ def test_demo_table_keeps_long_cells_apart(capsys: pytest.CaptureFixture[str]) -
         return {
             "ttft_p50_s": 0.1, "ttft_p90_s": 0.5, "ttft_p99_s": 0.9, "wan_bytes": 10**9,
             "pipelines": pipelines, "handoffs_by_mode": modes, "tokens_by_rld": 2316,
-            "tokens_by_md": 7947, "completed": 120, "errors": 0,
+            "tokens_by_md": 7947, "completed": 120, "errors": 0, "local_bytes": 0, "relay_path": "tcp",
         }
 
     summary = {

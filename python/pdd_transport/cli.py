@@ -290,23 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--seed", type=int, default=0)
     soak.set_defaults(run=_bench_soak)
 
-    for name, help_, defaults in (
-        ("local", "the local (UCX) path, with our WAN path, memcpy, ucx_perftest", ("1G", "1M,64K,4K", 1, 3)),
-        ("dual", "RLD's local transfer alone and with the WAN transfer to MD beside it", ("256M", "1M", 4, 5)),
-    ):
-        b = bench_sub.add_parser(name, help=help_, description=help_ + ". Needs UCX. See docs/benchmarks.md.")
-        b.add_argument("--json", action="store_true", help="print one JSON object")
-        for flag, default in zip(("--bytes", "--page-bytes", "--layers", "--repeat", "--seed"), (*defaults, 0)):
-            b.add_argument(flag, type=type(default), default=default, help="(default %(default)s)")
-        b.add_argument("--ucx-tls", help="UCX_TLS for both processes (e.g. sm,self, tcp,self); default: UCX's choice")
-        b.add_argument("--timeout", type=float, help="bound per transfer in seconds (default from --bytes)")
-        if name == "local":
-            b.add_argument("--no-baselines", action="store_true", help="measure only the local path")
-        else:
-            b.add_argument("--missing", type=float, default=0.25, help="share of pages MD lacks (default %(default)s)")
-            b.add_argument("--lanes", type=int, default=DEFAULT_LANES, help="WAN data lanes (default %(default)s)")
-            _add_wan(b, "the line to MainDecode", None, 0.0)
-        b.set_defaults(run=_bench_local)
+    from pdd_transport.bench import local as local_bench
+
+    local_bench.add_parsers(bench_sub, _add_wan, _bench_local)
 
     stream = bench_sub.add_parser(
         "stream",

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from pdd_transport.bench.stream import (
+    DEFAULT_LANES,
     Peer,
     PddPath,
     StreamConfig,
@@ -51,7 +52,7 @@ from pdd_transport.bench.stream import (
 )
 from pdd_transport.errors import InvalidArgument
 
-__all__ = ["DualConfig", "LocalConfig", "run_args", "run_dual", "run_local"]
+__all__ = ["DualConfig", "LocalConfig", "add_parsers", "run_args", "run_dual", "run_local"]
 
 MiB = 1 << 20
 
@@ -424,6 +425,28 @@ def run_dual(cfg: DualConfig, progress: Any = None) -> dict[str, Any]:
         "runs": {"rld_seconds_alone": [round(x, 6) for x in alone],
                  "rld_seconds_with_wan": [round(x, 6) for x in with_wan]},
     }
+
+
+def add_parsers(bench_sub: Any, add_wan: Any, run: Any) -> None:
+    """The ``bench local`` and ``bench dual`` subcommands on the CLI's ``bench``
+    subparsers; ``add_wan`` is the CLI's one ``--wan`` option, ``run`` the dispatch."""
+    for name, help_, defaults in (
+        ("local", "the local (UCX) path, with our WAN path, memcpy, ucx_perftest", ("1G", "1M,64K,4K", 1, 3)),
+        ("dual", "RLD's local transfer alone and with the WAN transfer to MD beside it", ("256M", "1M", 4, 5)),
+    ):
+        b = bench_sub.add_parser(name, help=help_, description=help_ + ". Needs UCX. See docs/benchmarks.md.")
+        b.add_argument("--json", action="store_true", help="print one JSON object")
+        for flag, default in zip(("--bytes", "--page-bytes", "--layers", "--repeat", "--seed"), (*defaults, 0)):
+            b.add_argument(flag, type=type(default), default=default, help="(default %(default)s)")
+        b.add_argument("--ucx-tls", help="UCX_TLS for both processes (e.g. sm,self, tcp,self); default: UCX's choice")
+        b.add_argument("--timeout", type=float, help="bound per transfer in seconds (default from --bytes)")
+        if name == "local":
+            b.add_argument("--no-baselines", action="store_true", help="measure only the local path")
+        else:
+            b.add_argument("--missing", type=float, default=0.25, help="share of pages MD lacks (default %(default)s)")
+            b.add_argument("--lanes", type=int, default=DEFAULT_LANES, help="WAN data lanes (default %(default)s)")
+            add_wan(b, "the line to MainDecode", None, 0.0)
+        b.set_defaults(run=run)
 
 
 def run_args(args: Any, wan: Any, progress: Any = None) -> dict[str, Any]:
