@@ -34,7 +34,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-fn seconds(v: f64, what: &str) -> PyResult<Duration> {
+pub(crate) fn seconds(v: f64, what: &str) -> PyResult<Duration> {
     if !v.is_finite() || v <= 0.0 || v > 1e6 {
         return Err(invalid(format!(
             "{what} must be a positive number of seconds, got {v}"
@@ -43,17 +43,17 @@ fn seconds(v: f64, what: &str) -> PyResult<Duration> {
     Ok(Duration::from_secs_f64(v))
 }
 
-fn role(name: &str) -> PyResult<Role> {
+pub(crate) fn role(name: &str) -> PyResult<Role> {
     Role::from_name(name).ok_or_else(|| invalid(format!("unknown role '{name}'")))
 }
 
-fn address(s: &str) -> PyResult<SocketAddr> {
+pub(crate) fn address(s: &str) -> PyResult<SocketAddr> {
     s.parse()
         .map_err(|_| invalid(format!("'{s}' is not an IP:port address")))
 }
 
 /// Run `fut` on the shared runtime with the GIL released, bounded by `timeout`.
-fn wait_bounded<T: Send>(
+pub(crate) fn wait_bounded<T: Send>(
     py: Python<'_>,
     timeout: Duration,
     what: &str,
@@ -93,7 +93,7 @@ where
     })
 }
 
-fn metrics_dict<'py>(py: Python<'py>, m: &Metrics) -> PyResult<Bound<'py, PyDict>> {
+pub(crate) fn metrics_dict<'py>(py: Python<'py>, m: &Metrics) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     for (name, value, _, _) in m.snapshot() {
         d.set_item(name, value)?;

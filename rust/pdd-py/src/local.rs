@@ -2,13 +2,10 @@
 //! transfer handles, and `ucx_version()`. Conversion and GIL release only; the
 //! logic is `pdd_io::local`.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
+use pdd_core::wire::capability;
 use pdd_core::wire::handshake::LocalHello;
-use pdd_core::wire::{capability, Role};
-use pdd_core::Error;
 use pdd_io::local::receiver::{self, LocalReceiverConfig};
 use pdd_io::local::sender::{self, LocalSenderConfig};
 use pdd_io::local::LocalStatus;
@@ -18,7 +15,7 @@ use pyo3::types::PyDict;
 
 use crate::convert::{u32s_from_py, RequestId};
 use crate::errors::{invalid, PddErr};
-use crate::kv::KvPool;
+use crate::kv::{address, metrics_dict, role, seconds, wait_bounded, KvPool};
 use crate::runtime::{block_on, runtime};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -37,42 +34,6 @@ fn ucx_version() -> PyResult<String> {
     pdd_io::local::ucx_version().map_err(|e| PddErr(e).into())
 }
 
-fn secs(v: f64, what: &str) -> PyResult<Duration> {
-    if !v.is_finite() || v <= 0.0 || v > 1e6 {
-        return Err(invalid(format!(
-            "{what} must be a positive number of seconds, got {v}"
-        )));
-    }
-    Ok(Duration::from_secs_f64(v))
-}
-
-fn addr(s: &str) -> PyResult<SocketAddr> {
-    s.parse()
-        .map_err(|_| invalid(format!("'{s}' is not an IP:port address")))
-}
-
-fn role(name: &str) -> PyResult<Role> {
-    Role::from_name(name).ok_or_else(|| invalid(format!("unknown role '{name}'")))
-}
-
-fn bounded<T: Send>(
-    py: Python<'_>,
-    timeout: Duration,
-    what: &str,
-    fut: impl std::future::Future<Output = Result<T, Error>> + Send,
-) -> PyResult<T> {
-    let what = what.to_owned();
-    block_on(py, async move {
-        match tokio::time::timeout(timeout, fut).await {
-            Ok(r) => r,
-            Err(_) => Err(Error::DeadlineExceeded {
-                what: format!("{what} within {timeout:?}"),
-            }),
-        }
-    })?
-    .map_err(|e| PddErr(e).into())
-}
-
 fn status_dict<'py>(py: Python<'py>, s: &LocalStatus) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     match s {
@@ -86,17 +47,6 @@ fn status_dict<'py>(py: Python<'py>, s: &LocalStatus) -> PyResult<Bound<'py, PyD
             d.set_item("reason", e.reason())?;
             d.set_item("message", e.to_string())?;
         }
-    }
-    Ok(d)
-}
-
-fn metrics_dict<'py>(
-    py: Python<'py>,
-    m: &pdd_io::metrics::Metrics,
-) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    for (name, value, _, _) in m.snapshot() {
-        d.set_item(name, value)?;
     }
     Ok(d)
 }
@@ -128,12 +78,12 @@ impl LocalReceiver {
     ) -> PyResult<Self> {
         let mut hello = LocalHello::new(self::role(role)?, capability::KV_STREAM);
         hello.secret = secret.map(|c| bytes::Bytes::copy_from_slice(&c));
-        let mut cfg = LocalReceiverConfig::new(addr(listen)?, hello);
+        let mut cfg = LocalReceiverConfig::new(address(listen)?, hello);
         cfg.allow_insecure = insecure;
         cfg.tls = tls.map(|t| t.inner.clone());
-        cfg.heartbeat = secs(heartbeat_s, "heartbeat_s")?;
-        cfg.dead_after = secs(dead_after_s, "dead_after_s")?;
-        cfg.hello_timeout = secs(hello_timeout_s, "hello_timeout_s")?;
+        cfg.heartbeat = seconds(heartbeat_s, "heartbeat_s")?;
+        cfg.dead_after = seconds(dead_after_s, "dead_after_s")?;
+        cfg.hello_timeout = seconds(hello_timeout_s, "hello_timeout_s")?;
         let pool = pool.pool.clone();
         let rx = block_on(py, receiver::LocalReceiver::start(pool, cfg))?.map_err(PddErr)?;
         Ok(LocalReceiver {
@@ -158,9 +108,9 @@ impl LocalReceiver {
     #[pyo3(signature = (timeout = 10.0))]
     fn wait_peer(&self, py: Python<'_>, timeout: f64) -> PyResult<u64> {
         let rx = self.inner.clone();
-        bounded(
+        wait_bounded(
             py,
-            secs(timeout, "timeout")?,
+            seconds(timeout, "timeout")?,
             "a local-path sender",
             async move { Ok(rx.wait_peer().await) },
         )
@@ -179,11 +129,11 @@ impl LocalReceiver {
         timeout: f64,
     ) -> PyResult<LocalInbound> {
         let pages = u32s_from_py(pages, "pages")?;
-        let deadline = deadline_s.map(|d| secs(d, "deadline_s")).transpose()?;
+        let deadline = deadline_s.map(|d| seconds(d, "deadline_s")).transpose()?;
         let rx = self.inner.clone();
-        let t = bounded(
+        let t = wait_bounded(
             py,
-            secs(timeout, "timeout")?,
+            seconds(timeout, "timeout")?,
             "registering a grant",
             async move { rx.grant(request_id.0, &pages, peer, deadline).await },
         )?;
@@ -261,9 +211,9 @@ impl LocalInbound {
     #[pyo3(signature = (timeout = 60.0))]
     fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<u64> {
         let t = self.inner.clone();
-        bounded(
+        wait_bounded(
             py,
-            secs(timeout, "timeout")?,
+            seconds(timeout, "timeout")?,
             "a local transfer",
             async move { t.wait().await },
         )
@@ -306,12 +256,12 @@ impl LocalSender {
         };
         let mut hello = LocalHello::new(self::role(role)?, capability::KV_STREAM);
         hello.secret = secret.map(|c| bytes::Bytes::copy_from_slice(&c));
-        let mut cfg = LocalSenderConfig::new(addr(connect)?, session_id, hello);
+        let mut cfg = LocalSenderConfig::new(address(connect)?, session_id, hello);
         cfg.tls = tls.map(|t| t.inner.clone());
-        cfg.heartbeat = secs(heartbeat_s, "heartbeat_s")?;
-        cfg.dead_after = secs(dead_after_s, "dead_after_s")?;
-        cfg.connect_timeout = secs(connect_timeout_s, "connect_timeout_s")?;
-        cfg.put_timeout = secs(put_timeout_s, "put_timeout_s")?;
+        cfg.heartbeat = seconds(heartbeat_s, "heartbeat_s")?;
+        cfg.dead_after = seconds(dead_after_s, "dead_after_s")?;
+        cfg.connect_timeout = seconds(connect_timeout_s, "connect_timeout_s")?;
+        cfg.put_timeout = seconds(put_timeout_s, "put_timeout_s")?;
         let pool = pool.pool.clone();
         let tx = block_on(py, sender::LocalSender::connect(pool, cfg))?.map_err(PddErr)?;
         Ok(LocalSender {
@@ -328,9 +278,12 @@ impl LocalSender {
         timeout: f64,
     ) -> PyResult<LocalOutbound> {
         let tx = self.inner.clone();
-        let out = bounded(py, secs(timeout, "timeout")?, "a local grant", async move {
-            tx.wait_grant(request_id.0).await
-        })?;
+        let out = wait_bounded(
+            py,
+            seconds(timeout, "timeout")?,
+            "a local grant",
+            async move { tx.wait_grant(request_id.0).await },
+        )?;
         Ok(LocalOutbound {
             inner: Arc::new(out),
         })
@@ -403,9 +356,9 @@ impl LocalOutbound {
     ) -> PyResult<()> {
         let pages = u32s_from_py(src_pages, "src_pages")?;
         let out = self.inner.clone();
-        bounded(
+        wait_bounded(
             py,
-            secs(timeout, "timeout")?,
+            seconds(timeout, "timeout")?,
             "a local layer put",
             async move {
                 out.send_layer(layer, src_layer.unwrap_or(layer), &pages)
@@ -437,9 +390,9 @@ impl LocalOutbound {
     #[pyo3(signature = (timeout = 60.0))]
     fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<u64> {
         let out = self.inner.clone();
-        bounded(
+        wait_bounded(
             py,
-            secs(timeout, "timeout")?,
+            seconds(timeout, "timeout")?,
             "a local transfer",
             async move { out.wait().await },
         )
