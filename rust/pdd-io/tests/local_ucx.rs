@@ -431,3 +431,58 @@ async fn a_missing_library_is_a_clear_error_naming_it() {
     assert_eq!(e.reason(), "local_path_unavailable");
     assert!(e.to_string().contains("libucp-nonexistent.so.9"), "{e}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_bound_are_closed_unanswered() {
+    use tokio::io::AsyncReadExt;
+    if !ucx_here() {
+        return;
+    }
+    let _env = ENV.lock().await;
+    let mut cfg = LocalReceiverConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        LocalHello::new(Role::RelayDecode, capability::KV_STREAM),
+    );
+    cfg.max_connections = 2;
+    cfg.hello_timeout = Duration::from_secs(30);
+    let rx = LocalReceiver::start(pool(|_, _| 0), cfg).await.unwrap();
+    // Two silent peers (never a HELLO) hold the two places.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(
+            tokio::net::TcpStream::connect(rx.local_addr())
+                .await
+                .unwrap(),
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // A third is closed at once (EOF), not left to its HELLO bound.
+    let mut third = tokio::net::TcpStream::connect(rx.local_addr())
+        .await
+        .unwrap();
+    let mut byte = [0u8; 1];
+    let n = tokio::time::timeout(Duration::from_secs(5), third.read(&mut byte))
+        .await
+        .expect("the connection past the bound was left open")
+        .unwrap_or(0);
+    assert_eq!(n, 0);
+    // The two within the bound are still open (nothing to read yet).
+    for s in &mut held {
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), s.read(&mut byte))
+                .await
+                .is_err()
+        );
+    }
+    // Once one leaves, a new connection gets its place.
+    drop(held.pop());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut fourth = tokio::net::TcpStream::connect(rx.local_addr())
+        .await
+        .unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), fourth.read(&mut byte))
+            .await
+            .is_err()
+    );
+}

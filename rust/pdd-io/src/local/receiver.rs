@@ -42,6 +42,11 @@ pub struct LocalReceiverConfig {
     pub heartbeat: Duration,
     /// A control lane silent this long is dead.
     pub dead_after: Duration,
+    /// Control connections open at once (opening or in session); past this a new
+    /// one is closed unanswered, so a flood of half-open connections is bounded in
+    /// number, not only in time (`hello_timeout`). Default: the WAN receiver's
+    /// session and half-open bounds together.
+    pub max_connections: u64,
 }
 
 impl LocalReceiverConfig {
@@ -55,6 +60,8 @@ impl LocalReceiverConfig {
             hello_timeout: Duration::from_secs(5),
             heartbeat: Duration::from_secs(1),
             dead_after: Duration::from_secs(5),
+            max_connections: (crate::receiver::MAX_SESSIONS as u64)
+                + crate::receiver::MAX_OPENING_CONNECTIONS,
         }
     }
 }
@@ -171,13 +178,23 @@ impl LocalReceiver {
         });
         let s = shared.clone();
         tokio::spawn(async move {
+            let open = Arc::new(AtomicU64::new(0));
             loop {
                 let accepted = tokio::select! {
                     _ = s.cancel.cancelled() => return,
                     a = listener.accept() => a,
                 };
                 if let Ok((tcp, _)) = accepted {
-                    tokio::spawn(session(s.clone(), tcp));
+                    if open.load(Ordering::Relaxed) >= s.cfg.max_connections {
+                        drop(tcp); // closed unanswered
+                        continue;
+                    }
+                    let guard = OpenConnection::new(open.clone());
+                    let s = s.clone();
+                    tokio::spawn(async move {
+                        session(s, tcp).await;
+                        drop(guard);
+                    });
                 }
             }
         });
@@ -453,6 +470,23 @@ fn apply(shared: &Arc<Shared>, events: Vec<TransferEvent>) {
 
 /// One sender's control lane: opening (refusing a peer without `local_ucx`, data
 /// lanes and resumptions: the local path has none), LOCAL_ADDR, then its frames.
+/// One connection counted against `max_connections` until dropped (also when its task
+/// is cancelled or panics).
+struct OpenConnection(Arc<AtomicU64>);
+
+impl OpenConnection {
+    fn new(open: Arc<AtomicU64>) -> Self {
+        open.fetch_add(1, Ordering::Relaxed);
+        OpenConnection(open)
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 async fn session(shared: Arc<Shared>, tcp: TcpStream) {
     lane::tune(&tcp, &SocketTuning::default(), true);
     let hello = &lane::with_aead(&shared.cfg.hello, shared.cfg.tls.is_some());
