@@ -113,38 +113,64 @@ def _ping(wan: PacketWan, count: int, interval: float) -> list[float]:
     return [float(m) for m in re.findall(r"time=([\d.]+) ms", r.stdout)]
 
 
+def _on_a_quiet_try(check: Any, tries: int = 3) -> None:
+    """Runs ``check`` (a measurement and its asserts) up to ``tries`` times; passes on the
+    first try that holds. A busy host only adds delay and spread (a reply scheduled late,
+    an iperf3 thread starved), never removes it, so one try within the bounds shows the
+    emulator can meet them; an emulator that cannot fails every try, with the last try's
+    message."""
+    for attempt in range(tries):
+        try:
+            check()
+            return
+        except AssertionError:
+            if attempt == tries - 1:
+                raise
+
+
 def test_ping_rtt_and_spread_match_the_settings() -> None:
     _need("ping")
+
     # Without jitter: 30 ms, never less, at most the wake-up slack (loaded host) more.
-    with PacketWan(30, backend="tun") as wan:
-        rtts = _ping(wan, 20, 0.02)
-        assert len(rtts) == 20
-        assert min(rtts) >= 30.0, rtts
-        assert sorted(rtts)[len(rtts) // 2] < 31.5, rtts  # median: a few late replies under load
-        s = wan.stats()["a_to_b"]
-        assert s["packets_out"] >= 20 and s["dropped_loss"] == 0
-        # As root the emulator's threads run SCHED_FIFO, ahead of a busy host.
-        assert s["realtime"] == 1 and wan.stats()["b_to_a"]["realtime"] == 1
+    def flat_line() -> None:
+        with PacketWan(30, backend="tun") as wan:
+            rtts = _ping(wan, 20, 0.02)
+            assert len(rtts) == 20
+            assert min(rtts) >= 30.0, rtts
+            assert sorted(rtts)[len(rtts) // 2] < 31.5, rtts  # median: a few late replies under load
+            s = wan.stats()["a_to_b"]
+            assert s["packets_out"] >= 20 and s["dropped_loss"] == 0
+            # As root the emulator's threads run SCHED_FIFO, ahead of a busy host.
+            assert s["realtime"] == 1 and wan.stats()["b_to_a"]["realtime"] == 1
+
     # ±2 ms per direction, uniform: RTT = 30 + U(-2,2) + U(-2,2), a triangular law on
     # 26..34 ms: median 30, quartiles 30 ± 1.17 (IQR 2.34 ms), nothing below 26.
     # Packets 20 ms apart: the order-keeping clamp never binds. A loaded host delays
     # some replies by scheduling (seen: a few at 60-70 ms with a load average of 11),
     # which only lifts the top of the sample: the checks are on the median, the
     # quartiles and the minimum.
-    with PacketWan(30, jitter_ms=2, seed=3, backend="tun") as wan:
-        rtts = sorted(_ping(wan, 100, 0.02))
-    assert len(rtts) >= 95
-    n = len(rtts)
-    median, q1, q3 = rtts[n // 2], rtts[n // 4], rtts[(3 * n) // 4]
-    assert 29.3 <= median <= 31.0, rtts
-    assert 1.5 <= q3 - q1 <= 3.3, (q1, q3, rtts)
-    assert q1 >= 28.0, rtts
-    # Never early: the emulator cannot deliver before the drawn time.
-    assert rtts[0] >= 26.0, rtts
-    # Without jitter the spread collapses: the same line with jitter 0 has IQR ~0.
-    with PacketWan(30, backend="tun") as wan:
-        flat = sorted(_ping(wan, 40, 0.02))
-    assert flat[(3 * len(flat)) // 4] - flat[len(flat) // 4] < 0.6, flat
+    def jittered_line() -> None:
+        with PacketWan(30, jitter_ms=2, seed=3, backend="tun") as wan:
+            rtts = sorted(_ping(wan, 100, 0.02))
+        assert len(rtts) >= 95
+        n = len(rtts)
+        median, q1, q3 = rtts[n // 2], rtts[n // 4], rtts[(3 * n) // 4]
+        assert 29.3 <= median <= 31.0, rtts
+        assert 1.5 <= q3 - q1 <= 3.3, (q1, q3, rtts)
+        assert q1 >= 28.0, rtts
+        # Never early: the emulator cannot deliver before the drawn time.
+        assert rtts[0] >= 26.0, rtts
+
+    # Without jitter the spread collapses: the same line with jitter 0 has IQR ~0 (a
+    # loaded host once gave 0.7 ms on one try, from late wake-ups: hence the retries).
+    def spread_collapses() -> None:
+        with PacketWan(30, backend="tun") as wan:
+            flat = sorted(_ping(wan, 40, 0.02))
+        assert flat[0] >= 30.0, flat
+        assert flat[(3 * len(flat)) // 4] - flat[len(flat) // 4] < 0.6, flat
+
+    for check in (flat_line, jittered_line, spread_collapses):
+        _on_a_quiet_try(check)
 
 
 def _iperf3(wan: PacketWan, args: list[str], seconds: int, omit: int = 2) -> dict[str, Any]:
@@ -187,21 +213,31 @@ def test_a_rate_cap_is_held_within_5_percent() -> None:
     # Gbit/s: far below what the emulator and both stacks can carry even on two cores
     # shared with a load average of 12 (0.5 Gbit/s was not, at 9 µs of CPU a packet).
     cap = 0.1
-    with PacketWan(10, rate_gbit=cap, backend="tun") as wan:
-        before = wan.stats()["a_to_b"]
-        t0 = time.monotonic()
-        report = _iperf3(wan, ["-C", "cubic", "-P", "4"], seconds=5, omit=1)
-        seconds = time.monotonic() - t0
-        after = wan.stats()["a_to_b"]
-    goodput = report["end"]["sum_received"]["bits_per_second"] / 1e9
-    # Goodput is payload: TCP/IP headers take 52 of every 1500 bytes on the wire.
-    wire = goodput * 1500 / 1448
-    assert 0.95 * cap <= wire <= 1.05 * cap, f"{wire:.3f} Gbit/s on the wire vs cap {cap}"
-    # Nothing left faster than the cap, counted at the emulator over the whole run
-    # (setup and tail included, so only the upper bound is tight).
-    out_bits = (after["bytes_out"] - before["bytes_out"]) * 8
-    assert out_bits / seconds <= 1.05 * cap * 1e9
-    assert after["dropped_queue"] > 0  # the bottleneck's queue did overflow: the cap bit
+
+    def capped_run() -> None:
+        with PacketWan(10, rate_gbit=cap, backend="tun") as wan:
+            before = wan.stats()["a_to_b"]
+            t0 = time.monotonic()
+            report = _iperf3(wan, ["-C", "cubic", "-P", "4"], seconds=5, omit=1)
+            seconds = time.monotonic() - t0
+            after = wan.stats()["a_to_b"]
+        # Nothing left faster than the cap, counted at the emulator over the whole run
+        # (setup and tail included, so only the upper bound is tight). A busy host cannot
+        # push this one up, so it must hold on every try.
+        out_bits = (after["bytes_out"] - before["bytes_out"]) * 8
+        above.append(out_bits / seconds > 1.05 * cap * 1e9)
+        assert after["dropped_queue"] > 0  # the bottleneck's queue did overflow: the cap bit
+        goodput = report["end"]["sum_received"]["bits_per_second"] / 1e9
+        # Goodput is payload: TCP/IP headers take 52 of every 1500 bytes on the wire.
+        # Starved iperf3 threads can fall short of the cap (seen once: 0.094 at a load
+        # average above 8), never exceed it.
+        wire = goodput * 1500 / 1448
+        above.append(wire > 1.05 * cap)
+        assert 0.95 * cap <= wire, f"{wire:.3f} Gbit/s on the wire vs cap {cap}"
+
+    above: list[bool] = []
+    _on_a_quiet_try(capped_run)
+    assert not any(above), "the emulator let more than the cap through"
 
 
 def test_block_port_stalls_one_connection_only() -> None:

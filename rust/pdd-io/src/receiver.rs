@@ -434,8 +434,9 @@ impl KvReceiver {
             let err = Error::ConnectionLost {
                 detail: format!("peer {peer} went away"),
             };
-            let ev = lock(&shared.state).fail(grant.transfer_id, err);
-            apply(shared, ev);
+            let mut state = lock(&shared.state);
+            let ev = state.fail(grant.transfer_id, err);
+            apply(shared, &state, ev);
         }
         if let Some(d) = deadline {
             let shared = shared.clone();
@@ -445,8 +446,9 @@ impl KvReceiver {
                     _ = shared.cancel.cancelled() => {}
                     _ = tokio::time::sleep(d) => {
                         let what = format!("transfer {transfer_id} not complete after {d:?}");
-                        let ev = lock(&shared.state).fail(transfer_id, Error::DeadlineExceeded { what });
-                        apply(&shared, ev);
+                        let mut state = lock(&shared.state);
+                        let ev = state.fail(transfer_id, Error::DeadlineExceeded { what });
+                        apply(&shared, &state, ev);
                     }
                 }
             });
@@ -468,14 +470,15 @@ impl KvReceiver {
 
     /// Cancel a live transfer; the peer is told with ABORT `cancelled`.
     pub fn cancel(&self, transfer_id: u64) -> bool {
-        let ev = lock(&self.shared.state).fail(
+        let mut state = lock(&self.shared.state);
+        let ev = state.fail(
             transfer_id,
             Error::Cancelled {
                 detail: "cancelled by the receiver".into(),
             },
         );
         let found = !ev.is_empty();
-        apply(&self.shared, ev);
+        apply(&self.shared, &state, ev);
         found
     }
 
@@ -519,10 +522,13 @@ impl KvReceiver {
             }));
             s.cancel.cancel();
         }
-        let ev = lock(&self.shared.state).fail_all(&Error::Cancelled {
-            detail: "receiver closed".into(),
-        });
-        apply(&self.shared, ev);
+        {
+            let mut state = lock(&self.shared.state);
+            let ev = state.fail_all(&Error::Cancelled {
+                detail: "receiver closed".into(),
+            });
+            apply(&self.shared, &state, ev);
+        }
         self.tracker.close();
         tokio::time::timeout(bound, self.tracker.wait())
             .await
@@ -548,7 +554,14 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// Publish transfer events: statuses, the event queue, metrics, and the peer's
 /// KV_DONE (complete) or ABORT (failed).
-fn apply(shared: &Shared, events: Vec<TransferEvent>) {
+///
+/// Called with the `state` lock still held by whoever produced `events`: lanes and
+/// the control task end blocks and transfers concurrently, and publishing in the
+/// order the state machine produced the events is what keeps a transfer's
+/// `TransferComplete` after its `LayerComplete`s in the queue (publishing after
+/// releasing `state` let a lane's LayerComplete land behind the control task's
+/// Complete). Lock order: state, transfers, sessions, events.
+fn apply(shared: &Shared, state: &ReceiverState, events: Vec<TransferEvent>) {
     if events.is_empty() {
         return;
     }
@@ -638,7 +651,7 @@ fn apply(shared: &Shared, events: Vec<TransferEvent>) {
     drop(queue);
     drop(sessions);
     drop(transfers);
-    update_pages_held(shared);
+    Metrics::set(&shared.metrics.pool_pages_held, state.pages_held() as u64);
     shared.events_changed.send_modify(|n| *n += 1);
 }
 
@@ -779,15 +792,13 @@ fn fail_session_transfers(
         .map(|(&id, _)| id)
         .collect();
     let mut events = Vec::new();
-    {
-        let mut state = lock(&shared.state);
-        for id in ids {
-            if request.is_none() || state.request_of(id) == request {
-                events.extend(state.fail(id, error.clone()));
-            }
+    let mut state = lock(&shared.state);
+    for id in ids {
+        if request.is_none() || state.request_of(id) == request {
+            events.extend(state.fail(id, error.clone()));
         }
     }
-    apply(shared, events);
+    apply(shared, &state, events);
 }
 
 async fn handle_connection(shared: Arc<Shared>, tcp: TcpStream, peer_addr: SocketAddr) {
@@ -1021,10 +1032,12 @@ async fn control_session(
         };
         match frame {
             Frame::KvDone(done) => {
-                let r = lock(&shared.state).sender_done(generation, &done);
+                let mut state = lock(&shared.state);
+                let r = state.sender_done(generation, &done);
                 match r {
                     Ok(ev) => {
-                        apply(&shared, ev);
+                        apply(&shared, &state, ev);
+                        drop(state);
                         watch_tail(&shared, done.transfer_id, cancel.clone());
                     }
                     Err(e) => {
@@ -1114,8 +1127,9 @@ fn watch_tail(shared: &Arc<Shared>, transfer_id: u64, session: CancellationToken
                 let what = format!(
                     "transfer {transfer_id}: no page moved for {bound:?} after the sender's KV_DONE"
                 );
-                let ev = lock(&shared.state).fail(transfer_id, Error::DeadlineExceeded { what });
-                apply(&shared, ev);
+                let mut state = lock(&shared.state);
+                let ev = state.fail(transfer_id, Error::DeadlineExceeded { what });
+                apply(&shared, &state, ev);
                 return;
             }
             last = now;
@@ -1164,13 +1178,10 @@ impl BlockGuard<'_> {
 /// A block ended: report it, and publish the pages still held (a draining
 /// transfer's last block frees its pages without any event).
 fn finish_block(shared: &Shared, block: &KvBlock, outcome: Result<(), Error>) {
-    let (ev, held) = {
-        let mut state = lock(&shared.state);
-        let ev = state.finish_block(block, outcome);
-        (ev, state.pages_held())
-    };
-    Metrics::set(&shared.metrics.pool_pages_held, held as u64);
-    apply(shared, ev);
+    let mut state = lock(&shared.state);
+    let ev = state.finish_block(block, outcome);
+    Metrics::set(&shared.metrics.pool_pages_held, state.pages_held() as u64);
+    apply(shared, &state, ev);
 }
 
 impl Drop for BlockGuard<'_> {

@@ -151,3 +151,67 @@ async fn a_block_with_a_wrong_crc_fails_with_checksum_mismatch() {
     .await;
     drop(s.control);
 }
+
+/// A transfer's `Complete` is the last of its events in the queue, also when its last
+/// block (on a data lane) and the sender's KV_DONE (on the control lane) are taken in
+/// at the same moment. Publishing events after releasing the state lock once let a
+/// lane's `LayerComplete` land behind the control task's `Complete` (seen as the
+/// kv.md example's `events[-1]` not being `TransferComplete`, once in CI); this races
+/// the two lanes 400 times. The window is microseconds wide: with that fix reverted
+/// this test still passed 5 of 5 runs here, so it guards the ordering as a whole (a
+/// state machine or publisher that emits out of order), not that one race; the
+/// race's fix is structural (`apply` runs under the state lock).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transfers_complete_is_its_last_event() {
+    use pdd_core::kv::TransferEvent;
+    use pdd_core::wire::KvDone;
+    use pdd_io::receiver::ReceiverEvent;
+
+    let rx = receiver().await;
+    let (mut s, first) = scripted(&rx, &[0]).await;
+    drop(first);
+    rx.cancel(s.grant.transfer_id);
+    let mut control = s.control;
+    for request in 2..402u64 {
+        let inbound = rx.grant(request, &[1], Some(1), None, None).unwrap();
+        let grant = loop {
+            match bounded(lane::read_frame_exact(&mut control, 1 << 20))
+                .await
+                .unwrap()
+                .unwrap()
+            {
+                Frame::KvGrant(g) if g.request_id == request => break g,
+                _ => continue,
+            }
+        };
+        let done = Frame::KvDone(KvDone {
+            transfer_id: grant.transfer_id,
+            chunk_count: 1,
+            byte_count: u64::from(PAGE),
+        });
+        let pages = block(&grant, 0, request as u8);
+        let (a, b) = tokio::join!(
+            lane::write_frame(&mut s.data, &pages, 1 << 24),
+            lane::write_frame(&mut control, &done, 1 << 24),
+        );
+        a.unwrap();
+        b.unwrap();
+        bounded(inbound.wait()).await.unwrap();
+        let kinds: Vec<&str> =
+            rx.poll_events(64)
+                .iter()
+                .filter_map(|e| match e {
+                    ReceiverEvent::Transfer(TransferEvent::LayerComplete {
+                        transfer_id, ..
+                    }) if *transfer_id == grant.transfer_id => Some("layer"),
+                    ReceiverEvent::Transfer(TransferEvent::Complete { transfer_id, .. })
+                        if *transfer_id == grant.transfer_id =>
+                    {
+                        Some("complete")
+                    }
+                    _ => None,
+                })
+                .collect();
+        assert_eq!(kinds, ["layer", "complete"], "request {request}");
+    }
+}
