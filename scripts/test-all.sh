@@ -9,7 +9,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n==> %s\n' "$*"; }
+# Each step's header says how long the whole run has taken so far (seconds), so a slow
+# step shows in the log without timing it separately.
+run_start=$(date +%s)
+step() { printf '\n==> [%4d s] %s\n' "$(( $(date +%s) - run_start ))" "$*"; }
 
 step "UCX for the local path (Debian's libucx0, loaded at run time)"
 # The local path dlopens libucp.so.0; its tests run on shared memory / CMA and TCP.
@@ -90,3 +93,5 @@ if [ "${PDD_SKIP_WHEEL:-0}" != 1 ]; then
     bash scripts/test-wheel.sh
     echo "wheel step: $(( $(date +%s) - wheel_start )) s"
 fi
+
+echo "test-all: every step passed in $(( $(date +%s) - run_start )) s"
