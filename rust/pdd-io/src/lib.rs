@@ -8,6 +8,7 @@
 //! emulator (a delaying, shaping TCP proxy) the tests run the lanes through.
 
 pub mod codec;
+pub mod config;
 pub mod event_queue;
 pub mod handoff_link;
 pub mod lane;

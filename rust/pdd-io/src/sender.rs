@@ -172,16 +172,7 @@ fn now_ns() -> u64 {
 impl KvSender {
     /// Connect to the receiver (control lane, then every data lane).
     pub async fn connect(pool: Arc<PagePool>, cfg: SenderConfig) -> Result<KvSender, Error> {
-        if cfg.lanes == 0 {
-            return Err(Error::InvalidArgument(
-                "a sender needs at least one data lane".into(),
-            ));
-        }
-        if cfg.max_block_bytes == 0 {
-            return Err(Error::InvalidArgument(
-                "max_block_bytes must be >= 1".into(),
-            ));
-        }
+        cfg.validate()?;
         let shared = Arc::new(Shared {
             pool,
             cfg,
@@ -272,7 +263,8 @@ impl KvSender {
     }
 
     /// Ask the receiver how much of `tokens` its radix cache holds (pages of
-    /// `page_size` tokens, in `namespace`), pinning the match for `lease` if non-zero.
+    /// `page_size` tokens, in `namespace`), pinning the match for `lease` if non-zero
+    /// (at most [`crate::config::MAX_LEASE_REQUEST`]).
     /// The reply's prefix hash is checked against our own tokens: on a mismatch the
     /// answer's `verified.matched_tokens` is 0 (send everything).
     pub async fn query_prefix(
@@ -285,7 +277,8 @@ impl KvSender {
     ) -> Result<PrefixAnswer, Error> {
         let conn = self.conn().await?;
         let query_id = self.shared.next_query.fetch_add(1, Ordering::Relaxed);
-        let lease_ms = u32::try_from(lease.as_millis()).unwrap_or(u32::MAX);
+        let lease_ms = u32::try_from(lease.min(crate::config::MAX_LEASE_REQUEST).as_millis())
+            .unwrap_or(u32::MAX);
         let query = PrefixQuery {
             query_id,
             request_id,

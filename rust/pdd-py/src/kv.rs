@@ -2,15 +2,13 @@
 //! transfer handles. Conversion and GIL release only; the logic is `pdd_io::receiver`,
 //! `pdd_io::sender` and `pdd_core::kv`.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use numpy::{PyArray1, PyArrayMethods, PyUntypedArrayMethods};
+use pdd_core::wire::capability;
 use pdd_core::wire::handshake::LocalHello;
-use pdd_core::wire::{capability, Role};
 use pdd_core::Error;
-use pdd_io::lane::SocketTuning;
 use pdd_io::metrics::Metrics;
 use pdd_io::pool::{MemoryRegion, PagePool};
 use pdd_io::receiver::{self, ReceiverConfig, TransferStatus};
@@ -19,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyDict;
 
-use crate::convert::u32s_from_py;
+use crate::convert::{address, role, seconds, seconds_or_zero, tuning, u32s_from_py};
 use crate::errors::{invalid, PddErr};
 use crate::kv_events::{event_to_py, poll_state, KeyBook, KvPoll, RequestKey};
 use crate::radix::RadixCache;
@@ -32,24 +30,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<InboundTransfer>()?;
     m.add_class::<OutboundTransfer>()?;
     Ok(())
-}
-
-pub(crate) fn seconds(v: f64, what: &str) -> PyResult<Duration> {
-    if !v.is_finite() || v <= 0.0 || v > 1e6 {
-        return Err(invalid(format!(
-            "{what} must be a positive number of seconds, got {v}"
-        )));
-    }
-    Ok(Duration::from_secs_f64(v))
-}
-
-pub(crate) fn role(name: &str) -> PyResult<Role> {
-    Role::from_name(name).ok_or_else(|| invalid(format!("unknown role '{name}'")))
-}
-
-pub(crate) fn address(s: &str) -> PyResult<SocketAddr> {
-    s.parse()
-        .map_err(|_| invalid(format!("'{s}' is not an IP:port address")))
 }
 
 /// Run `fut` on the shared runtime with the GIL released, bounded by `timeout`.
@@ -99,14 +79,6 @@ pub(crate) fn metrics_dict<'py>(py: Python<'py>, m: &Metrics) -> PyResult<Bound<
         d.set_item(name, value)?;
     }
     Ok(d)
-}
-
-/// `socket_buffer` 0 leaves the kernel's default (and its autotuning) alone.
-fn tuning(socket_buffer: usize, congestion: Option<String>) -> SocketTuning {
-    SocketTuning {
-        buffer_bytes: (socket_buffer > 0).then_some(socket_buffer),
-        congestion,
-    }
 }
 
 /// Pages of KV over registered buffers: one 1-D, C-contiguous, writable uint8 numpy
@@ -508,23 +480,13 @@ impl KvSender {
         let mut hello = LocalHello::new(self::role(role)?, capability::KV_STREAM);
         hello.secret = secret.map(|c| bytes::Bytes::copy_from_slice(&c));
         hello.max_payload = max_payload;
-        let node_id = match node_id {
-            Some(0) => return Err(invalid("node_id 0 is reserved")),
-            Some(n) => n,
-            None => random_node_id(),
-        };
+        let node_id = node_id.unwrap_or_else(pdd_io::config::random_session_id);
         let mut cfg = SenderConfig::new(address(connect)?, node_id, hello);
-        if lanes == 0 {
-            return Err(invalid("lanes must be >= 1"));
-        }
         cfg.lanes = lanes;
         cfg.tls = tls.map(|t| t.inner.clone());
         cfg.heartbeat = seconds(heartbeat_s, "heartbeat_s")?;
         cfg.dead_after = seconds(dead_after_s, "dead_after_s")?;
         cfg.connect_timeout = seconds(connect_timeout_s, "connect_timeout_s")?;
-        if block_bytes == 0 {
-            return Err(invalid("block_bytes must be >= 1"));
-        }
         cfg.max_block_bytes = block_bytes;
         cfg.tuning = tuning(socket_buffer, congestion);
         let pool = pool.pool.clone();
@@ -588,10 +550,7 @@ impl KvSender {
     ) -> PyResult<Bound<'py, PyDict>> {
         let request_id = request_id.id;
         let tokens = u32s_from_py(tokens, "tokens")?;
-        if !lease_s.is_finite() || lease_s < 0.0 {
-            return Err(invalid(format!("lease_s must be >= 0, got {lease_s}")));
-        }
-        let lease = Duration::from_secs_f64(lease_s.min(600.0));
+        let lease = seconds_or_zero("lease_s", lease_s)?;
         let tx = self.inner.clone();
         let a = wait_bounded(
             py,
@@ -628,19 +587,6 @@ impl KvSender {
         let tx = self.inner.clone();
         block_on(py, async move { tx.close().await })
     }
-}
-
-fn random_node_id() -> u64 {
-    // Unique enough to tell senders apart at one receiver; not a secret.
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    h.write_u32(std::process::id());
-    h.finish().max(1)
 }
 
 /// The sender's handle on one grant.

@@ -13,9 +13,10 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyDict;
 
+use crate::convert::{address, role, seconds};
 use crate::convert::{u32s_from_py, RequestId};
-use crate::errors::{invalid, PddErr};
-use crate::kv::{address, metrics_dict, role, seconds, wait_bounded, KvPool};
+use crate::errors::PddErr;
+use crate::kv::{metrics_dict, wait_bounded, KvPool};
 use crate::runtime::{block_on, runtime};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -244,16 +245,7 @@ impl LocalSender {
         connect_timeout_s: f64,
         put_timeout_s: f64,
     ) -> PyResult<Self> {
-        let session_id = match node_id {
-            Some(0) => return Err(invalid("node_id 0 is reserved")),
-            Some(n) => n,
-            None => loop {
-                let n: u64 = rand_id();
-                if n != 0 {
-                    break n;
-                }
-            },
-        };
+        let session_id = node_id.unwrap_or_else(pdd_io::config::random_session_id);
         let mut hello = LocalHello::new(self::role(role)?, capability::KV_STREAM);
         hello.secret = secret.map(|c| bytes::Bytes::copy_from_slice(&c));
         let mut cfg = LocalSenderConfig::new(address(connect)?, session_id, hello);
@@ -299,18 +291,6 @@ impl LocalSender {
         let tx = self.inner.clone();
         block_on(py, async move { tx.close().await })
     }
-}
-
-fn rand_id() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
-    h.finish()
 }
 
 /// The sender's handle on one local-path grant.

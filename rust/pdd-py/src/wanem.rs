@@ -18,7 +18,7 @@ use pdd_io::wanem::{
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::invalid;
+use crate::errors::{invalid, wanem_closed, WanemErr};
 use crate::runtime::{block_on, runtime};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -26,34 +26,9 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// A Python exception of class `class` (a name in `pdd_transport.errors`) with a
-/// `reason` code, for `WanemError`s, which are not `pdd_core::Error`s.
-fn wanem_exc(class: &str, message: String, reason: &str) -> PyErr {
-    Python::attach(|py| {
-        let built = py
-            .import("pdd_transport.errors")
-            .and_then(|m| m.getattr(class))
-            .and_then(|cls| cls.call1((message, reason)));
-        match built {
-            Ok(exc) => PyErr::from_value(exc),
-            Err(err) => err,
-        }
-    })
-}
-
-/// `WanemError` -> Python: a bad config is the caller's (`InvalidArgument`), a port
-/// that cannot be bound is a `TransportError` (reason `bind_failed`), a shutdown that
-/// ran out of time a `DeadlineExceeded`.
+/// `WanemError` -> Python, through `errors.rs`.
 fn map_err(e: WanemError) -> PyErr {
-    let msg = e.to_string();
-    match e {
-        WanemError::InvalidConfig(_) => invalid(msg),
-        WanemError::Bind { .. } => wanem_exc("TransportError", msg, "bind_failed"),
-        WanemError::ShutdownTimedOut(_) => wanem_exc("DeadlineExceeded", msg, "shutdown_timed_out"),
-        WanemError::NoRuntime | WanemError::Runtime(_) | WanemError::Signal(_) => {
-            wanem_exc("TransportError", msg, "runtime_failed")
-        }
-    }
+    WanemErr(e).into()
 }
 
 fn parse_addr(what: &str, s: &str) -> PyResult<SocketAddr> {
@@ -213,11 +188,7 @@ impl Wanem {
     fn live(&self) -> PyResult<&WanemHandle> {
         runtime()?;
         if self.handle.is_shut_down() {
-            return Err(wanem_exc(
-                "InvalidArgument",
-                "the WAN emulator is closed".into(),
-                "closed",
-            ));
+            return Err(wanem_closed());
         }
         Ok(&self.handle)
     }

@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-use crate::convert::{to_u32, u32s_from_py as token_ids_from_py, RequestId};
+use crate::convert::{u32_arg, u32s_from_py as token_ids_from_py, RequestId};
 use crate::errors::{invalid, PddErr};
 
 // Signatures spell the default payload limit as a literal so Python's introspection
@@ -144,8 +144,8 @@ fn encode_handoff<'py>(
     final_: bool,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let request_id = request_id.0;
-    let seq = to_u32(seq, "seq")?;
-    let first_position = to_u32(first_position, "first_position")?;
+    let seq = u32_arg("seq", seq)?;
+    let first_position = u32_arg("first_position", first_position)?;
     let token_ids = token_ids_from_py(token_ids, "token_ids")?;
     let frame = Frame::Handoff(Handoff {
         request_id,

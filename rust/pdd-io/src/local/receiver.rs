@@ -141,6 +141,7 @@ impl LocalReceiver {
         pool: Arc<PagePool>,
         mut cfg: LocalReceiverConfig,
     ) -> Result<LocalReceiver, Error> {
+        cfg.validate()?;
         if pool.memory_kind() != MemoryKind::Host {
             return Err(Error::UnsupportedMemoryKind {
                 kind: pool.memory_kind().name().into(),

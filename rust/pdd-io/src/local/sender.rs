@@ -110,6 +110,7 @@ impl LocalSender {
         pool: Arc<PagePool>,
         mut cfg: LocalSenderConfig,
     ) -> Result<LocalSender, Error> {
+        cfg.validate()?;
         if pool.memory_kind() != MemoryKind::Host {
             return Err(Error::UnsupportedMemoryKind {
                 kind: pool.memory_kind().name().into(),

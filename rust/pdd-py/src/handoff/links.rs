@@ -1,595 +1,25 @@
-//! The token-ID handoff for engines: `RelayLink` (RLD) and `MainLink` (MD), each
-//! backed either by a real connection (`pdd_io::handoff_link`) or by one side of an
-//! in-process `HandoffPair` with a manual clock (engine tests). Both backends run the
-//! same `pdd_io::handoff_link::Router`, so an engine sees the same behaviour.
-//!
-//! Only conversion and GIL handling live here: every call that takes a lock or
-//! touches a socket runs inside `py.detach`, waits are bounded and interruptible, and
-//! errors map through `errors.rs`. Also here: a native helper that runs the WAN
-//! emulator for `pdd-transport bench handoff --wan` (the wanem binding proper is a
-//! separate module).
+//! `RelayLink` (RLD) and `MainLink` (MD): the engine-facing classes over a real link or a pair side.
 
-use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
-
-use numpy::PyArray1;
-use pdd_core::handoff::pair::Pair as SimPair;
-use pdd_core::handoff::{
-    HandoffPolicy as CorePolicy, HandoffTimers as CoreTimers, MainEvent, RelayDecision, RelayEvent,
-};
-use pdd_core::time::Timestamp;
-use pdd_core::wire::AbortReason;
-use pdd_core::Error;
-use pdd_io::handoff_link::{
-    EventQueue, LinkConfig, LinkEvent, MainLink as IoMainLink, MainRouter, Outbox,
-    RelayLink as IoRelayLink, RelayRouter,
-};
-use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
-
-use crate::convert::RequestId;
-use crate::errors::{invalid, PddErr};
-use crate::runtime::{block_on, runtime};
-
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<HandoffPolicy>()?;
-    m.add_class::<HandoffTimers>()?;
-    m.add_class::<Handoff>()?;
-    m.add_class::<StopDecoding>()?;
-    m.add_class::<HandoffFinished>()?;
-    m.add_class::<HandoffFailed>()?;
-    m.add_class::<RelayLink>()?;
-    m.add_class::<MainLink>()?;
-    m.add_class::<HandoffPair>()?;
-    Ok(())
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn secs(name: &str, value: f64) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(value).map_err(|_| {
-        invalid(format!(
-            "{name} must be a finite number of seconds >= 0, got {value}"
-        ))
-    })
-}
-
-fn opt_secs(name: &str, value: Option<f64>) -> PyResult<Option<Duration>> {
-    value.map(|v| secs(name, v)).transpose()
-}
-
-/// Longest single wait with the GIL released before checking for Ctrl-C.
-const SIGNAL_SLICE: Duration = Duration::from_millis(100);
-
-/// Longest busy-poll one `next_event` call may ask for: a spin is for the next few
-/// round trips, not a substitute for blocking.
-const MAX_BUSY_POLL: Duration = Duration::from_secs(1);
-
-fn busy_poll_arg(value: f64) -> PyResult<Duration> {
-    let d = secs("busy_poll", value)?;
-    if d > MAX_BUSY_POLL {
-        return Err(invalid(format!(
-            "busy_poll must be <= {} s (it burns a core while it lasts), got {value}",
-            MAX_BUSY_POLL.as_secs()
-        )));
-    }
-    Ok(d)
-}
-
-// ---------------------------------------------------------------------------------
-// Policy and timers.
-// ---------------------------------------------------------------------------------
-
-/// RLD's handoff policy (see docs/handoff.md, "The policy and its tunables").
-#[pyclass(frozen, module = "pdd_transport._native")]
-#[derive(Clone)]
-pub struct HandoffPolicy {
-    inner: CorePolicy,
-}
-
-/// A count, position or token id given as a Python int: out of `u32` range (negative
-/// included) is an `InvalidArgument` naming the parameter, not an `OverflowError`.
-fn u32_arg(name: &str, value: i64) -> PyResult<u32> {
-    u32::try_from(value)
-        .map_err(|_| invalid(format!("{name} must be in 0..=4294967295, got {value}")))
-}
-
-#[pymethods]
-impl HandoffPolicy {
-    #[new]
-    #[pyo3(signature = (*, catch_up_threshold_tokens = 64, level_tokens = 8, chunk_tokens = 256, one_shot_load = 0.85, max_eager_tokens = 1024))]
-    fn new(
-        catch_up_threshold_tokens: i64,
-        level_tokens: i64,
-        chunk_tokens: i64,
-        one_shot_load: f64,
-        max_eager_tokens: i64,
-    ) -> PyResult<Self> {
-        let inner = CorePolicy {
-            catch_up_threshold_tokens: u32_arg(
-                "catch_up_threshold_tokens",
-                catch_up_threshold_tokens,
-            )?,
-            level_tokens: u32_arg("level_tokens", level_tokens)?,
-            chunk_tokens: u32_arg("chunk_tokens", chunk_tokens)?,
-            one_shot_load,
-            max_eager_tokens: u32_arg("max_eager_tokens", max_eager_tokens)?,
-        };
-        inner.validate().map_err(PddErr)?;
-        Ok(HandoffPolicy { inner })
-    }
-
-    #[getter]
-    fn catch_up_threshold_tokens(&self) -> u32 {
-        self.inner.catch_up_threshold_tokens
-    }
-    #[getter]
-    fn level_tokens(&self) -> u32 {
-        self.inner.level_tokens
-    }
-    #[getter]
-    fn chunk_tokens(&self) -> u32 {
-        self.inner.chunk_tokens
-    }
-    #[getter]
-    fn one_shot_load(&self) -> f64 {
-        self.inner.one_shot_load
-    }
-    #[getter]
-    fn max_eager_tokens(&self) -> u32 {
-        self.inner.max_eager_tokens
-    }
-
-    fn __repr__(&self) -> String {
-        let p = &self.inner;
-        format!(
-            "HandoffPolicy(catch_up_threshold_tokens={}, level_tokens={}, chunk_tokens={}, one_shot_load={}, max_eager_tokens={})",
-            p.catch_up_threshold_tokens, p.level_tokens, p.chunk_tokens, p.one_shot_load, p.max_eager_tokens
-        )
-    }
-}
-
-/// Retransmission and give-up bounds of both sides, in seconds.
-#[pyclass(frozen, module = "pdd_transport._native")]
-#[derive(Clone)]
-pub struct HandoffTimers {
-    inner: CoreTimers,
-}
-
-#[pymethods]
-impl HandoffTimers {
-    #[new]
-    #[pyo3(signature = (*, rto_initial = 0.2, rto_max = 2.0, max_attempts = 12, give_up_after = 10.0, kv_wait_timeout = 60.0, linger = 12.0))]
-    fn new(
-        rto_initial: f64,
-        rto_max: f64,
-        max_attempts: i64,
-        give_up_after: f64,
-        kv_wait_timeout: f64,
-        linger: f64,
-    ) -> PyResult<Self> {
-        let max_attempts = u32_arg("max_attempts", max_attempts)?;
-        let inner = CoreTimers {
-            rto_initial: secs("rto_initial", rto_initial)?,
-            rto_max: secs("rto_max", rto_max)?,
-            max_attempts,
-            give_up_after: secs("give_up_after", give_up_after)?,
-            kv_wait_timeout: secs("kv_wait_timeout", kv_wait_timeout)?,
-            linger: secs("linger", linger)?,
-        };
-        inner.validate().map_err(PddErr)?;
-        Ok(HandoffTimers { inner })
-    }
-
-    #[getter]
-    fn rto_initial(&self) -> f64 {
-        self.inner.rto_initial.as_secs_f64()
-    }
-    #[getter]
-    fn rto_max(&self) -> f64 {
-        self.inner.rto_max.as_secs_f64()
-    }
-    #[getter]
-    fn max_attempts(&self) -> u32 {
-        self.inner.max_attempts
-    }
-    #[getter]
-    fn give_up_after(&self) -> f64 {
-        self.inner.give_up_after.as_secs_f64()
-    }
-    #[getter]
-    fn kv_wait_timeout(&self) -> f64 {
-        self.inner.kv_wait_timeout.as_secs_f64()
-    }
-    #[getter]
-    fn linger(&self) -> f64 {
-        self.inner.linger.as_secs_f64()
-    }
-
-    fn __repr__(&self) -> String {
-        let t = &self.inner;
-        format!(
-            "HandoffTimers(rto_initial={}, rto_max={}, max_attempts={}, give_up_after={}, kv_wait_timeout={}, linger={})",
-            t.rto_initial.as_secs_f64(),
-            t.rto_max.as_secs_f64(),
-            t.max_attempts,
-            t.give_up_after.as_secs_f64(),
-            t.kv_wait_timeout.as_secs_f64(),
-            t.linger.as_secs_f64()
-        )
-    }
-}
-
-fn policy_of(p: Option<&HandoffPolicy>) -> CorePolicy {
-    p.map(|p| p.inner).unwrap_or_default()
-}
-
-fn timers_of(t: Option<&HandoffTimers>) -> CoreTimers {
-    t.map(|t| t.inner).unwrap_or_default()
-}
-
-// ---------------------------------------------------------------------------------
-// Events.
-// ---------------------------------------------------------------------------------
-
-/// MD: token IDs RLD decoded, to extend with. Exactly once per position, in order;
-/// `first_position` continues the previous event's `end_position`. With `final`, MD
-/// owns the request and decodes on after the last token.
-#[pyclass(frozen, module = "pdd_transport._native")]
-pub struct Handoff {
-    #[pyo3(get)]
-    request_id: u64,
-    #[pyo3(get)]
-    first_position: u32,
-    /// Read-only numpy uint32 array.
-    #[pyo3(get)]
-    token_ids: Py<PyAny>,
-    #[pyo3(get, name = "final")]
-    final_: bool,
-    len: u32,
-}
-
-#[pymethods]
-impl Handoff {
-    #[classattr]
-    fn __match_args__() -> (&'static str, &'static str, &'static str, &'static str) {
-        ("request_id", "first_position", "token_ids", "final")
-    }
-
-    /// Position after the last token: what to report as progress once extended.
-    #[getter]
-    fn end_position(&self) -> u32 {
-        self.first_position + self.len
-    }
-
-    fn __len__(&self) -> usize {
-        self.len as usize
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "Handoff(request_id={}, first_position={}, tokens={}, final={})",
-            self.request_id,
-            self.first_position,
-            self.len,
-            if self.final_ { "True" } else { "False" }
-        )
-    }
-}
-
-/// RLD: stop decoding this request now (the final handoff left because of a frame,
-/// the load or a timer). A token decoded meanwhile is refused by `offer`.
-#[pyclass(frozen, module = "pdd_transport._native")]
-pub struct StopDecoding {
-    #[pyo3(get)]
-    request_id: u64,
-}
-
-#[pymethods]
-impl StopDecoding {
-    #[classattr]
-    fn __match_args__() -> (&'static str,) {
-        ("request_id",)
-    }
-    fn __repr__(&self) -> String {
-        format!("StopDecoding(request_id={})", self.request_id)
-    }
-}
-
-/// RLD: MD acknowledged the final handoff and owns the request; free it on RLD.
-#[pyclass(frozen, module = "pdd_transport._native")]
-pub struct HandoffFinished {
-    #[pyo3(get)]
-    request_id: u64,
-}
-
-#[pymethods]
-impl HandoffFinished {
-    #[classattr]
-    fn __match_args__() -> (&'static str,) {
-        ("request_id",)
-    }
-    fn __repr__(&self) -> String {
-        format!("HandoffFinished(request_id={})", self.request_id)
-    }
-}
-
-/// Either side: the handoff ended without MD owning the request (the peer aborted,
-/// or it stayed silent beyond the bounds). `error` is the `PddError` that says why.
-#[pyclass(frozen, module = "pdd_transport._native")]
-pub struct HandoffFailed {
-    #[pyo3(get)]
-    request_id: u64,
-    #[pyo3(get)]
-    error: Py<PyAny>,
-    #[pyo3(get)]
-    reason: &'static str,
-}
-
-#[pymethods]
-impl HandoffFailed {
-    #[classattr]
-    fn __match_args__() -> (&'static str, &'static str) {
-        ("request_id", "error")
-    }
-    fn __repr__(&self) -> String {
-        format!(
-            "HandoffFailed(request_id={}, reason='{}')",
-            self.request_id, self.reason
-        )
-    }
-}
-
-fn failed(py: Python<'_>, request_id: u64, e: Error) -> PyResult<Py<PyAny>> {
-    let reason = e.reason();
-    let err: PyErr = PddErr(e).into();
-    let obj = HandoffFailed {
-        request_id,
-        error: err.into_value(py).into_any(),
-        reason,
-    };
-    Ok(Py::new(py, obj)?.into_any())
-}
-
-fn relay_event_to_py(py: Python<'_>, ev: LinkEvent<RelayEvent>) -> PyResult<Py<PyAny>> {
-    let request_id = ev.request_id;
-    match ev.event {
-        RelayEvent::StopDecoding => Ok(Py::new(py, StopDecoding { request_id })?.into_any()),
-        RelayEvent::Finished => Ok(Py::new(py, HandoffFinished { request_id })?.into_any()),
-        RelayEvent::Failed(e) => failed(py, request_id, e),
-    }
-}
-
-fn main_event_to_py(py: Python<'_>, ev: LinkEvent<MainEvent>) -> PyResult<Py<PyAny>> {
-    match ev.event {
-        MainEvent::Handoff {
-            request_id,
-            first_position,
-            token_ids,
-            final_,
-        } => {
-            let len = token_ids.len() as u32;
-            let array = PyArray1::from_vec(py, token_ids);
-            let kwargs = PyDict::new(py);
-            kwargs.set_item("write", false)?;
-            array.call_method("setflags", (), Some(&kwargs))?;
-            Ok(Py::new(
-                py,
-                Handoff {
-                    request_id,
-                    first_position,
-                    token_ids: array.into_any().unbind(),
-                    final_,
-                    len,
-                },
-            )?
-            .into_any())
-        }
-        MainEvent::Failed(e) => failed(py, ev.request_id, e),
-    }
-}
-
-/// Wait on a queue with the GIL released, in slices, checking for Ctrl-C between.
-fn wait_event<T: Send>(
-    py: Python<'_>,
-    queue: &EventQueue<T>,
-    timeout: Option<f64>,
-) -> PyResult<Option<T>> {
-    let total = opt_secs("timeout", timeout)?;
-    let deadline = total.map(|t| std::time::Instant::now() + t);
-    loop {
-        let slice = match deadline {
-            None => SIGNAL_SLICE,
-            Some(d) => d
-                .saturating_duration_since(std::time::Instant::now())
-                .min(SIGNAL_SLICE),
-        };
-        if let Some(ev) = py.detach(|| queue.pop_blocking(Some(slice))) {
-            return Ok(Some(ev));
-        }
-        if queue.is_closed() || deadline.is_some_and(|d| std::time::Instant::now() >= d) {
-            return Ok(None);
-        }
-        py.check_signals()?;
-    }
-}
-
-fn abort_reason(name: &str) -> PyResult<AbortReason> {
-    AbortReason::from_name(name).ok_or_else(|| invalid(format!("unknown abort reason '{name}'")))
-}
-
-fn decision_name(d: RelayDecision) -> &'static str {
-    match d {
-        RelayDecision::KeepDecoding => "keep_decoding",
-        RelayDecision::LastToken => "last_token",
-        RelayDecision::Refused => "refused",
-    }
-}
-
-// ---------------------------------------------------------------------------------
-// The in-process pair.
-// ---------------------------------------------------------------------------------
-
-/// The core's [`SimPair`] behind a lock, and the engine-facing event queues its events
-/// are moved to after each call (the Python side waits on those like on a link's).
-struct PairInner {
-    pair: Mutex<SimPair>,
-    relay_events: EventQueue<LinkEvent<RelayEvent>>,
-    main_events: EventQueue<LinkEvent<MainEvent>>,
-}
-
-impl PairInner {
-    /// Run `f` on the pair, then hand both sides' new events to their queues.
-    fn with<T>(&self, f: impl FnOnce(&mut SimPair) -> T) -> T {
-        let mut pair = lock(&self.pair);
-        let v = f(&mut pair);
-        self.relay_events.push_all(pair.take_relay_events());
-        self.main_events.push_all(pair.take_main_events());
-        v
-    }
-
-    fn relay_op<T>(
-        &self,
-        f: impl FnOnce(&mut RelayRouter, Timestamp, &mut Outbox<RelayEvent>) -> T,
-    ) -> T {
-        self.with(|p| p.relay_op(f))
-    }
-
-    fn main_op<T>(
-        &self,
-        f: impl FnOnce(&mut MainRouter, Timestamp, &mut Outbox<MainEvent>) -> T,
-    ) -> T {
-        self.with(|p| p.main_op(f))
-    }
-
-    fn reconnect(&self) {
-        self.with(SimPair::reconnect)
-    }
-
-    fn stats(&self, relay: bool) -> Vec<(&'static str, u64)> {
-        let pair = lock(&self.pair);
-        let (s, n) = if relay {
-            (pair.relay().stats(), pair.relay().len())
-        } else {
-            (pair.main().stats(), pair.main().len())
-        };
-        vec![
-            ("requests", n as u64),
-            ("frames_unroutable", s.frames_unroutable),
-            ("frames_rejected", s.frames_rejected),
-            ("frames_in_flight", pair.in_flight() as u64),
-            ("frames_delivered", pair.delivered()),
-        ]
-    }
-}
-
-/// Two handoff sides in one process, on a manual clock, for engine tests: `relay`
-/// and `main` take the same calls as a connected `RelayLink` / `MainLink`. Frames
-/// cross at once after each call (`auto_deliver=True`) or when `deliver()` is called;
-/// time moves only with `advance(seconds)`.
-#[pyclass(frozen, module = "pdd_transport._native")]
-pub struct HandoffPair {
-    inner: Arc<PairInner>,
-    #[pyo3(get)]
-    relay: Py<RelayLink>,
-    #[pyo3(get)]
-    main: Py<MainLink>,
-}
-
-#[pymethods]
-impl HandoffPair {
-    #[new]
-    #[pyo3(signature = (*, policy = None, timers = None, auto_deliver = true))]
-    fn new(
-        py: Python<'_>,
-        policy: Option<&HandoffPolicy>,
-        timers: Option<&HandoffTimers>,
-        auto_deliver: bool,
-    ) -> PyResult<Self> {
-        let (p, t) = (policy_of(policy), timers_of(timers));
-        let inner = Arc::new(PairInner {
-            pair: Mutex::new(SimPair::new(p, t, auto_deliver).map_err(PddErr)?),
-            relay_events: EventQueue::default(),
-            main_events: EventQueue::default(),
-        });
-        let relay = Py::new(
-            py,
-            RelayLink {
-                backend: RelayBackend::Pair(Arc::clone(&inner)),
-            },
-        )?;
-        let main = Py::new(
-            py,
-            MainLink {
-                backend: MainBackend::Pair(Arc::clone(&inner)),
-            },
-        )?;
-        Ok(HandoffPair { inner, relay, main })
-    }
-
-    /// The manual clock, seconds since the pair was made.
-    #[getter]
-    fn now(&self) -> f64 {
-        lock(&self.inner.pair)
-            .now()
-            .duration_since_origin()
-            .as_secs_f64()
-    }
-
-    /// Move the clock forward, firing every timer that falls due, in time order.
-    fn advance(&self, py: Python<'_>, seconds: f64) -> PyResult<()> {
-        let by = secs("seconds", seconds)?;
-        py.detach(|| self.inner.with(|p| p.advance(by)))
-            .map_err(|e| PddErr(e).into())
-    }
-
-    /// Deliver the frames in flight and the answers they cause, at most `limit`
-    /// frames (all with None). Returns how many were delivered.
-    #[pyo3(signature = (limit = None))]
-    fn deliver(&self, py: Python<'_>, limit: Option<u64>) -> u64 {
-        py.detach(|| self.inner.with(|p| p.deliver(limit.unwrap_or(u64::MAX))))
-    }
-
-    /// Frames sent and not yet delivered.
-    #[getter]
-    fn in_flight(&self) -> usize {
-        lock(&self.inner.pair).in_flight()
-    }
-
-    /// Lose every frame in flight, then tell both sides the connection was replaced
-    /// (`on_reconnect`): what matters is sent again.
-    fn reconnect(&self, py: Python<'_>) {
-        py.detach(|| self.inner.reconnect())
-    }
-
-    /// Lose every frame in flight without reconnecting (retransmission timers must
-    /// recover them).
-    fn drop_in_flight(&self) -> usize {
-        self.inner.with(SimPair::drop_in_flight)
-    }
-}
+use super::*;
 
 // ---------------------------------------------------------------------------------
 // The engine-facing classes.
 // ---------------------------------------------------------------------------------
 
 #[derive(Clone)]
-enum RelayBackend {
+pub(super) enum RelayBackend {
     Link(Arc<IoRelayLink>),
     Pair(Arc<PairInner>),
 }
 
 #[derive(Clone)]
-enum MainBackend {
+pub(super) enum MainBackend {
     Link(Arc<IoMainLink>),
     Pair(Arc<PairInner>),
 }
 
 #[allow(clippy::too_many_arguments)]
-fn link_config(
+pub(super) fn link_config(
     policy: Option<&HandoffPolicy>,
     timers: Option<&HandoffTimers>,
     heartbeat_interval: f64,
@@ -602,9 +32,9 @@ fn link_config(
     let config = LinkConfig {
         policy: policy_of(policy),
         timers: timers_of(timers),
-        heartbeat_interval: secs("heartbeat_interval", heartbeat_interval)?,
-        dead_after: secs("dead_after", dead_after)?,
-        connect_timeout: secs("connect_timeout", connect_timeout)?,
+        heartbeat_interval: seconds_or_zero("heartbeat_interval", heartbeat_interval)?,
+        dead_after: seconds_or_zero("dead_after", dead_after)?,
+        connect_timeout: seconds_or_zero("connect_timeout", connect_timeout)?,
         secret: secret.map(bytes::Bytes::copy_from_slice),
         allow_insecure: insecure,
         tls: tls.map(|t| t.inner.clone()),
@@ -614,14 +44,14 @@ fn link_config(
     Ok(config)
 }
 
-fn resolve(addr: &str) -> PyResult<SocketAddr> {
+pub(super) fn resolve(addr: &str) -> PyResult<SocketAddr> {
     addr.to_socket_addrs()
         .map_err(|e| invalid(format!("address '{addr}': {e}")))?
         .next()
         .ok_or_else(|| invalid(format!("address '{addr}' resolves to nothing")))
 }
 
-fn stats_dict<'py>(
+pub(super) fn stats_dict<'py>(
     py: Python<'py>,
     s: &pdd_io::handoff_link::LinkStats,
 ) -> PyResult<Bound<'py, PyDict>> {
@@ -647,7 +77,7 @@ fn stats_dict<'py>(
     Ok(d)
 }
 
-fn pair_only(what: &str) -> PyErr {
+pub(super) fn pair_only(what: &str) -> PyErr {
     invalid(format!(
         "{what}: an in-process HandoffPair side has no connection"
     ))
@@ -702,7 +132,7 @@ macro_rules! common_link_methods {
             /// of a busy core while it spins. See docs/handoff.md, "Polling".
             #[pyo3(signature = (timeout = None, *, busy_poll = 0.0))]
             fn next_event(&self, py: Python<'_>, timeout: Option<f64>, busy_poll: f64) -> PyResult<Option<Py<PyAny>>> {
-                let total = opt_secs("timeout", timeout)?;
+                let total = opt_seconds_or_zero("timeout", timeout)?;
                 let spin = busy_poll_arg(busy_poll)?;
                 let spin = total.map_or(spin, |t| spin.min(t));
                 let started = std::time::Instant::now();
@@ -771,7 +201,7 @@ macro_rules! common_link_methods {
             /// DeadlineExceeded after `timeout` seconds.
             #[pyo3(signature = (timeout = 5.0))]
             fn wait_connected(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
-                let t = secs("timeout", timeout)?;
+                let t = seconds_or_zero("timeout", timeout)?;
                 match &self.backend {
                     $backend::Link(l) => {
                         let l = Arc::clone(l);
@@ -785,7 +215,7 @@ macro_rules! common_link_methods {
             /// Await a connection (async variant of `wait_connected`).
             #[pyo3(signature = (timeout = 5.0))]
             fn wait_connected_async<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyAny>> {
-                let t = secs("timeout", timeout)?;
+                let t = seconds_or_zero("timeout", timeout)?;
                 runtime()?;
                 let backend = self.backend.clone();
                 pyo3_async_runtimes::tokio::future_into_py(py, async move {
@@ -800,7 +230,7 @@ macro_rules! common_link_methods {
             /// seconds. Raises DeadlineExceeded after `timeout`.
             #[pyo3(signature = (timeout = 5.0))]
             fn ping(&self, py: Python<'_>, timeout: f64) -> PyResult<f64> {
-                let t = secs("timeout", timeout)?;
+                let t = seconds_or_zero("timeout", timeout)?;
                 match &self.backend {
                     $backend::Link(l) => {
                         let l = Arc::clone(l);
@@ -902,7 +332,7 @@ impl LinkSide for MainLink {
 /// `HandoffPair().relay` in process.
 #[pyclass(frozen, module = "pdd_transport._native")]
 pub struct RelayLink {
-    backend: RelayBackend,
+    pub(super) backend: RelayBackend,
 }
 
 impl RelayLink {
@@ -1066,7 +496,7 @@ impl RelayLink {
 /// `HandoffPair().main` in process.
 #[pyclass(frozen, module = "pdd_transport._native")]
 pub struct MainLink {
-    backend: MainBackend,
+    pub(super) backend: MainBackend,
 }
 
 impl MainLink {
