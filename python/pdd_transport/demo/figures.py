@@ -107,7 +107,9 @@ def record(
 
 
 def _counts(d: Mapping[str, int], names: Mapping[str, str]) -> str:
-    return ", ".join(f"{names.get(k, k)} {v:,}" for k, v in d.items()) or "-"
+    """``d``'s counts in the order of ``names`` (the JSON's order is sorted), then any other."""
+    keys = [k for k in names if k in d] + sorted(k for k in d if k not in names)
+    return ", ".join(f"{names.get(k, k)} {d[k]:,}" for k in keys) or "-"
 
 
 _PIPELINES = {"p_md": "P-MD", "p_rld_md": "P-RLD-MD", "p_rld": "P-RLD"}
