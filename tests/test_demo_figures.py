@@ -66,7 +66,8 @@ def test_an_edit_of_the_figures_alone_fails(copy: Path) -> None:
         "README.md: its demo-figures block differs from what docs/demo-figures.json renders",
         "docs/demo.md: its demo-figures block differs from what docs/demo-figures.json renders",
     ]
-    assert problems[2] == "pdd-demo-ttft.png: drawn from other figures than docs/demo-figures.json (same run, edited since)"
+    assert problems[2] == (
+        "pdd-demo-ttft.png: drawn from other figures than docs/demo-figures.json (same run, edited since)")
     # Rewriting the blocks from the edited figures still leaves the plot of other figures.
     assert main(["--root", str(copy)]) == 1
     assert check(copy) == problems[2:]

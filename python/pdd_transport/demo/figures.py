@@ -221,7 +221,11 @@ def check(root: Path, figures_path: str = "docs/demo-figures.json") -> list[str]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdd_transport.demo.figures", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m pdd_transport.demo.figures",
+        description="Rewrite (or --check) the demo-figures blocks of README.md and docs/demo.md from the"
+        " figures file, and check the plot it names.",
+    )
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if anything disagrees")
     parser.add_argument("--root", default=".", help="the repository root (default: the current directory)")
     parser.add_argument("--figures", default="docs/demo-figures.json", help="the figures file, relative to --root")
