@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,3 +82,22 @@ def test_without_matplotlib_the_demo_says_how_to_install_the_extra(
 
     print_table(s)
     assert f"plot: not written, matplotlib is not installed (install it with: {PLOT_HINT})" in capsys.readouterr().out
+
+
+def test_the_package_imports_without_matplotlib() -> None:
+    """No module imports matplotlib at import time: a machine without the extra imports
+    the CLI, the demo with its plot module, and the sweep plot (checked in a fresh
+    interpreter whose imports of matplotlib fail)."""
+    code = (
+        "import sys\n"
+        "class NoMatplotlib:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'matplotlib' or name.startswith('matplotlib.'):\n"
+        "            raise ModuleNotFoundError(name, name=name)\n"
+        "sys.meta_path.insert(0, NoMatplotlib())\n"
+        "import pdd_transport.cli, pdd_transport.plotting, pdd_transport.bench.sweep_plot\n"
+        "import pdd_transport.demo.run, pdd_transport.demo.figures, pdd_transport.demo.plot\n"
+        "assert not [m for m in sys.modules if m.startswith('matplotlib')]\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100, check=False)
+    assert out.returncode == 0, out.stderr
