@@ -12,13 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from pdd_transport.demo.figures import PNG_KEY, png_record
+from pdd_transport.plotting import png_text
+
 
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     exe = shutil.which("pdd-transport")
     cmd = [exe] if exe else [sys.executable, "-m", "pdd_transport.cli"]
-    plot = tmp_path / "ttft.png"
+    plot, figures = tmp_path / "ttft.png", tmp_path / "figures.json"
     out = subprocess.run(
-        [*cmd, "demo", "--requests", "12", "--json", "--plot", str(plot)],
+        [*cmd, "demo", "--requests", "12", "--json", "--plot", str(plot), "--figures", str(figures)],
         capture_output=True, text=True, timeout=240, check=False,
     )
     assert out.returncode == 0, out.stderr[-4000:]
@@ -32,6 +35,14 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert summary["baseline"]["tokens_by_rld"] == 0
     assert set(summary["pdd"]["pipelines"]) <= {"p_md", "p_rld_md", "p_rld"}
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # One run, both files: the figures are the summary plus the TTFT samples, and the
+    # PNG records that run and those figures (pdd_transport.demo.figures).
+    recorded = json.loads(figures.read_text())
+    assert recorded["source"] == summary["source"] and recorded["source"]["requests"] == 12
+    assert {k: v for k, v in recorded.items() if k not in ("plot", "ttft_s")} == {
+        k: v for k, v in summary.items() if k != "plot"}
+    assert [len(recorded["ttft_s"][m]) for m in ("baseline", "pdd")] == [12, 12]
+    assert png_text(plot)[PNG_KEY] == png_record(recorded)
 
 
 def test_demo_table_keeps_long_cells_apart(capsys: pytest.CaptureFixture[str]) -> None:

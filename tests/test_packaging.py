@@ -60,7 +60,7 @@ def test_metadata_license_and_extras() -> None:
     meta = md.metadata("pdd_transport")
     assert meta["License-Expression"] == "Apache-2.0"
     assert not [c for c in meta.get_all("Classifier") or [] if c.startswith("License ::")]
-    assert set(meta.get_all("Provides-Extra") or []) >= {"torch", "demo", "bench", "vllm", "test"}
+    assert set(meta.get_all("Provides-Extra") or []) >= {"torch", "plot", "demo", "bench", "vllm", "test"}
     # The bare install needs numpy and nothing else.
     plain = [r for r in md.requires("pdd_transport") or [] if "extra ==" not in r]
     assert [re.split(r"[<>=!~ ;\[]", r)[0].lower() for r in plain] == ["numpy"]

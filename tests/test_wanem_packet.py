@@ -449,3 +449,15 @@ def test_sweep_plot_draws_every_point(tmp_path: Any) -> None:
     assert "written" in plot_sweep(swept, str(out))
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+def test_sweep_plot_without_matplotlib_says_how_to_install_it(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from _matplotlib import hide_matplotlib
+    from pdd_transport.bench.sweep_plot import plot_sweep
+    from pdd_transport.plotting import PLOT_HINT
+
+    hide_matplotlib(monkeypatch)
+    swept = {"points": [], "lanes": [1], "congestions": ["cubic"], "wan": {"rtt_ms": 30.0, "cap_gbytes_per_s": 0.1}}
+    line = plot_sweep(swept, str(tmp_path / "sweep.png"))
+    assert line.startswith("plot not written: ") and PLOT_HINT in line
+    assert not (tmp_path / "sweep.png").exists()

@@ -20,13 +20,13 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from pdd_transport.demo.plot import cdf_plot
+from pdd_transport.demo.figures import new_source, record
 from pdd_transport.demo.workload import Request, WorkloadConfig, generate
 from pdd_transport import local
 from pdd_transport.errors import InvalidArgument
+from pdd_transport.plotting import PLOT_HINT
 from pdd_transport.specs import WanSpec
 from pdd_transport.stats import percentile
 from pdd_transport.wanem import Wanem
@@ -49,7 +49,8 @@ class DemoConfig:
     catch_up_threshold_tokens: int = 16
     request_timeout_s: float = 60.0
     think_time_s: float = 0.2
-    plot: str = "pdd-demo-ttft.png"
+    plot: str | None = "pdd-demo-ttft.png"
+    figures: str | None = None
 
 
 class Node:
@@ -302,14 +303,16 @@ def greedy_reference(requests: list[Request], cfg: DemoConfig) -> dict[int, list
 
 
 def run(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
-    """Both runs, the comparison, the plot. Returns the JSON-able summary."""
+    """Both runs, the comparison, the plot (to ``cfg.plot``) and, if ``cfg.figures`` is
+    set, the figures file that the README's and docs/demo.md's tables are rendered from
+    (:mod:`pdd_transport.demo.figures`). Returns the JSON-able summary."""
     if cfg.wan.rate_gbit is None:
         raise InvalidArgument(
             "demo --wan needs RATE_GBIT (e.g. 30:1): the pipeline policy estimates WAN transfer times from it",
             "invalid_argument",
         )
     requests = generate(cfg.workload)
-    out: dict[str, Any] = {"config": asdict(cfg)}
+    out: dict[str, Any] = {"source": new_source(cfg.workload.seed, len(requests)), "config": asdict(cfg)}
     out["config"]["wan"] = cfg.wan.to_json()  # the same wan object as every report
     runs = {}
     for mode in ("baseline", "pdd"):
@@ -320,19 +323,14 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
     for mode, r in runs.items():
         r["greedy_equal"] = all(r["outputs"].get(rid) == toks for rid, toks in reference.items())
         r["greedy_mismatches"] = sum(1 for rid, toks in reference.items() if r["outputs"].get(rid) != toks)
-    cdf_plot(
-        Path(cfg.plot),
-        [("BASELINE PD", runs["baseline"]["ttft_s"], (200, 60, 60)), ("PDD", runs["pdd"]["ttft_s"], (40, 110, 200))],
-        "TTFT CDF: BASELINE CROSS-DC PD VS PDD",
-        "TTFT (S)",
-    )
     keep = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "wan_bytes", "local_bytes", "relay_path", "completed", "errors",
             "pipelines", "handoffs_by_mode", "tokens_by_rld", "tokens_by_md", "greedy_mismatches", "error_samples")
     for mode, r in runs.items():
         out[mode] = {k: r[k] for k in keep}
     out["full_kv_bytes"] = runs["pdd"]["full_kv_bytes"]
     out["greedy_equal"] = runs["baseline"]["greedy_equal"] and runs["pdd"]["greedy_equal"]
-    out["plot"] = str(Path(cfg.plot).resolve())
+    record(out, {mode: r["ttft_s"] for mode, r in runs.items()}, cfg.plot, cfg.figures,
+           lambda line: print(line, file=sys.stderr, flush=True))
     return out
 
 
@@ -369,4 +367,7 @@ def print_table(summary: dict[str, Any]) -> None:
     print(f"  full prompt KV of the workload: {full / 1e6:.1f} MB")
     print(f"  greedy output equals one monolithic engine's: {summary['greedy_equal']}")
     print(f"  TTFT p90, PDD / baseline: {p['ttft_p90_s'] / b['ttft_p90_s']:.2f}")
-    print(f"  plot: {summary['plot']}")
+    if summary["plot"]:
+        print(f"  plot: {summary['plot']}")
+    elif summary.get("plot_skipped") == "missing_dependency":
+        print(f"  plot: not written, matplotlib is not installed (install it with: {PLOT_HINT})")
