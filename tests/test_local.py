@@ -117,6 +117,29 @@ def test_a_cancelled_grant_revokes_its_keys(pair: tuple[local.LocalReceiver, loc
     assert not mem[1].any() and not mem[2].any()
 
 
+def test_engine_keys_name_local_grants_and_their_events(
+    pair: tuple[local.LocalReceiver, local.LocalSender, np.ndarray],
+) -> None:
+    # An engine's own request key (str or bytes) works on the local path as on the KV
+    # lanes: both sides hash it to the same wire id, and the events carry the key back.
+    rx, tx, mem = pair
+    for key in ("cmpl-local-1", b"\x00raw-key"):
+        inbound = rx.grant(key, [8, 9])
+        assert inbound.request_id == kv.request_id_of(key)
+        out = tx.wait_grant(key, timeout=10)
+        for layer in range(LAYERS):
+            out.send_layer(layer, [0, 1])
+        out.finish()
+        assert inbound.wait(timeout=10) == LAYERS * 2 * PAGE
+        events = rx.poll_events()
+        done = [e for e in events if isinstance(e, kv.TransferComplete)]
+        assert len(done) == 1 and done[0].request_key == key, events
+    src = source_backing()
+    assert np.array_equal(mem[:, [8, 9]], src[:, [0, 1]])
+    with pytest.raises(TypeError):
+        rx.grant(1.5, [10])  # type: ignore[arg-type]
+
+
 def test_wrong_source_page_count_is_refused(pair: tuple[local.LocalReceiver, local.LocalSender, np.ndarray]) -> None:
     rx, tx, _ = pair
     rx.grant(4, [1, 2])

@@ -227,7 +227,7 @@ class PolledLocalReceiver:
     def wait_peer(self, timeout: float = 10.0) -> int:
         return self.rx.wait_peer(timeout=timeout)
 
-    def grant(self, request_id: int, pages: Any, *, peer: int | None = None,
+    def grant(self, request_id: int | str | bytes, pages: Any, *, peer: int | None = None,
               deadline_s: float | None = None) -> LocalInbound:
         inbound = self.rx.grant(request_id, pages, peer=peer, deadline_s=deadline_s)
         with self._lock:

@@ -93,8 +93,7 @@ pub fn u32s_from_py(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Vec<u32>> {
 /// (negative included) is an `InvalidArgument` naming the parameter, not an
 /// `OverflowError`.
 pub fn u32_arg(name: &str, value: i64) -> PyResult<u32> {
-    u32::try_from(value)
-        .map_err(|_| invalid(format!("{name}: {value} is outside 0..=4294967295")))
+    u32::try_from(value).map_err(|_| invalid(format!("{name}: {value} is outside 0..=4294967295")))
 }
 
 /// A request id from Python: an int in `0..=2^64-1`. One out of that range (negative

@@ -13,10 +13,10 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyDict;
 
-use crate::convert::{address, role, seconds};
-use crate::convert::{u32s_from_py, RequestId};
+use crate::convert::{address, role, seconds, u32s_from_py};
 use crate::errors::PddErr;
 use crate::kv::{metrics_dict, wait_bounded, KvPool};
+use crate::kv_events::RequestKey;
 use crate::runtime::{block_on, runtime};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -119,11 +119,12 @@ impl LocalReceiver {
 
     /// Grant `pages` (pool pages, in the order the sender fills them) on every
     /// layer to `peer` (the only sender with None): only these pages are exposed.
+    /// `request_id` is an int or the engine's str/bytes key (`kv.request_id_of`).
     #[pyo3(signature = (request_id, pages, *, peer = None, deadline_s = None, timeout = 10.0))]
     fn grant(
         &self,
         py: Python<'_>,
-        request_id: RequestId,
+        request_id: RequestKey,
         pages: &Bound<'_, PyAny>,
         peer: Option<u64>,
         deadline_s: Option<f64>,
@@ -136,8 +137,14 @@ impl LocalReceiver {
             py,
             seconds(timeout, "timeout")?,
             "registering a grant",
-            async move { rx.grant(request_id.0, &pages, peer, deadline).await },
+            async move { rx.grant(request_id.id, &pages, peer, deadline).await },
         )?;
+        // Events carry the engine's key (str keys included), as on the KV receiver.
+        let live = self.inner.clone();
+        self.keys
+            .remember(py, t.grant.transfer_id, &request_id.key, |id| {
+                live.is_live(id)
+            });
         Ok(LocalInbound { inner: t })
     }
 
@@ -261,12 +268,13 @@ impl LocalSender {
         })
     }
 
-    /// Wait for the receiver's grant for `request_id`.
+    /// Wait for the receiver's grant for `request_id` (an int, or the str/bytes key
+    /// the receiver granted with).
     #[pyo3(signature = (request_id, timeout = 10.0))]
     fn wait_grant(
         &self,
         py: Python<'_>,
-        request_id: RequestId,
+        request_id: RequestKey,
         timeout: f64,
     ) -> PyResult<LocalOutbound> {
         let tx = self.inner.clone();
@@ -274,7 +282,7 @@ impl LocalSender {
             py,
             seconds(timeout, "timeout")?,
             "a local grant",
-            async move { tx.wait_grant(request_id.0).await },
+            async move { tx.wait_grant(request_id.id).await },
         )?;
         Ok(LocalOutbound {
             inner: Arc::new(out),

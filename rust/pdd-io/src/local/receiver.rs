@@ -369,6 +369,11 @@ impl LocalReceiver {
         q.drain(..n).collect()
     }
 
+    /// Whether `transfer_id` is still live (granted, not yet ended).
+    pub fn is_live(&self, transfer_id: u64) -> bool {
+        lock(&self.shared.transfers).contains_key(&transfer_id)
+    }
+
     /// Cancel a transfer: it fails `cancelled`, the sender is told, the pages'
     /// registrations are revoked. False if it already ended.
     pub fn cancel(&self, transfer_id: u64) -> bool {
