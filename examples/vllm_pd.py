@@ -208,13 +208,16 @@ class PdCluster:
         self.engines: list[Engine] = []
         self.wan: Wanem | None = None
         try:
+            # Sessions end after the library's default 5 s of silence. 2 s failed a CI run:
+            # three CPU engines on two loaded cores starved both sides' runtimes for 2 s
+            # mid-prefill ("peer silent for 2s"), and D recomputed the 2,000-token prompt.
             self.decode = Engine("decode", base_port + 2, self.model, log_dir,
-                                 pdd_config("kv_consumer", pdd_listen="127.0.0.1:0", pdd_dead_after_s=2.0, pdd_allow_debug=True),
+                                 pdd_config("kv_consumer", pdd_listen="127.0.0.1:0", pdd_dead_after_s=5.0, pdd_allow_debug=True),
                                  env={"PDD_VLLM_TRACE": "1"})  # fmt: skip
             self.engines.append(self.decode)
             # P prefills in chunks of 512 tokens: each chunk's pages go out as soon as each
             # layer has computed them (PDD_VLLM_TRACE=1 logs every send).
-            self.prefill = Engine("prefill", base_port + 1, self.model, log_dir, pdd_config("kv_producer", pdd_dead_after_s=2.0),
+            self.prefill = Engine("prefill", base_port + 1, self.model, log_dir, pdd_config("kv_producer", pdd_dead_after_s=5.0),
                                   env={"PDD_VLLM_TRACE": "1"}, extra_args=["--max-num-batched-tokens", "512"])  # fmt: skip
             self.engines.append(self.prefill)
             self.plain = Engine("plain", base_port, self.model, log_dir) if plain else None
