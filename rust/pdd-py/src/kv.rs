@@ -51,6 +51,22 @@ pub(crate) fn wait_bounded<T: Send>(
     .map_err(|e| PddErr(e).into())
 }
 
+/// `send_layer` of either path (KV lanes, local puts): the source pages converted,
+/// then `put(pages)` run with the GIL released, bounded by `timeout`.
+pub(crate) fn send_layer_bounded<Fut>(
+    py: Python<'_>,
+    src_pages: &Bound<'_, PyAny>,
+    timeout: f64,
+    what: &str,
+    put: impl FnOnce(Vec<u32>) -> Fut,
+) -> PyResult<()>
+where
+    Fut: std::future::Future<Output = Result<(), Error>> + Send,
+{
+    let pages = u32s_from_py(src_pages, "src_pages")?;
+    wait_bounded(py, seconds(timeout, "timeout")?, what, put(pages))
+}
+
 /// `fut` as a Python awaitable on the shared runtime, bounded by `timeout`.
 fn awaitable<'py, T>(
     py: Python<'py>,
@@ -640,16 +656,14 @@ impl OutboundTransfer {
         src_layer: Option<u16>,
         timeout: f64,
     ) -> PyResult<()> {
-        let pages = u32s_from_py(src_pages, "src_pages")?;
         let t = self.inner.clone();
-        wait_bounded(
+        let src_layer = src_layer.unwrap_or(layer);
+        send_layer_bounded(
             py,
-            seconds(timeout, "timeout")?,
+            src_pages,
+            timeout,
             "queueing the layer",
-            async move {
-                t.send_layer(layer, src_layer.unwrap_or(layer), &pages)
-                    .await
-            },
+            |pages| async move { t.send_layer(layer, src_layer, &pages).await },
         )
     }
 

@@ -15,7 +15,7 @@ use pyo3::types::PyDict;
 
 use crate::convert::{address, role, seconds, u32s_from_py};
 use crate::errors::PddErr;
-use crate::kv::{metrics_dict, wait_bounded, KvPool};
+use crate::kv::{metrics_dict, send_layer_bounded, wait_bounded, KvPool};
 use crate::kv_events::RequestKey;
 use crate::runtime::{block_on, runtime};
 
@@ -342,16 +342,14 @@ impl LocalOutbound {
         src_layer: Option<u16>,
         timeout: f64,
     ) -> PyResult<()> {
-        let pages = u32s_from_py(src_pages, "src_pages")?;
         let out = self.inner.clone();
-        wait_bounded(
+        let src_layer = src_layer.unwrap_or(layer);
+        send_layer_bounded(
             py,
-            seconds(timeout, "timeout")?,
+            src_pages,
+            timeout,
             "a local layer put",
-            async move {
-                out.send_layer(layer, src_layer.unwrap_or(layer), &pages)
-                    .await
-            },
+            |pages| async move { out.send_layer(layer, src_layer, &pages).await },
         )
     }
 
