@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from pdd_transport.bench import stream
+from pdd_transport.bench import stream, stream_paths
 
 BYTES = 16 << 20
 
@@ -64,8 +64,8 @@ def test_stream_64kib_pages_shuffled(benchmark: Any, peer: stream.Peer) -> None:
 
 
 def test_baseline_plain_socket(benchmark: Any, peer: stream.Peer) -> None:
-    src = stream._random_layers(1, BYTES, seed=0)[0]
+    src = stream_paths._random_layers(1, BYTES, seed=0)[0]
     figures: list[float] = []
-    benchmark.pedantic(lambda: figures.append(stream.socket_baseline(peer, src, None, 60.0)[0]), rounds=3, iterations=1)
+    benchmark.pedantic(lambda: figures.append(stream_paths.socket_baseline(peer, src, None, 60.0)[0]), rounds=3, iterations=1)
     assert figures and all(f > 0 for f in figures)
     benchmark.extra_info["gbytes_per_s"] = max(figures)

@@ -147,7 +147,8 @@ def test_digests_compare_pages_in_grant_order() -> None:
 def test_no_pickle_between_the_processes() -> None:
     # JSON lines only: neither the modules nor multiprocessing (which pickles) are used.
     # (bench handoff's MD side is a multiprocessing child; bench stream's peer is not.)
-    for path in (BENCH_DIR / "stream.py", BENCH_DIR / "peer.py"):
+    modules = ("stream.py", "stream_config.py", "stream_paths.py", "stream_packet.py", "peer.py")
+    for path in (BENCH_DIR / name for name in modules):
         text = path.read_text()
         for banned in ("import pickle", "from pickle", "multiprocessing", "marshal"):
             assert banned not in text, (path, banned)

@@ -41,33 +41,13 @@ from typing import Any
 
 import numpy as np
 
-from pdd_transport.bench.stream import (
-    DEFAULT_LANES,
-    Peer,
-    PddPath,
-    StreamConfig,
-    _free_port,
-    _random_layers,
-    page_digests,
-)
+from pdd_transport.bench.stream_config import DEFAULT_LANES, StreamConfig, _median, _ratio, _round
+from pdd_transport.bench.stream_paths import Peer, PddPath, _free_port, _random_layers, page_digests
 from pdd_transport.errors import InvalidArgument
 
 __all__ = ["DualConfig", "LocalConfig", "add_parsers", "run_args", "run_dual", "run_local"]
 
 MiB = 1 << 20
-
-
-def _median(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b <= 0 else a / b
-
-
-def _round(v: float | None, digits: int = 4) -> float | None:
-    return None if v is None else round(v, digits)
 
 
 @dataclass
@@ -339,7 +319,7 @@ def run_dual(cfg: DualConfig, progress: Any = None) -> dict[str, Any]:
     """Run ``bench dual``; the result is what ``--json`` prints."""
     cfg.check()
     from pdd_transport import kv, local
-    from pdd_transport.bench.stream import _via_wan
+    from pdd_transport.bench.stream_paths import _via_wan
 
     local.ucx_version()
     timeout = cfg.transfer_timeout()

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from pdd_transport import kv, local
-from pdd_transport.bench.stream import page_digests
+from pdd_transport.bench.stream_paths import page_digests
 
 BIND = os.environ.get("PDD_BENCH_BIND", "127.0.0.1")
 

@@ -4,8 +4,8 @@
 use std::collections::VecDeque;
 
 use super::{
-    abort_frame, check_request, check_request_id, earliest, millis_between, HandoffRecord,
-    HandoffTimers,
+    abort_frame, answer_when_over, check_request, check_request_id, earliest, millis_between,
+    peer_aborted, HandoffRecord, HandoffTimers,
 };
 use crate::error::{Error, Result};
 use crate::handoff::MAX_HANDOFF_TOKENS;
@@ -270,9 +270,7 @@ impl MainSide {
         check_request(self.request_id, &frame)?;
         match self.state {
             MainState::Aborted | MainState::Failed => {
-                if let (Some(abort), false) = (&self.abort_sent, matches!(frame, Frame::Abort(_))) {
-                    self.transmit.push_back(Frame::Abort(abort.clone()));
-                }
+                answer_when_over(&self.abort_sent, &frame, &mut self.transmit);
                 return Ok(());
             }
             MainState::Owned | MainState::Closed if matches!(frame, Frame::Abort(_)) => {
@@ -283,13 +281,7 @@ impl MainSide {
         match frame {
             Frame::Handoff(h) => self.handle_handoff(h, now),
             Frame::Abort(a) => {
-                self.fail(
-                    Error::PeerAborted {
-                        reason: a.reason,
-                        message: a.message,
-                    },
-                    false,
-                );
+                self.fail(peer_aborted(a), false);
                 Ok(())
             }
             other => Err(Error::UnexpectedFrame {

@@ -33,6 +33,8 @@ pub use policy::{
 };
 pub use relay_decode::{RelayDecision, RelayEvent, RelaySide, RelayState};
 
+use std::collections::VecDeque;
+
 use crate::error::{Error, Result};
 use crate::time::Timestamp;
 use crate::wire::{Abort, AbortReason, Frame, MAX_ABORT_MESSAGE_LEN};
@@ -86,6 +88,23 @@ fn abort_frame(request_id: u64, reason: AbortReason, message: &str) -> Abort {
         request_id,
         reason,
         message: message[..end].to_owned(),
+    }
+}
+
+/// A frame that reaches a machine whose handoff is over: anything but an ABORT is
+/// answered with our ABORT (when we sent one), so that a peer that missed it learns
+/// the handoff is over from its next retransmission.
+fn answer_when_over(abort_sent: &Option<Abort>, frame: &Frame, transmit: &mut VecDeque<Frame>) {
+    if let (Some(abort), false) = (abort_sent, matches!(frame, Frame::Abort(_))) {
+        transmit.push_back(Frame::Abort(abort.clone()));
+    }
+}
+
+/// The error a peer's ABORT ends a handoff with.
+fn peer_aborted(abort: Abort) -> Error {
+    Error::PeerAborted {
+        reason: abort.reason,
+        message: abort.message,
     }
 }
 

@@ -5,8 +5,8 @@ use std::collections::VecDeque;
 
 use super::policy::{catch_up_step, choose_mode, CatchUpStep, HandoffMode};
 use super::{
-    abort_frame, check_request, check_request_id, earliest, millis_between, HandoffPolicy,
-    HandoffRecord, HandoffTimers,
+    abort_frame, answer_when_over, check_request, check_request_id, earliest, millis_between,
+    peer_aborted, HandoffPolicy, HandoffRecord, HandoffTimers,
 };
 use crate::error::{Error, Result};
 use crate::time::Timestamp;
@@ -313,24 +313,14 @@ impl RelaySide {
     pub fn handle_frame(&mut self, frame: Frame, now: Timestamp) -> Result<()> {
         check_request(self.request_id, &frame)?;
         if self.state.is_terminal() {
-            // Answer anything but an ABORT with our ABORT, so that a peer that missed it
-            // learns the handoff is over from its next retransmission.
-            if let (Some(abort), false) = (&self.abort_sent, matches!(frame, Frame::Abort(_))) {
-                self.transmit.push_back(Frame::Abort(abort.clone()));
-            }
+            answer_when_over(&self.abort_sent, &frame, &mut self.transmit);
             return Ok(());
         }
         match frame {
             Frame::Progress(p) => self.handle_progress(p, now),
             Frame::HandoffAck(a) => self.handle_ack(a, now),
             Frame::Abort(a) => {
-                self.fail(
-                    Error::PeerAborted {
-                        reason: a.reason,
-                        message: a.message,
-                    },
-                    false,
-                );
+                self.fail(peer_aborted(a), false);
                 Ok(())
             }
             other => Err(Error::UnexpectedFrame {

@@ -40,66 +40,53 @@ pub trait HandoffMachine: Send + 'static {
     fn abort(&mut self, reason: AbortReason, message: &str) -> bool;
 }
 
+/// The trait methods both machines implement alike: each forwards to the machine's
+/// inherent method of the same name.
+macro_rules! forward_to_inherent {
+    ($side:ident, $event:ty) => {
+        type Event = $event;
+        fn handle_frame(&mut self, frame: Frame, now: Timestamp) -> Result<()> {
+            $side::handle_frame(self, frame, now)
+        }
+        fn handle_timeout(&mut self, now: Timestamp) {
+            $side::handle_timeout(self, now)
+        }
+        fn poll_timeout(&self) -> Option<Timestamp> {
+            $side::poll_timeout(self)
+        }
+        fn poll_transmit(&mut self, now: Timestamp) -> Option<Frame> {
+            $side::poll_transmit(self, now)
+        }
+        fn poll_event(&mut self) -> Option<$event> {
+            $side::poll_event(self)
+        }
+        fn on_reconnect(&mut self, now: Timestamp) {
+            $side::on_reconnect(self, now)
+        }
+        fn abort(&mut self, reason: AbortReason, message: &str) -> bool {
+            $side::abort(self, reason, message)
+        }
+    };
+}
+
 impl HandoffMachine for RelaySide {
-    type Event = RelayEvent;
-    fn handle_frame(&mut self, frame: Frame, now: Timestamp) -> Result<()> {
-        RelaySide::handle_frame(self, frame, now)
-    }
-    fn handle_timeout(&mut self, now: Timestamp) {
-        RelaySide::handle_timeout(self, now)
-    }
-    fn poll_timeout(&self) -> Option<Timestamp> {
-        RelaySide::poll_timeout(self)
-    }
-    fn poll_transmit(&mut self, now: Timestamp) -> Option<Frame> {
-        RelaySide::poll_transmit(self, now)
-    }
-    fn poll_event(&mut self) -> Option<RelayEvent> {
-        RelaySide::poll_event(self)
-    }
-    fn on_reconnect(&mut self, now: Timestamp) {
-        RelaySide::on_reconnect(self, now)
-    }
+    forward_to_inherent!(RelaySide, RelayEvent);
     fn is_terminal(&self) -> bool {
         self.state().is_terminal()
     }
     fn is_done(&self) -> bool {
         false
     }
-    fn abort(&mut self, reason: AbortReason, message: &str) -> bool {
-        RelaySide::abort(self, reason, message)
-    }
 }
 
 impl HandoffMachine for MainSide {
-    type Event = MainEvent;
-    fn handle_frame(&mut self, frame: Frame, now: Timestamp) -> Result<()> {
-        MainSide::handle_frame(self, frame, now)
-    }
-    fn handle_timeout(&mut self, now: Timestamp) {
-        MainSide::handle_timeout(self, now)
-    }
-    fn poll_timeout(&self) -> Option<Timestamp> {
-        MainSide::poll_timeout(self)
-    }
-    fn poll_transmit(&mut self, now: Timestamp) -> Option<Frame> {
-        MainSide::poll_transmit(self, now)
-    }
-    fn poll_event(&mut self) -> Option<MainEvent> {
-        MainSide::poll_event(self)
-    }
-    fn on_reconnect(&mut self, now: Timestamp) {
-        MainSide::on_reconnect(self, now)
-    }
+    forward_to_inherent!(MainSide, MainEvent);
     fn is_terminal(&self) -> bool {
         // Owned still answers retransmissions with the final ack: not over for the I/O.
         matches!(self.state(), MainState::Aborted | MainState::Failed)
     }
     fn is_done(&self) -> bool {
         self.state() == MainState::Closed
-    }
-    fn abort(&mut self, reason: AbortReason, message: &str) -> bool {
-        MainSide::abort(self, reason, message)
     }
 }
 

@@ -1,5 +1,9 @@
 //! The radix tree: arena of nodes, page-granular edges, LRU queue of evictable
 //! leaves, lock counts, generation-checked node references, and the event log.
+//!
+//! Here: the public types and the operations (match, insert, lock, evict, snapshot);
+//! `arena.rs`: node slots, edge buffers and the LRU queue; `invariants.rs`:
+//! the structural checks tests run.
 
 use std::collections::{HashMap, VecDeque};
 use std::mem;
@@ -9,6 +13,10 @@ use super::children::Children;
 use super::event::{Event, EventKind, Snapshot, StoredPages};
 use super::hash::{chain_hashes, page_hash, root_seed};
 use crate::error::{Error, Result};
+
+mod arena;
+#[cfg(feature = "testing")]
+mod invariants;
 
 /// "No node": the parent of a namespace root, the end of the LRU list.
 const NIL: u32 = u32::MAX;
@@ -93,17 +101,6 @@ pub struct CacheStats {
     pub evictable_leaves: usize,
     /// Nodes in use, namespace roots included.
     pub nodes: usize,
-}
-
-/// Estimated heap bytes of a std `HashMap` with this capacity: hashbrown allocates a
-/// power-of-two bucket count at a 7/8 load factor, one entry plus one control byte per
-/// bucket.
-fn map_bytes<K, V>(capacity: usize) -> usize {
-    if capacity == 0 {
-        return 0;
-    }
-    let buckets = (capacity * 8 / 7).next_power_of_two();
-    buckets * (mem::size_of::<(K, V)>() + 1)
 }
 
 /// A node slot is two cache lines. The first holds everything eviction reads or
@@ -601,116 +598,6 @@ impl RadixCache {
         }
     }
 
-    /// Heap bytes the cache holds, counted from allocated capacities (hash maps
-    /// estimated from their capacity); pending undrained events are not included.
-    pub fn heap_bytes(&self) -> usize {
-        let mut bytes = self.nodes.capacity() * mem::size_of::<Node>()
-            + self.lru.capacity() * mem::size_of::<LruEntry>()
-            + self.free_slots.capacity() * mem::size_of::<u32>()
-            + map_bytes::<u64, u32>(self.roots.capacity());
-        for class in &self.pool {
-            bytes += class.capacity() * mem::size_of::<Vec<u32>>()
-                + class.iter().map(|d| d.capacity() * 4).sum::<usize>();
-        }
-        for node in self.nodes.iter().filter(|n| n.in_use) {
-            bytes += node.data.capacity() * mem::size_of::<u32>() + node.children.heap_bytes();
-        }
-        bytes
-    }
-
-    /// Check every structural invariant (links, keys, hash chains, lock counts, LRU
-    /// membership, accounting); panics with a description of the first violation.
-    /// Linear in the size of the tree: for tests.
-    #[cfg(feature = "testing")]
-    pub fn check_invariants(&self) {
-        let ps = self.page_size;
-        let (mut pages, mut locked, mut live, mut leaves) = (0, 0, 0, 0);
-        for (index, node) in self.nodes.iter().enumerate() {
-            if !node.in_use {
-                continue;
-            }
-            live += 1;
-            let index = index as u32;
-            assert_eq!(
-                node.data.len() % (META + ps),
-                0,
-                "node {index}: edge layout"
-            );
-            assert!(node.pages() <= node.built(ps), "node {index}: pages");
-            let mut pinned_children = 0;
-            node.children.for_each(|c| {
-                let child = &self.nodes[c as usize];
-                assert!(
-                    child.in_use && child.parent == index,
-                    "child {c} of {index}"
-                );
-                assert_eq!(child.key, child.hash(0), "key of node {c}");
-                assert_eq!(node.children.get(child.key), Some(c), "key of child {c}");
-                pinned_children += u32::from(child.pinned());
-            });
-            assert_eq!(
-                node.pinned_children, pinned_children,
-                "node {index}: pinned"
-            );
-            if node.parent == NIL {
-                assert_eq!(
-                    self.roots.get(&node.namespace),
-                    Some(&index),
-                    "root {index}"
-                );
-                assert!(
-                    node.pages() == 0 && node.locks == 0,
-                    "root {index} holds pages"
-                );
-                assert!(!node.children.is_empty(), "root {index} without children");
-                assert!(!node.in_lru, "root {index} in the LRU");
-                continue;
-            }
-            assert!(node.pages() > 0, "node {index}: empty edge");
-            let parent = &self.nodes[node.parent as usize];
-            assert_eq!(parent.namespace, node.namespace, "node {index}: namespace");
-            let mut prev = self.last_hash(node.parent);
-            for (page, h) in node.tokens(ps).chunks_exact(ps).zip(node.hashes()) {
-                prev = page_hash(prev, page);
-                assert_eq!(prev, h, "node {index}: hash chain");
-            }
-            pages += node.pages();
-            if node.pinned() {
-                locked += node.pages();
-            }
-            let evictable = node.children.is_empty() && !node.pinned();
-            assert_eq!(node.in_lru, evictable, "node {index}: LRU membership");
-            leaves += usize::from(evictable);
-        }
-        let mut walked = 0;
-        let mut seen = std::collections::HashSet::new();
-        for entry in &self.lru {
-            let node = &self.nodes[entry.node as usize];
-            if node.in_lru && node.lru_tag == entry.tag {
-                assert!(node.in_use, "LRU holds {}", entry.node);
-                assert!(seen.insert(entry.node), "LRU holds {} twice", entry.node);
-                walked += 1;
-            }
-        }
-        assert!(
-            self.lru.len() <= 2 * leaves + LRU_SLACK,
-            "LRU queue: {} entries for {leaves} leaves",
-            self.lru.len()
-        );
-        assert_eq!(walked, leaves, "LRU length");
-        assert_eq!(self.evictable_leaves, leaves, "evictable leaf count");
-        assert_eq!(self.pages, pages, "page count");
-        assert_eq!(self.locked_pages, locked, "locked page count");
-        assert_eq!(self.live_nodes, live, "live node count");
-        assert_eq!(
-            self.roots.len(),
-            self.roots
-                .values()
-                .collect::<std::collections::HashSet<_>>()
-                .len()
-        );
-    }
-
     // ----- internals -----
 
     fn check_insert_args(&self, tokens: &[u32], handles: &[u32]) -> Result<()> {
@@ -998,173 +885,6 @@ impl RadixCache {
         let id = self.next_event_id;
         self.next_event_id += 1;
         self.events.push(Event { id, kind });
-    }
-
-    fn alloc(&mut self, mut node: Node) -> u32 {
-        node.in_use = true;
-        self.live_nodes += 1;
-        match self.free_slots.pop() {
-            Some(index) => {
-                let old = &self.nodes[index as usize];
-                node.generation = old.generation;
-                // Tags keep counting across reuse, so that no LRU entry left by an
-                // earlier node of this slot can ever match the new one.
-                node.lru_tag = old.lru_tag;
-                self.nodes[index as usize] = node;
-                index
-            }
-            None => {
-                let index = u32::try_from(self.nodes.len())
-                    .ok()
-                    .filter(|&i| i != NIL)
-                    .expect("radix arena exceeds u32 indices");
-                self.nodes.push(node);
-                index
-            }
-        }
-    }
-
-    /// Free a node that has no children and no pins (an evicted leaf, an emptied
-    /// root) writing only the first cache line of its slot: the second already reads as
-    /// vacant (no children, no pinned children) and the next `alloc` overwrites it.
-    fn free_childless(&mut self, index: u32) {
-        let node = &mut self.nodes[index as usize];
-        debug_assert!(node.children.is_empty() && !node.pinned() && !node.in_lru);
-        let data = mem::take(&mut node.data);
-        node.generation = node.generation.wrapping_add(1);
-        node.key = 0;
-        node.last_access = 0;
-        node.pages = 0;
-        node.parent = NIL;
-        node.in_use = false;
-        self.recycle(data);
-        self.free_slots.push(index);
-        self.live_nodes -= 1;
-    }
-
-    fn free(&mut self, index: u32) {
-        let node = &mut self.nodes[index as usize];
-        let generation = node.generation.wrapping_add(1);
-        let lru_tag = node.lru_tag;
-        let data = mem::take(&mut node.data);
-        *node = Node {
-            generation,
-            lru_tag,
-            ..Node::vacant()
-        };
-        self.recycle(data);
-        self.free_slots.push(index);
-        self.live_nodes -= 1;
-    }
-
-    /// An empty buffer for an edge of `pages` pages: a recycled one of exactly that
-    /// size when there is one, so small leaves cost no malloc/free pair.
-    fn edge_buffer(&mut self, pages: usize) -> Vec<u32> {
-        let words = pages * (META + self.page_size);
-        if let Some(mut data) = self
-            .pool
-            .get_mut(pages.wrapping_sub(1))
-            .and_then(|class| class.pop())
-        {
-            debug_assert_eq!(data.capacity(), words);
-            data.clear();
-            return data;
-        }
-        Vec::with_capacity(words)
-    }
-
-    /// Keep a freed edge buffer for reuse instead of returning it to the allocator.
-    /// Reads only the `Vec` header, never the buffer: freeing a small leaf then costs
-    /// no cache miss in the allocator's chunk headers.
-    fn recycle(&mut self, data: Vec<u32>) {
-        let per_page = META + self.page_size;
-        let pages = data.len() / per_page;
-        if data.capacity() != pages * per_page || pages == 0 {
-            return;
-        }
-        if let Some(class) = self.pool.get_mut(pages - 1) {
-            if class.len() < POOL_PER_CLASS {
-                class.push(data);
-            }
-        }
-    }
-
-    fn lru_entry(&mut self, index: u32) -> LruEntry {
-        let node = &mut self.nodes[index as usize];
-        debug_assert!(!node.in_lru);
-        node.in_lru = true;
-        node.lru_tag = node.lru_tag.wrapping_add(1);
-        self.evictable_leaves += 1;
-        LruEntry {
-            node: index,
-            tag: node.lru_tag,
-        }
-    }
-
-    fn lru_live(&self, entry: LruEntry) -> bool {
-        let node = &self.nodes[entry.node as usize];
-        node.in_lru && node.lru_tag == entry.tag
-    }
-
-    fn lru_push_back(&mut self, index: u32) {
-        let entry = self.lru_entry(index);
-        self.lru.push_back(entry);
-    }
-
-    fn lru_push_front(&mut self, index: u32) {
-        let entry = self.lru_entry(index);
-        self.lru.push_front(entry);
-    }
-
-    fn lru_unlink(&mut self, index: u32) {
-        let node = &mut self.nodes[index as usize];
-        debug_assert!(node.in_lru);
-        node.in_lru = false;
-        self.evictable_leaves -= 1;
-        let entry = LruEntry {
-            node: index,
-            tag: node.lru_tag,
-        };
-        // Its entry is often at an end (evicting the coldest leaf, touching the warmest):
-        // drop it now. Otherwise it stays behind, stale, until compaction.
-        if self.lru.front() == Some(&entry) {
-            self.lru.pop_front();
-        } else if self.lru.back() == Some(&entry) {
-            self.lru.pop_back();
-        }
-        // Compacting once stale entries outnumber live ones (plus a slack) keeps the
-        // queue under 2 * leaves + slack entries, at an amortized O(1) per unlink.
-        if self.lru.len() > 2 * self.evictable_leaves + LRU_SLACK {
-            let nodes = &self.nodes;
-            self.lru.retain(|e| {
-                let node = &nodes[e.node as usize];
-                node.in_lru && node.lru_tag == e.tag
-            });
-        }
-    }
-
-    /// The coldest evictable leaf (`NIL` if none), dropping stale entries before it.
-    fn lru_front(&mut self) -> u32 {
-        while let Some(&entry) = self.lru.front() {
-            if self.lru_live(entry) {
-                return entry.node;
-            }
-            self.lru.pop_front();
-        }
-        NIL
-    }
-
-    /// Move an evictable leaf to the most recently used end.
-    fn lru_touch(&mut self, index: u32) {
-        let node = &self.nodes[index as usize];
-        let entry = LruEntry {
-            node: index,
-            tag: node.lru_tag,
-        };
-        if node.in_lru && self.lru.back() != Some(&entry) {
-            self.lru_unlink(index);
-            self.lru_push_back(index);
-        }
     }
 }
 

@@ -1,0 +1,364 @@
+//! Data lanes: each KV_PAGES block's header, then its page bytes read straight into
+//! the granted pool pages (vectored reads), checked before the block counts.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use pdd_core::kv::{BlockDisposition, KvBlock};
+use pdd_core::wire::handshake::AuthBytes;
+use pdd_core::wire::{FrameHeader, FrameKind, HEADER_LEN, KV_PAGES_FIXED_LEN};
+use pdd_core::Error;
+use tokio::io::AsyncReadExt;
+
+use crate::lane::{self, LaneStream};
+use crate::metrics::Metrics;
+use crate::pool::RawPage;
+
+use super::{apply, lock, Shared, MAX_LANES_PER_SESSION};
+
+/// Calls `finish_block` exactly once for a block begun on a data lane, also when the
+/// lane's future is dropped mid-block (session cancelled): until then the
+/// transfer's pages stay held, so nobody re-grants memory a lane may still write.
+struct BlockGuard<'a> {
+    shared: &'a Shared,
+    block: KvBlock,
+    finished: bool,
+}
+
+impl BlockGuard<'_> {
+    fn finish(mut self, outcome: Result<(), Error>) {
+        self.finished = true;
+        finish_block(self.shared, &self.block, outcome);
+    }
+}
+
+/// A block ended: report it, and publish the pages still held (a draining
+/// transfer's last block frees its pages without any event).
+fn finish_block(shared: &Shared, block: &KvBlock, outcome: Result<(), Error>) {
+    let mut state = lock(&shared.state);
+    let ev = state.finish_block(block, outcome);
+    Metrics::set(&shared.metrics.pool_pages_held, state.pages_held() as u64);
+    apply(shared, &state, ev);
+}
+
+impl Drop for BlockGuard<'_> {
+    fn drop(&mut self) {
+        if !self.finished {
+            let err = Error::ConnectionLost {
+                detail: "data lane closed mid-block".into(),
+            };
+            finish_block(self.shared, &self.block, Err(err));
+        }
+    }
+}
+
+pub(super) async fn data_lane(
+    shared: Arc<Shared>,
+    mut stream: LaneStream,
+    agreed: pdd_core::wire::handshake::Negotiated,
+    secret: AuthBytes,
+) {
+    // The lane proved `secret`; it joins the session only if that is still the one
+    // live under its id (a resumption may have replaced it meanwhile).
+    let session = lock(&shared.sessions)
+        .get(&agreed.session_id)
+        .filter(|s| s.secret == secret)
+        .map(|s| {
+            (
+                s.cancel.clone(),
+                s.control.clone(),
+                s.death.clone(),
+                s.generation,
+                s.lanes.clone(),
+            )
+        });
+    // Counted from here to the lane's end, admitted or not.
+    struct LaneCount(Option<Arc<AtomicU64>>);
+    impl Drop for LaneCount {
+        fn drop(&mut self) {
+            if let Some(n) = &self.0 {
+                n.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+    let counted = LaneCount(session.as_ref().map(|s| {
+        s.4.fetch_add(1, Ordering::Relaxed);
+        s.4.clone()
+    }));
+    // The control lane registers its session before answering its HELLO, so a sender
+    // that waited for that answer always finds its session here.
+    let admitted = match &session {
+        Some(s) if s.4.load(Ordering::Relaxed) > MAX_LANES_PER_SESSION => {
+            Err(Error::LimitExceeded {
+                what: "data lanes in one session".into(),
+                limit: MAX_LANES_PER_SESSION,
+            })
+        }
+        Some(_) => Ok(()),
+        None => Err(Error::ConnectionLost {
+            detail: format!(
+                "data lane {} for session {} which has no control lane",
+                agreed.lane, agreed.session_id
+            ),
+        }),
+    };
+    let hello = &shared.cfg.hello;
+    let answered = tokio::select! {
+        _ = shared.cancel.cancelled() => return,
+        r = lane::answer_hello(&mut stream, hello, &agreed, admitted, shared.cfg.hello_timeout) => r,
+    };
+    let (Ok(()), Some((cancel, control, death, owner, _))) = (answered, session) else {
+        return;
+    };
+    let _counted = counted;
+    let _ = stream.tcp().set_nodelay(false);
+    // Inside TLS the AEAD authenticates every byte; the blocks then carry no CRC.
+    let aead = agreed.capabilities & pdd_core::wire::capability::AEAD != 0;
+    let max_payload = shared.cfg.hello.max_payload;
+    let mut scratch = vec![0u8; 64 << 10];
+    loop {
+        let r = tokio::select! {
+            _ = cancel.cancelled() => return,
+            r = read_block(&shared, owner, aead, &mut stream, max_payload, &mut scratch) => r,
+        };
+        match r {
+            Ok(true) => {}
+            Ok(false) => return,
+            Err(e) => {
+                if !matches!(e, Error::ConnectionLost { .. }) {
+                    // A peer that breaks the protocol loses the whole session.
+                    Metrics::add(&shared.metrics.violations_total, 1);
+                    let _ = control.send(lane::abort_for(&e));
+                    lock(&death).get_or_insert(e);
+                    cancel.cancel();
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// Read one KV_PAGES block into its pages. `Ok(false)` on a clean EOF between blocks.
+#[allow(clippy::too_many_arguments)]
+async fn read_block(
+    shared: &Shared,
+    owner: u64,
+    aead: bool,
+    stream: &mut LaneStream,
+    max_payload: u32,
+    scratch: &mut [u8],
+) -> Result<bool, Error> {
+    let lost = |e: std::io::Error| Error::ConnectionLost {
+        detail: format!("data lane: {e}"),
+    };
+    // Between blocks a lane may idle; inside one, every read must bring bytes within
+    // the dead-peer bound, or the lane (and its session) is lost: a lane stalled
+    // mid-frame while the control lane stays healthy must not hold its transfer.
+    let stall = shared.cfg.dead_after;
+    let mut head = [0u8; HEADER_LEN + KV_PAGES_FIXED_LEN];
+    // One read usually brings the frame header and the block's fixed fields together
+    // (a KV_PAGES frame is never shorter, so this never reads into the next frame);
+    // 0 bytes is a clean EOF between blocks. The header is checked as soon as it is
+    // complete, before waiting for more.
+    let mut got = stream.read(&mut head).await.map_err(lost)?;
+    if got == 0 {
+        return Ok(false);
+    }
+    if got < HEADER_LEN {
+        within_stall(stall, stream.read_exact(&mut head[got..HEADER_LEN]))
+            .await
+            .map_err(lost)?;
+        got = HEADER_LEN;
+    }
+    let mut header_bytes = [0u8; HEADER_LEN];
+    header_bytes.copy_from_slice(&head[..HEADER_LEN]);
+    let header = FrameHeader::parse(&header_bytes, max_payload)?;
+    if header.kind != FrameKind::KvPages {
+        return Err(Error::InvalidField {
+            kind: header.kind,
+            field: "kind",
+            detail: "only KV_PAGES travels on a data lane".into(),
+        });
+    }
+    within_stall(stall, stream.read_exact(&mut head[got..]))
+        .await
+        .map_err(lost)?;
+    let mut fixed = [0u8; KV_PAGES_FIXED_LEN];
+    fixed.copy_from_slice(&head[HEADER_LEN..]);
+    let block = KvBlock::parse(&fixed, header.payload_len)?;
+    let mut crc = crc32c::crc32c(&head[..12]);
+    crc = crc32c::crc32c_append(crc, &fixed);
+    let disposition = lock(&shared.state).begin_block(owner, &block)?;
+    match disposition {
+        BlockDisposition::Drain => {
+            let mut left = block.data_len();
+            while left > 0 {
+                let n = left.min(scratch.len() as u64) as usize;
+                within_stall(stall, stream.read_exact(&mut scratch[..n]))
+                    .await
+                    .map_err(lost)?;
+                left -= n as u64;
+            }
+            Metrics::add(&shared.metrics.blocks_drained_total, 1);
+            Ok(true)
+        }
+        BlockDisposition::Land(target) => {
+            let guard = BlockGuard {
+                shared,
+                block,
+                finished: false,
+            };
+            // Addresses only: begin_block marked every page of the block in flight for
+            // this lane alone, and the guard keeps them held until it finishes.
+            let pages = target
+                .pages
+                .iter()
+                .map(|&(layer, page)| shared.pool.page_raw(layer, page))
+                .collect::<Result<Vec<RawPage>, Error>>()?;
+            if let Err(e) = read_into_pages(stream, &pages, scratch, stall).await {
+                guard.finish(Err(lost(e)));
+                return Err(Error::ConnectionLost {
+                    detail: "data lane failed mid-block".into(),
+                });
+            }
+            if !aead {
+                for p in &pages {
+                    // SAFETY: the page is in flight for this lane alone (nothing in the
+                    // transport writes it now) and the engine does not write granted
+                    // pages (its documented obligation), so a shared view of the bytes
+                    // that landed is sound for the length of this call.
+                    let landed = unsafe { std::slice::from_raw_parts(p.as_ptr(), p.len()) };
+                    crc = lane::crc32c_append(crc, landed);
+                }
+            }
+            drop(pages);
+            if !aead && crc != header.crc {
+                Metrics::add(&shared.metrics.checksum_failures_total, 1);
+                guard.finish(Err(Error::ChecksumMismatch {
+                    expected: header.crc,
+                    computed: crc,
+                }));
+                // Framing is intact (the length was read as announced): keep the lane.
+                return Ok(true);
+            }
+            Metrics::add(&shared.metrics.bytes_received_total, block.data_len());
+            Metrics::add(&shared.metrics.blocks_received_total, 1);
+            guard.finish(Ok(()));
+            Ok(true)
+        }
+    }
+}
+
+/// One read inside a block, which must bring bytes within `stall`.
+async fn within_stall<T>(
+    stall: Duration,
+    step: impl std::future::Future<Output = std::io::Result<T>>,
+) -> std::io::Result<T> {
+    tokio::time::timeout(stall, step).await.unwrap_or_else(|_| {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("stalled mid-block: no byte for {stall:?}"),
+        ))
+    })
+}
+
+/// The iovecs of one `readv` batch (addresses of pages in flight for one lane), and
+/// the first one not yet filled.
+struct Iovecs(Vec<libc::iovec>, usize);
+
+// SAFETY: raw page addresses (see `RawPage`); the lane's task owns them while it
+// reads, whichever worker thread runs it.
+unsafe impl Send for Iovecs {}
+
+impl Iovecs {
+    fn done(&self) -> bool {
+        self.1 == self.0.len()
+    }
+
+    /// One `readv` into the iovecs not yet filled.
+    fn readv(&self, fd: std::os::fd::RawFd) -> std::io::Result<usize> {
+        let pending = &self.0[self.1..];
+        // SAFETY: every iovec spans (the rest of) one page of the pool: in bounds and
+        // alive while the pool is, in flight for this lane alone; readv writes only
+        // there.
+        let n = unsafe { libc::readv(fd, pending.as_ptr(), pending.len() as libc::c_int) };
+        if n < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
+        }
+    }
+
+    /// `n` bytes landed: skip the iovecs filled, shorten the one filled in part.
+    fn advance(&mut self, mut n: usize) {
+        while n > 0 {
+            let v = &mut self.0[self.1];
+            if n >= v.iov_len {
+                n -= v.iov_len;
+                self.1 += 1;
+            } else {
+                // SAFETY: n < iov_len: still inside the same page.
+                v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n) }.cast();
+                v.iov_len -= n;
+                n = 0;
+            }
+        }
+    }
+}
+
+/// Fill every page completely. Plain TCP: `readv` straight into the pages through
+/// raw iovecs (no Rust reference to pool memory is formed while it is written). TLS:
+/// rustls decrypts into `staging`, copied into the pages through raw pointers.
+async fn read_into_pages(
+    stream: &mut LaneStream,
+    pages: &[RawPage],
+    staging: &mut [u8],
+    stall: Duration,
+) -> std::io::Result<()> {
+    let stream = match stream {
+        LaneStream::Plain(s) => s,
+        tls => {
+            for page in pages {
+                let mut at = 0;
+                while at < page.len() {
+                    let n = (page.len() - at).min(staging.len());
+                    within_stall(stall, tls.read_exact(&mut staging[..n])).await?;
+                    // SAFETY: `at + n <= len` keeps the copy inside the page, which is in
+                    // flight for this lane alone; `staging` is our own buffer.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(staging.as_ptr(), page.as_ptr().add(at), n);
+                    }
+                    at += n;
+                }
+            }
+            return Ok(());
+        }
+    };
+    // At most this many iovecs per readv (IOV_MAX is 1024 on Linux).
+    const BATCH: usize = 256;
+    let fd = std::os::fd::AsRawFd::as_raw_fd(stream);
+    for batch in pages.chunks(BATCH) {
+        let mut iov = Iovecs(
+            batch
+                .iter()
+                .map(|p| libc::iovec {
+                    iov_base: p.as_ptr().cast(),
+                    iov_len: p.len(),
+                })
+                .collect(),
+            0,
+        );
+        while !iov.done() {
+            within_stall(stall, stream.readable()).await?;
+            match stream.try_io(tokio::io::Interest::READABLE, || iov.readv(fd)) {
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => iov.advance(n),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(())
+}
