@@ -75,6 +75,25 @@ def test_pages_land_in_granted_slots(pair: tuple[kv.KvReceiver, kv.KvSender, np.
     assert 'pdd_transport_bytes_received_total{endpoint="md0"} 49152' in text
 
 
+def test_bad_endpoint_settings_are_refused_before_anything_opens() -> None:
+    # pdd_io::config checks every endpoint's settings in connect / start, for Rust and
+    # Python callers alike: each mistake is an InvalidArgument naming the setting.
+    mem = np.zeros((LAYERS, PAGES, PAGE), np.uint8)
+    pool = kv.pool_from_buffers(mem, PAGE, num_layers=LAYERS)
+    with pytest.raises(InvalidArgument, match="dead_after"):
+        kv.KvReceiver(pool, heartbeat_s=2.0, dead_after_s=1.0)
+    rx = kv.KvReceiver(pool)
+    addr = "%s:%d" % rx.address
+    try:
+        for kwargs, needle in [({"node_id": 0}, "reserved"), ({"lanes": 0}, "lanes"), ({"block_bytes": 0}, "block_bytes"),
+                               ({"heartbeat_s": 1.0, "dead_after_s": 1.0}, "dead_after")]:
+            with pytest.raises(InvalidArgument, match=needle):
+                kv.KvSender(pool, addr, **kwargs)
+        assert rx.peers() == []  # nothing connected
+    finally:
+        rx.close()
+
+
 def test_bad_input_is_refused_and_leaves_state_intact(
     pair: tuple[kv.KvReceiver, kv.KvSender, np.ndarray, np.ndarray],
 ) -> None:

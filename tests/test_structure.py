@@ -16,12 +16,6 @@ MAX_LINES = 1000
 
 SOURCE_SUFFIXES = {".rs", ".py", ".pyi"}
 
-ALLOWED: dict[str, str] = {
-    # Being split by the engineer who owns the binding (issue #13, deliverable 1: the
-    # simulated pair and BenchWanem leave it). Remove this entry when that lands; the
-    # test fails once the file is back under the bound, so the entry cannot go stale.
-    "rust/pdd-py/src/handoff.rs": "issue #13: the binding's handoff module is being split",
-}
 
 
 def source_roots() -> list[Path]:
@@ -62,19 +56,10 @@ def test_no_library_file_over_the_bound() -> None:
     over = {
         p.relative_to(ROOT).as_posix(): n for p in library_files() if (n := line_count(p)) > MAX_LINES
     }
-    unexpected = {p: n for p, n in over.items() if p not in ALLOWED}
-    assert unexpected == {}, (
+    assert over == {}, (
         f"files over {MAX_LINES} lines (split them by responsibility): "
-        + ", ".join(f"{p} ({n} lines)" for p, n in sorted(unexpected.items()))
+        + ", ".join(f"{p} ({n} lines)" for p, n in sorted(over.items()))
     )
-
-
-def test_the_allow_list_is_not_stale() -> None:
-    for rel, why in ALLOWED.items():
-        path = ROOT / rel
-        assert path.is_file(), f"{rel} is gone: remove its ALLOWED entry ({why})"
-        n = line_count(path)
-        assert n > MAX_LINES, f"{rel} is down to {n} lines: remove its ALLOWED entry ({why})"
 
 
 def test_test_files_are_told_apart() -> None:

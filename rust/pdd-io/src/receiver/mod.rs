@@ -233,6 +233,7 @@ pub struct KvReceiver {
 impl KvReceiver {
     /// Bind and start accepting on the current tokio runtime.
     pub async fn start(pool: Arc<PagePool>, cfg: ReceiverConfig) -> Result<KvReceiver, Error> {
+        cfg.validate()?;
         lane::check_exposure(
             cfg.listen,
             &cfg.hello,
