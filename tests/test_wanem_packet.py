@@ -240,6 +240,22 @@ def test_a_rate_cap_is_held_within_5_percent() -> None:
     assert not any(above), "the emulator let more than the cap through"
 
 
+def test_sysctl_is_set_in_one_end_only() -> None:
+    _need()
+    key = "net.ipv4.tcp_slow_start_after_idle"
+    with PacketWan(2, backend="tun") as wan:
+        def read(end: str) -> str:
+            r = wan.run(end, ["sysctl", "-n", key], timeout=10, capture_output=True, text=True)  # type: ignore[arg-type]
+            assert r.returncode == 0, r.stderr
+            return str(r.stdout.strip())
+
+        assert read("a") == read("b") == "1"  # Linux's default, per namespace
+        wan.sysctl("a", key, "0")
+        assert read("a") == "0" and read("b") == "1"
+        with pytest.raises(TransportError, match="no_such_key"):
+            wan.sysctl("b", "net.ipv4.no_such_key", "1")
+
+
 def test_block_port_stalls_one_connection_only() -> None:
     _need()
     with PacketWan(4, backend="tun") as wan:
@@ -300,6 +316,9 @@ def test_bench_stream_packet_smoke() -> None:
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["emulation"] == "packet" and out["loss_pct"] == 0.1 and out["verified"]
+    # One untimed transfer warmed the lanes first; it was verified too.
+    assert out["warm_lanes"] is True and out["slow_start_after_idle"] == 0
+    assert out["cold_verified"] is True and 0 < out["cold_gbytes_per_s"] <= 1.0 / 8
     assert out["wan"]["backend"] in ("tun", "netem") and out["wan"]["rtt_ms"] == 10
     for key in ("baseline_iperf3_1stream_gbytes_per_s", "baseline_iperf3_gbytes_per_s", "baseline_pyzmq_gbytes_per_s",
                 "ratio_vs_iperf3_1stream", "ratio_vs_cap", "congestion"):

@@ -66,7 +66,11 @@ def recommended_lanes(
     usual ``net.core.wmem_max``): ``ceil(headroom * rate / lane share)``, within
     ``1..max_lanes``. ``headroom`` (default 1.5) covers the flows' uneven shares and slow
     start. A result at ``max_lanes`` means more lanes would still help: switch the lanes'
-    congestion control to BBR rather than open dozens of CUBIC flows."""
+    congestion control to BBR rather than open dozens of CUBIC flows.
+
+    The rule assumes warm lanes: set ``net.ipv4.tcp_slow_start_after_idle=0`` on the
+    sending hosts, or each transfer after a pause pays a slow start over the RTT
+    (docs/benchmarks.md, "Packet-level WAN")."""
     rate = _positive("rate_gbit", rate_gbit) * 1e9 / 8
     if not 1 <= max_lanes <= 64:
         raise InvalidArgument(f"max_lanes must be in 1..64, got {max_lanes}", "invalid_argument")

@@ -398,6 +398,15 @@ class PacketWan:
         """Run ``argv`` in end ``end`` to completion, within ``timeout`` seconds."""
         return subprocess.run(self.command(end, argv), timeout=timeout, check=False, **kwargs)
 
+    def sysctl(self, end: Literal["a", "b"], key: str, value: str) -> None:
+        """Set sysctl ``key`` to ``value`` in end ``end``'s namespace (a per-namespace
+        one, such as ``net.ipv4.tcp_slow_start_after_idle``); ``TransportError`` if the
+        kernel refuses."""
+        r = subprocess.run(self.command(end, ["sysctl", "-q", "-w", f"{key}={value}"]), capture_output=True,
+                           text=True, timeout=30, check=False)
+        if r.returncode != 0:
+            raise TransportError(f"sysctl {key}={value} in end {end}: {r.stderr.strip()}", "packet_wan_unavailable")
+
     def address(self, end: Literal["a", "b"]) -> str:
         """The IPv4 address of end ``end``."""
         self._ns(end)

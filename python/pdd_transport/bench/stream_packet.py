@@ -51,6 +51,12 @@ def _run_in_end_a(wan: Any, cfg: StreamConfig, progress: Any = None) -> dict[str
     result, with the emulator's counters over the run (``emulator``) and the line
     (``wan``) added."""
     inner = dataclasses.replace(cfg, packet_end={"ns_b": wan.ns_b, "addr_b": wan.addr_b})
+    # The sender keeps its congestion window across the pauses between transfers
+    # (verification, baselines): Linux's default (1) drops it back to the initial
+    # window after an idle RTO, which costs every transfer a slow start over the RTT.
+    # A deployment's P hosts set the same (docs/benchmarks.md); iperf3 runs one fresh
+    # connection per baseline and omits its first second, so it is not affected.
+    wan.sysctl("a", "net.ipv4.tcp_slow_start_after_idle", "0")
     before = wan.stats()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = wan.popen(
@@ -63,8 +69,9 @@ def _run_in_end_a(wan: Any, cfg: StreamConfig, progress: Any = None) -> dict[str
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(json.dumps(inner.to_json()).encode() + b"\n")
     proc.stdin.close()
-    # Bound: every transfer and baseline of every repetition, generously.
-    bound = cfg.repeat * (len(cfg.compare_page_bytes) + 1 + (4 if cfg.baselines else 0)) * cfg.transfer_timeout()
+    # Bound: every transfer and baseline of every repetition and the untimed warm-up
+    # transfer, generously.
+    bound = (cfg.repeat * (len(cfg.compare_page_bytes) + 1 + (4 if cfg.baselines else 0)) + 1) * cfg.transfer_timeout()
     result: dict[str, Any] | None = None
     deadline = time.monotonic() + bound + 60
     fd, buf = proc.stdout.fileno(), b""
