@@ -159,12 +159,10 @@ def _demo(args: argparse.Namespace) -> dict[str, Any]:
     wan = _wan(args)
     assert wan is not None  # --wan has a default
 
-    if args.quick:
-        # A smaller, shorter replay: the same mix of hits, fewer and shorter answers.
-        workload = WorkloadConfig(requests=args.requests or 20, output_tokens=(8, 40), seed=args.seed)
-    else:
-        workload = WorkloadConfig(requests=args.requests or 120, seed=args.seed)
-    cfg = DemoConfig(workload=workload, wan=wan, plot=args.plot, figures=args.figures)
+    # --quick: a smaller, shorter replay: the same mix of hits, fewer and shorter answers.
+    quick = {"requests": args.requests or 20, "output_tokens": (8, 40)} if args.quick else {"requests": args.requests or 120}
+    workload = WorkloadConfig(seed=args.seed, **quick)
+    cfg = DemoConfig(workload=workload, wan=wan, plot=args.plot, figures=args.figures, packet=args.packet)
     summary = run(cfg, progress=True)
     if not args.json:
         print_table(summary)
@@ -207,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quick", action="store_true", help="a short run (20 requests, shorter answers)")
     demo.add_argument("--requests", type=int, default=0, help="requests (default 120, 20 with --quick)")
     _add_wan(demo, "emulated WAN between MD and the others (RATE_GBIT required)", "30:1", 5.0)
+    demo.add_argument("--packet", action="store_true", help="emulate the WAN packet by packet (root; docs/wanem.md)")
     demo.add_argument("--plot", default="pdd-demo-ttft.png", help="where to write the TTFT plot (needs matplotlib)")
     demo.add_argument("--figures", metavar="JSON", help="also write the run's figures there (docs/demo.md)")
     demo.add_argument("--seed", type=int, default=0)

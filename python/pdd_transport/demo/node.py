@@ -140,7 +140,10 @@ def run_decoder(cfg: dict[str, Any], name: str) -> None:
         emit("ready", kv=role.kv_address)
         takes = ("p_rld_md", "p_rld")
     else:
-        role = MainDecodeRole(engine, security=security(cfg))
+        # On a packet line MD listens on its end's address (beyond loopback: the run's
+        # secret authenticates every lane); else on loopback behind the stream proxy.
+        host = cfg.get("listen_host", "127.0.0.1")
+        role = MainDecodeRole(engine, listen=f"{host}:0", listen_handoff=f"{host}:0", security=security(cfg))
         emit("ready", kv=role.kv_address, handoff=role.handoff_address)
         takes = ("p_md", "p_rld_md")
     commands: queue.Queue[dict[str, Any]] = queue.Queue()

@@ -8,6 +8,11 @@ only, MD's prefix cache still used) and as PDD (P -> RLD locally and P -> MD ove
 WAN, token-ID handoff RLD -> MD, the anomaly filter). The reference engine
 (:mod:`pdd_transport.engine`) computes every token; its KV pages are padded to a
 realistic per-token size so the WAN carries realistic volumes.
+
+With ``packet=True`` (``demo --packet``, root) the line is the packet-level emulator
+(:class:`~pdd_transport.wanem_packet.PacketWan`) instead of the stream proxy: MD runs in
+one network namespace, P and RLD in the other, and TCP itself feels the RTT, the
+jitter and the rate cap.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -51,17 +58,21 @@ class DemoConfig:
     think_time_s: float = 0.2
     plot: str | None = "pdd-demo-ttft.png"
     figures: str | None = None
+    packet: bool = False
 
 
 class Node:
     """A role process and the thread that reads its JSON-line events."""
 
-    def __init__(self, role: str, events: queue.Queue[tuple[str, float, dict[str, Any]]]) -> None:
+    def __init__(self, role: str, events: queue.Queue[tuple[str, float, dict[str, Any]]],
+                 wrap: Callable[[list[str]], list[str]] | None = None) -> None:
         # Started before its configuration is known (it arrives as the first stdin
-        # line), so that the three processes import torch in parallel.
+        # line), so that the three processes import torch in parallel. `wrap` turns the
+        # command into one run elsewhere (a packet line's namespace).
         self.role = role
+        argv = [sys.executable, "-m", "pdd_transport.demo.node", "--role", role, "--config", "-"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdd_transport.demo.node", "--role", role, "--config", "-"],
+            wrap(argv) if wrap is not None else argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -133,26 +144,55 @@ def run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: bool
     events: queue.Queue[tuple[str, float, dict[str, Any]]] = queue.Queue()
     max_ctx = max(len(r.prompt) for r in requests) + max(r.output_tokens for r in requests) + cfg.page_tokens
     per_req = -(-max_ctx // cfg.page_tokens)
-    md = Node("main", events)
-    rld = Node("relay", events) if mode == "pdd" else None
-    prefill = Node("prefill", events)
-    md.configure(_node_cfg(cfg, pages=per_req * (cfg.workload.sessions + 12)))
+    with ExitStack() as lines:
+        return _run_mode(mode, cfg, requests, progress, events, per_req, lines)
+
+
+def _run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: bool,
+              events: queue.Queue[tuple[str, float, dict[str, Any]]], per_req: int, lines: ExitStack) -> dict[str, Any]:
+    wrap_a = wrap_b = None
+    md_listen: dict[str, Any] = {}
+    stats_of_line: Callable[[], dict[str, dict[str, int]]] | None = None
+    if cfg.packet:
+        from pdd_transport.wanem_packet import PacketWan
+
+        # MD in end B, P and RLD in end A: every P -> MD and RLD -> MD byte crosses the
+        # emulated line packet by packet; P -> RLD stays inside end A, as in one DC.
+        packet = lines.enter_context(PacketWan(cfg.wan.rtt_ms, jitter_ms=cfg.wan.jitter_ms / 2,
+                                               rate_gbit=cfg.wan.rate_gbit, seed=1))
+        def wrap_a(argv: list[str]) -> list[str]:
+            return packet.command("a", argv)
+
+        def wrap_b(argv: list[str]) -> list[str]:
+            return packet.command("b", argv)
+
+        md_listen = {"listen_host": packet.addr_b}
+        stats_of_line = packet.stats
+    md = Node("main", events, wrap_b)
+    rld = Node("relay", events, wrap_a) if mode == "pdd" else None
+    prefill = Node("prefill", events, wrap_a)
+    md.configure(_node_cfg(cfg, pages=per_req * (cfg.workload.sessions + 12), **md_listen))
     md_ready = md.wait_ready()
-    wan_kv = Wanem(md_ready["kv"], seed=1, **cfg.wan.wanem_kwargs())
-    # The handoff path has the line's delay and jitter; its frames are too small to
-    # meet the cap, and the KV path's window is not the handoff link's.
-    wan_ho = Wanem(md_ready["handoff"], delay_ms=cfg.wan.rtt_ms / 2, jitter_ms=cfg.wan.jitter_ms / 2, seed=2)
+    if cfg.packet:
+        md_kv, md_handoff = md_ready["kv"], md_ready["handoff"]
+    else:
+        wan_kv = lines.enter_context(Wanem(md_ready["kv"], seed=1, **cfg.wan.wanem_kwargs()))
+        # The handoff path has the line's delay and jitter; its frames are too small to
+        # meet the cap, and the KV path's window is not the handoff link's.
+        wan_ho = lines.enter_context(
+            Wanem(md_ready["handoff"], delay_ms=cfg.wan.rtt_ms / 2, jitter_ms=cfg.wan.jitter_ms / 2, seed=2))
+        md_kv, md_handoff = wan_kv.address_str, wan_ho.address_str
     nodes = [md]
     # P -> RLD on the local path (UCX) where UCX is installed, TCP lanes otherwise.
     local_path = rld is not None and local.available()
     if rld is not None:
-        rld.configure(_node_cfg(cfg, pages=per_req * 12, md_handoff=wan_ho.address_str, max_eager=cfg.max_eager_tokens,
+        rld.configure(_node_cfg(cfg, pages=per_req * 12, md_handoff=md_handoff, max_eager=cfg.max_eager_tokens,
                                 catch_up_threshold=cfg.catch_up_threshold_tokens, local_path=local_path))
         nodes.append(rld)
         rld_ready = rld.wait_ready()
     p_extra = {
         "mode": mode,
-        "md_kv": wan_kv.address_str,
+        "md_kv": md_kv,
         "rld_kv": rld_ready["kv"] if rld else None,
         "local_path": local_path,
         "lanes": cfg.lanes,
@@ -267,8 +307,9 @@ def run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: bool
             pass
     for n in nodes:
         n.wait(timeout=10)
-    wan_kv.close()
-    wan_ho.close()
+    # What crossed the packet line (every P -> MD and RLD -> MD byte, headers included).
+    line = None if stats_of_line is None else {
+        d: {k: v[k] for k in ("packets_out", "bytes_out", "dropped_queue")} for d, v in stats_of_line().items()}
 
     ttft = [first_token[rid] - submitted[rid] for rid in submitted if rid in first_token]
     full_kv = sum(len(r.prompt) for r in requests) * cfg.kv_bytes_per_token
@@ -288,6 +329,7 @@ def run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: bool
         "outputs": {rid: [o[i] for i in sorted(o)] for rid, o in outputs.items()},
         "error_samples": errors[:5],
         "md_hit_tokens": md_hits,
+        "packet_line": line,
     }
     for q, name in ((0.5, "ttft_p50_s"), (0.9, "ttft_p90_s"), (0.99, "ttft_p99_s")):
         result[name] = float(percentile(ttft, q))
@@ -314,6 +356,7 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
     requests = generate(cfg.workload)
     out: dict[str, Any] = {"source": new_source(cfg.workload.seed, len(requests)), "config": asdict(cfg)}
     out["config"]["wan"] = cfg.wan.to_json()  # the same wan object as every report
+    out["emulation"] = "packet" if cfg.packet else "stream"
     runs = {}
     for mode in ("baseline", "pdd"):
         if progress:
@@ -324,7 +367,8 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
         r["greedy_equal"] = all(r["outputs"].get(rid) == toks for rid, toks in reference.items())
         r["greedy_mismatches"] = sum(1 for rid, toks in reference.items() if r["outputs"].get(rid) != toks)
     keep = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "wan_bytes", "local_bytes", "relay_path", "completed", "errors",
-            "pipelines", "handoffs_by_mode", "tokens_by_rld", "tokens_by_md", "greedy_mismatches", "error_samples")
+            "pipelines", "handoffs_by_mode", "tokens_by_rld", "tokens_by_md", "greedy_mismatches", "error_samples",
+            "packet_line")
     for mode, r in runs.items():
         out[mode] = {k: r[k] for k in keep}
     out["full_kv_bytes"] = runs["pdd"]["full_kv_bytes"]
