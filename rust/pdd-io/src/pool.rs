@@ -26,6 +26,15 @@ unsafe impl Send for RawPage {}
 unsafe impl Sync for RawPage {}
 
 impl RawPage {
+    /// A page over a test's own buffer.
+    #[cfg(test)]
+    pub(crate) fn for_test(ptr: *mut u8, len: usize) -> RawPage {
+        RawPage {
+            ptr: NonNull::new(ptr).expect("a buffer's address"),
+            len,
+        }
+    }
+
     /// The first byte.
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()

@@ -440,7 +440,8 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
                 let (rd, wr) = tcp.into_split();
                 tokio::spawn(lane_writer(shared, conn, rd, wr, rx, aead));
             }
-            tls => {
+            mut tls => {
+                tls.for_bulk_writes();
                 let (rd, wr) = tokio::io::split(tls);
                 tokio::spawn(lane_writer(shared, conn, rd, wr, rx, aead));
             }

@@ -216,7 +216,7 @@ async fn read_block(
                 .iter()
                 .map(|&(layer, page)| shared.pool.page_raw(layer, page))
                 .collect::<Result<Vec<RawPage>, Error>>()?;
-            if let Err(e) = read_into_pages(stream, &pages, scratch, stall).await {
+            if let Err(e) = read_into_pages(stream, &pages, stall).await {
                 guard.finish(Err(lost(e)));
                 return Err(Error::ConnectionLost {
                     detail: "data lane failed mid-block".into(),
@@ -309,31 +309,18 @@ impl Iovecs {
 
 /// Fill every page completely. Plain TCP: `readv` straight into the pages through
 /// raw iovecs (no Rust reference to pool memory is formed while it is written). TLS:
-/// rustls decrypts into `staging`, copied into the pages through raw pointers.
+/// copied once from rustls's decrypted records into the pages
+/// ([`LaneStream::read_tls_into_pages`]).
 async fn read_into_pages(
     stream: &mut LaneStream,
     pages: &[RawPage],
-    staging: &mut [u8],
     stall: Duration,
 ) -> std::io::Result<()> {
     let stream = match stream {
         LaneStream::Plain(s) => s,
-        tls => {
-            for page in pages {
-                let mut at = 0;
-                while at < page.len() {
-                    let n = (page.len() - at).min(staging.len());
-                    within_stall(stall, tls.read_exact(&mut staging[..n])).await?;
-                    // SAFETY: `at + n <= len` keeps the copy inside the page, which is in
-                    // flight for this lane alone; `staging` is our own buffer.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(staging.as_ptr(), page.as_ptr().add(at), n);
-                    }
-                    at += n;
-                }
-            }
-            return Ok(());
-        }
+        // SAFETY: every page is in flight for this lane alone until the block finishes
+        // (see `read_block`), and the caller awaits this before finishing it.
+        tls => return unsafe { tls.read_tls_into_pages(pages, stall) }.await,
     };
     // At most this many iovecs per readv (IOV_MAX is 1024 on Linux).
     const BATCH: usize = 256;
