@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -54,6 +55,8 @@ class _Fake:
 
     def __init__(self) -> None:
         self.got: dict[str, dict[str, Any]] = {}
+        self.seen: list[str] = []  # arrivals, and when P's answer was written
+        self.prefill_delay_s = 0.0
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -62,14 +65,20 @@ class _Fake:
 
             def do_POST(self) -> None:  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                role = "decode" if body["kv_transfer_params"].get("do_remote_prefill") else "prefill"
+                params = body.get("kv_transfer_params") or {}
+                role = "prefill" if params.get("do_remote_decode") else "decode"
                 fake.got[role] = body
+                fake.seen.append(role)
+                if role == "prefill":
+                    time.sleep(fake.prefill_delay_s)
                 self.send_response(200)
                 if role == "prefill":
                     data = json.dumps({"choices": [{"token_ids": [9]}]}).encode()
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
                     self.wfile.write(data)
+                    self.wfile.flush()
+                    fake.seen.append("prefill answered")
                     return
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
@@ -118,3 +127,30 @@ def test_proxy_reports_a_dead_prefill_without_failing_the_decode(fake: _Fake) ->
     r = proxy.complete({"model": "m", "prompt": [1], "max_tokens": 3})
     assert r.token_ids == [4, 5, 6]
     assert r.prefill_error is not None and "prefill" not in fake.got
+
+
+def test_prefill_first_sends_to_decode_only_after_prefill_answered(fake: _Fake) -> None:
+    # P takes a while (its prefill): D's request must not leave before P's answer.
+    fake.prefill_delay_s = 1.0
+    proxy = PdProxy(fake.url, fake.url, "127.0.0.1:7100", model="m", timeout=10, order="prefill_first")
+    r = proxy.complete({"prompt": [1, 2, 3], "max_tokens": 3}, key="pf")
+    assert fake.seen == ["prefill", "prefill answered", "decode"]
+    assert r.token_ids == [4, 5, 6] and r.prefill_error is None
+    # The same kv_transfer_params as decode first: only the order differs.
+    assert fake.got["decode"]["kv_transfer_params"] == {"do_remote_prefill": True, "pdd_key": "pf"}
+    assert fake.got["prefill"]["kv_transfer_params"]["pdd_key"] == "pf"
+    # D's TTFT is timed from D's own send, not from P's (which took 1 s).
+    assert r.ttft_s is not None and r.ttft_s < 1.0
+
+
+def test_prefill_first_with_a_dead_prefill_lets_decode_compute_alone(fake: _Fake) -> None:
+    proxy = PdProxy("http://127.0.0.1:1", fake.url, "127.0.0.1:7100", timeout=5)
+    r = proxy.complete({"model": "m", "prompt": [1], "max_tokens": 3}, order="prefill_first")
+    assert r.prefill_error is not None and r.token_ids == [4, 5, 6]
+    # Nothing was pushed, so D is not told to wait for KV.
+    assert "kv_transfer_params" not in fake.got["decode"]
+
+
+def test_an_unknown_order_is_refused() -> None:
+    with pytest.raises(ValueError, match="prefill_first"):
+        PdProxy("http://127.0.0.1:1", "http://127.0.0.1:2", "127.0.0.1:7100", order="both")

@@ -95,3 +95,29 @@ def test_second_turn_sends_only_the_new_pages(cluster: vllm_pd.PdCluster) -> Non
     assert second.cached_tokens == wanted_blocks * BLOCK_SIZE
     assert new_bytes <= crossed <= new_bytes + 4096
     assert crossed < full_bytes / 4
+
+
+def test_prefill_first_gives_the_same_tokens_from_blocks_p_kept(cluster: vllm_pd.PdCluster) -> None:
+    # P prefills and finishes before D hears of the request; P keeps its blocks until D's
+    # grant arrives, then pushes every granted block of every layer at once.
+    length = 1000
+    prompt = prompt_ids(length, 70)
+    want = cluster.plain_complete(prompt, TOKENS)["choices"][0]["token_ids"]
+    before = wan_c2u(cluster)
+    got = cluster.pd_complete(prompt, TOKENS, order="prefill_first")
+    crossed = wan_c2u(cluster) - before
+    assert got.prefill_error is None, got.prefill_error
+    assert got.order == "prefill_first" and got.prefill is not None
+    assert got.token_ids == want
+    loaded = (length - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert got.cached_tokens == loaded
+    kv_bytes = loaded // BLOCK_SIZE * vllm_pd.kv_bytes_per_block()
+    assert kv_bytes <= crossed <= kv_bytes + 4096 + kv_bytes // 100
+    # Every layer went out in one piece covering all granted blocks: all were computed
+    # before the grant came.
+    log = cluster.prefill.log_path.read_text(errors="replace").splitlines()
+    for layer in (0, 1):
+        pieces = [line.split("pages=")[1].split()[0] for line in log if f"p_sent layer={layer} " in line and got.key in line]
+        assert pieces == [f"0..{loaded // BLOCK_SIZE}"], pieces
+    assert wait_usage_zero(cluster.prefill) == 0.0
+    assert wait_usage_zero(cluster.decode) == 0.0

@@ -1,10 +1,19 @@
 """The proxy in front of a vLLM prefill (P) and decode (D) pair using ``PddConnector``.
 
 Standard library only: it imports neither vLLM nor torch, so it runs anywhere.
-For each completion it picks a transfer key and sends the request to D and P **at the
-same time** (decode first: D grants the blocks it lacks while P computes, and P pushes
-each layer as it is computed); the client gets D's answer. docs/vllm.md has the
-``kv_transfer_params`` contract; :func:`route` is the whole routing rule.
+For each completion it picks a transfer key and sends the request to D and P. Two
+orders (``order=``):
+
+- ``"decode_first"`` (default): D and P **at the same time**: D grants the blocks it
+  lacks while P computes, and P pushes each layer as it is computed. Best end-to-end
+  TTFT: the transfer overlaps P's compute.
+- ``"prefill_first"``: P first (it prefills and keeps its blocks), then D: D grants
+  what it lacks and P pushes it all at once from the blocks it kept. D's own TTFT is
+  then only the grant's trip, the KV's and D's step, as with a pull-based connector
+  (NixlConnector); what the client waits for also holds P's whole compute.
+
+The client gets D's answer. docs/vllm.md has the ``kv_transfer_params`` contract;
+:func:`route` is the whole routing rule.
 
 Run it as a server::
 
@@ -28,7 +37,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["PdProxy", "PdResult", "Stream", "post_json", "route", "serve", "stream_completion"]
+__all__ = ["ORDERS", "PdProxy", "PdResult", "Stream", "post_json", "route", "serve", "stream_completion"]
 
 
 def route(body: dict[str, Any], key: str, decode_kv_address: str, prefill_node: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -133,6 +142,8 @@ class PdResult:
     total_s: float = 0.0
     prefill: dict[str, Any] | None = None
     prefill_error: str | None = None
+    prefill_s: float | None = None  # P's request, sent to answered
+    order: str = "decode_first"
     decode_kv_transfer_params: dict[str, Any] | None = None
 
 
@@ -148,7 +159,10 @@ class PdProxy:
         model: str | None = None,
         prefill_node: int | None = None,
         timeout: float = 60.0,
+        order: str = "decode_first",
     ):
+        _check_order(order)
+        self.order = order
         self.prefill_url = prefill_url
         self.decode_url = decode_url
         self.decode_kv_address = decode_kv_address
@@ -156,28 +170,45 @@ class PdProxy:
         self.prefill_node = prefill_node
         self.timeout = timeout
 
-    def complete(self, body: dict[str, Any], *, key: str | None = None, decode_extra: dict[str, Any] | None = None) -> PdResult:
+    def complete(self, body: dict[str, Any], *, key: str | None = None, decode_extra: dict[str, Any] | None = None,
+                 order: str | None = None) -> PdResult:
         """One completion through P and D. ``body`` is an OpenAI completions body;
-        D's answer is streamed so its first token is timed."""
+        D's answer is streamed so its first token is timed. ``order`` overrides the
+        proxy's for this request.
+
+        Prefill first, a P that fails (HTTP error, timeout) has pushed nothing: D then
+        gets the request without ``kv_transfer_params`` and computes the prompt itself
+        (``prefill_error`` says why)."""
+        order = order or self.order
+        _check_order(order)
         key = key or uuid.uuid4().hex
         if self.model is not None:
             body = {"model": self.model, **body}
         to_decode, to_prefill = route(body, key, self.decode_kv_address, self.prefill_node)
         if decode_extra:
             to_decode["kv_transfer_params"].update(decode_extra)
-        result = PdResult(key=key)
+        result = PdResult(key=key, order=order)
 
         def prefill() -> None:
+            t0 = time.perf_counter()
             try:
                 result.prefill = post_json(self.prefill_url, "/v1/completions", to_prefill, self.timeout)
             except Exception as e:  # noqa: BLE001 - recorded: D's answer is what counts
                 result.prefill_error = f"{type(e).__name__}: {e}"
+            result.prefill_s = time.perf_counter() - t0
 
         to_decode.update(stream=True, stream_options={"include_usage": True}, return_token_ids=True)
         worker = threading.Thread(target=prefill, name=f"pd-prefill-{key}", daemon=True)
+        if order == "prefill_first":
+            prefill()
+            if result.prefill_error is not None:
+                to_decode.pop("kv_transfer_params")
+            start_prefill = None
+        else:
+            start_prefill = worker.start
         try:
-            # D first: its request is on the wire before P's.
-            stream = stream_completion(self.decode_url, to_decode, self.timeout, on_sent=worker.start)
+            # Decode first: D's request is on the wire before P's.
+            stream = stream_completion(self.decode_url, to_decode, self.timeout, on_sent=start_prefill)
             result.token_ids = stream.token_ids
             result.token_times_s = stream.token_times_s
             result.ttft_s = stream.token_times_s[0] if stream.token_times_s else None
@@ -188,6 +219,14 @@ class PdProxy:
             if worker.ident is not None:
                 worker.join(timeout=self.timeout)
         return result
+
+
+ORDERS = ("decode_first", "prefill_first")
+
+
+def _check_order(order: str) -> None:
+    if order not in ORDERS:
+        raise ValueError(f"order {order!r}: expected one of {', '.join(ORDERS)}")
 
 
 def serve(proxy: PdProxy, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
@@ -232,8 +271,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decode-kv-address", required=True, help="D's pdd_listen address as P reaches it")
     ap.add_argument("--prefill-node", type=int, default=None, help="P's pdd_node_id (D grants to it only)")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--order", choices=ORDERS, default="decode_first",
+                    help="decode_first: D and P at once (default); prefill_first: P, then D")
     args = ap.parse_args(argv)
-    proxy = PdProxy(args.prefill, args.decode, args.decode_kv_address, model=args.model, prefill_node=args.prefill_node)
+    proxy = PdProxy(args.prefill, args.decode, args.decode_kv_address, model=args.model, prefill_node=args.prefill_node,
+                    order=args.order)
     server = serve(proxy, args.host, args.port)
     print(f"proxy on http://{args.host}:{server.server_address[1]}", flush=True)
     server.serve_forever()
