@@ -9,8 +9,11 @@ token (TPOT) from D's token stream:
   ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``, then to D with
   what P returned; D pulls the KV from P. D's TTFT: the request sent to D -> its first
   token. End to end: P's request sent -> D's first token.
-- PddConnector is decode first: the proxy sends to D and P at once; P pushes the KV.
-  D's TTFT is then also the end-to-end TTFT (it includes P's prefill).
+- PddConnector decode first (its default): the proxy sends to D and P at once; P
+  pushes the KV. D's TTFT is then also the end-to-end TTFT (it includes P's prefill).
+- PddConnector prefill first (``order="prefill_first"``), alternated with decode first
+  on the same pair (other prompts of the same length): P prefills and keeps its
+  blocks, then D grants and P pushes. D's TTFT is the same interval as NixlConnector's.
 
 Needs NIXL in the vLLM venv: ``PDD_VLLM_NIXL=1 bash scripts/vllm-venv.sh``. Run::
 
@@ -74,14 +77,24 @@ def run_pdd(log_dir: Path, prompts: list[list[int]], tokens: int, start_timeout:
         p.wait_ready(start_timeout)
         d.wait_ready(start_timeout)
         proxy = PdProxy(p.url, d.url, d.kv_address(), model="tiny", timeout=60)
-        rows = []
-        for i, prompt in enumerate([prompt_ids(64, 999), *prompts]):
+        rows: list[dict[str, Any]] = []
+        rows_pf: list[dict[str, Any]] = []
+        # Prefill first runs on prompts of the same length from other seeds: D's prefix
+        # cache holds the decode-first ones.
+        others = [prompt_ids(len(q), 600 + i) for i, q in enumerate(prompts)]
+        warm = [(prompt_ids(64, 999), prompt_ids(64, 998))]
+        for i, (prompt, other) in enumerate(warm + list(zip(prompts, others))):
             r = proxy.complete({"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True})
+            f = proxy.complete({"prompt": other, "max_tokens": tokens, "temperature": 0, "ignore_eos": True},
+                               order="prefill_first")
             if i == 0:
                 continue
             rows.append({"ttft_s": r.token_times_s[0], "tpot_s": _tpot(r.token_times_s), "e2e_ttft_s": r.token_times_s[0],
                          "cached": r.cached_tokens, "tokens": r.token_ids})  # fmt: skip
-        return {"rows": rows}
+            rows_pf.append({"ttft_s": f.token_times_s[0], "tpot_s": _tpot(f.token_times_s),
+                            "e2e_ttft_s": float(f.prefill_s or 0.0) + f.token_times_s[0], "cached": f.cached_tokens,
+                            "tokens": f.token_ids})  # fmt: skip
+        return {"rows": rows, "rows_prefill_first": rows_pf}
     finally:
         p.kill()
         d.kill()
@@ -100,14 +113,18 @@ def main() -> None:
     prompts = [prompt_ids(args.prompt_tokens, 500 + i) for i in range(args.requests)]
     out: dict[str, Any] = {"requests": args.requests, "prompt_tokens": args.prompt_tokens, "output_tokens": args.tokens, "logs": str(log_dir)}
     for name, fn in (("nixl", run_nixl), ("pdd", run_pdd)):
-        rows = fn(log_dir, prompts, args.tokens, args.start_timeout)["rows"]
-        out[name] = {k: statistics.median(r[k] for r in rows) for k in ("ttft_s", "tpot_s", "e2e_ttft_s")}
-        out[name]["cached_tokens"] = [r["cached"] for r in rows]
-        out[name + "_tokens"] = [r["tokens"] for r in rows]
+        got = fn(log_dir, prompts, args.tokens, args.start_timeout)
+        for label, rows in ((name, got["rows"]), (name + "_prefill_first", got.get("rows_prefill_first"))):
+            if rows is None:
+                continue
+            out[label] = {k: statistics.median(r[k] for r in rows) for k in ("ttft_s", "tpot_s", "e2e_ttft_s")}
+            out[label]["cached_tokens"] = [r["cached"] for r in rows]
+            out[label + "_tokens"] = [r["tokens"] for r in rows]
     out["same_tokens"] = out["nixl_tokens"] == out["pdd_tokens"]
-    del out["nixl_tokens"], out["pdd_tokens"]
+    del out["nixl_tokens"], out["pdd_tokens"], out["pdd_prefill_first_tokens"]
     for k in ("ttft_s", "tpot_s", "e2e_ttft_s"):
         out[f"{k}_pdd_over_nixl"] = out["pdd"][k] / out["nixl"][k]
+        out[f"{k}_pdd_prefill_first_over_nixl"] = out["pdd_prefill_first"][k] / out["nixl"][k]
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 
 
