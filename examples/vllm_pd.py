@@ -200,9 +200,12 @@ def pdd_config(role: str, **extra: Any) -> dict[str, Any]:
 
 
 class PdCluster:
-    """A plain instance (optional), P and D started at once, and the WAN between them."""
+    """A plain instance (optional), P and D started at once, and the WAN between them.
+    ``roles``: P's and D's ``kv_role``; with ``kv_both`` each also listens for KV (its
+    address via ``Engine.kv_address``), so the two can swap parts per request."""
 
-    def __init__(self, log_dir: Path, *, rtt_ms: float = 30.0, rate_gbit: float = 1.0, plain: bool = True, base_port: int = 18100, start_timeout: float = 240.0):
+    def __init__(self, log_dir: Path, *, rtt_ms: float = 30.0, rate_gbit: float = 1.0, plain: bool = True, base_port: int = 18100, start_timeout: float = 240.0,
+                 roles: tuple[str, str] = ("kv_producer", "kv_consumer")):  # fmt: skip
         self.model = build_tiny_model()
         self.log_dir = log_dir
         self.engines: list[Engine] = []
@@ -212,12 +215,12 @@ class PdCluster:
             # three CPU engines on two loaded cores starved both sides' runtimes for 2 s
             # mid-prefill ("peer silent for 2s"), and D recomputed the 2,000-token prompt.
             self.decode = Engine("decode", base_port + 2, self.model, log_dir,
-                                 pdd_config("kv_consumer", pdd_listen="127.0.0.1:0", pdd_dead_after_s=5.0, pdd_allow_debug=True),
+                                 pdd_config(roles[1], pdd_listen="127.0.0.1:0", pdd_dead_after_s=5.0, pdd_allow_debug=True),
                                  env={"PDD_VLLM_TRACE": "1"})  # fmt: skip
             self.engines.append(self.decode)
             # P prefills in chunks of 512 tokens: each chunk's pages go out as soon as each
             # layer has computed them (PDD_VLLM_TRACE=1 logs every send).
-            self.prefill = Engine("prefill", base_port + 1, self.model, log_dir, pdd_config("kv_producer", pdd_dead_after_s=5.0),
+            self.prefill = Engine("prefill", base_port + 1, self.model, log_dir, pdd_config(roles[0], pdd_listen="127.0.0.1:0", pdd_dead_after_s=5.0),
                                   env={"PDD_VLLM_TRACE": "1"}, extra_args=["--max-num-batched-tokens", "512"])  # fmt: skip
             self.engines.append(self.prefill)
             self.plain = Engine("plain", base_port, self.model, log_dir) if plain else None

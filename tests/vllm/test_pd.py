@@ -8,6 +8,8 @@ import pytest
 import vllm_pd
 from vllm_pd import BLOCK_SIZE, prompt_ids
 
+from pdd_transport.integrations.vllm_proxy import PdProxy
+
 TOKENS = 16
 # The first test also starts the engines (bounded by PDD_VLLM_START_TIMEOUT, 240 s).
 pytestmark = pytest.mark.timeout(420)
@@ -119,5 +121,23 @@ def test_prefill_first_gives_the_same_tokens_from_blocks_p_kept(cluster: vllm_pd
     for layer in (0, 1):
         pieces = [line.split("pages=")[1].split()[0] for line in log if f"p_sent layer={layer} " in line and got.key in line]
         assert pieces == [f"0..{loaded // BLOCK_SIZE}"], pieces
+    assert wait_usage_zero(cluster.prefill) == 0.0
+    assert wait_usage_zero(cluster.decode) == 0.0
+
+
+def test_kv_both_instances_swap_parts(cluster: vllm_pd.PdCluster) -> None:
+    # Both instances run kv_both: D prefills and pushes to P, which decodes (on loopback,
+    # not through wanem), by the same per-request kv_transfer_params.
+    swapped = PdProxy(cluster.decode.url, cluster.prefill.url, cluster.prefill.kv_address(), model="tiny", timeout=60.0)
+    length = 700
+    prompt = prompt_ids(length, 80)
+    want = cluster.plain_complete(prompt, TOKENS)["choices"][0]["token_ids"]
+    got = swapped.complete({"prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True})
+    assert got.prefill_error is None, got.prefill_error
+    assert got.token_ids == want
+    assert got.cached_tokens == (length - 1) // BLOCK_SIZE * BLOCK_SIZE
+    # D's trace shows it pushed this key (it was the prefill side this time).
+    log = cluster.decode.log_path.read_text(errors="replace")
+    assert any("p_sent layer=" in line and got.key in line for line in log.splitlines())
     assert wait_usage_zero(cluster.prefill) == 0.0
     assert wait_usage_zero(cluster.decode) == 0.0
