@@ -32,6 +32,18 @@ if have_ucp; then
     export PDD_REQUIRE_UCX=1
 fi
 
+# The vLLM venv (several GB of downloads and unpacking, little CPU) is built in the
+# background from here, while the Rust builds below use the cores; the vLLM step waits
+# for it. Its output goes to a log printed if it fails.
+vllm_prep_pid=
+vllm_prep_log=$(mktemp "${TMPDIR:-/tmp}/pdd-vllm-venv.XXXXXX")
+if [ "${PDD_SKIP_VLLM:-0}" != 1 ]; then
+    step "vLLM venv: started in the background (scripts/vllm-venv.sh)"
+    PDD_VLLM_VENV_ONLY=1 bash scripts/vllm-venv.sh >"$vllm_prep_log" 2>&1 &
+    vllm_prep_pid=$!
+fi
+trap 'if [ -n "$vllm_prep_pid" ]; then kill "$vllm_prep_pid" 2>/dev/null || true; fi; rm -f "$vllm_prep_log"' EXIT
+
 step "python environment"
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
@@ -84,6 +96,16 @@ python -m pytest tests benches --benchmark-disable
 step "vLLM connector on real vLLM, P and D as two engine processes (scripts/test-vllm.sh)"
 # Its own venv (cached: scripts/vllm-venv.sh); PDD_SKIP_VLLM=1 skips it and says so.
 vllm_start=$(date +%s)
+if [ -n "$vllm_prep_pid" ]; then
+    if ! wait "$vllm_prep_pid"; then
+        vllm_prep_pid=
+        cat "$vllm_prep_log" >&2
+        echo "building the vLLM venv failed (log above)" >&2
+        exit 1
+    fi
+    vllm_prep_pid=
+    echo "vLLM venv ready $(( $(date +%s) - vllm_start )) s after this step began (built in the background)"
+fi
 bash scripts/test-vllm.sh
 echo "vllm step: $(( $(date +%s) - vllm_start )) s"
 

@@ -108,6 +108,13 @@ if [ "$want_nixl" = 1 ] && ! "$venv/bin/python" -c 'import nixl' 2>/dev/null; th
     "$venv/bin/python" -m pip install --quiet --no-deps --no-index --find-links "$wheelhouse" "${nixl_reqs[@]}"
 fi
 
+# PDD_VLLM_VENV_ONLY=1: the venv only (test-all.sh builds it in the background before the
+# extension exists); the import check below runs when test-vllm.sh calls this again.
+if [ "${PDD_VLLM_VENV_ONLY:-0}" = 1 ]; then
+    echo "$venv"
+    exit 0
+fi
+
 # pdd_transport from the source tree: its extension must have been built in place.
 if ! PYTHONPATH="$repo/python" "$venv/bin/python" -c 'import pdd_transport._native' 2>/dev/null; then
     log "pdd_transport does not import from $repo/python with $venv/bin/python:"
