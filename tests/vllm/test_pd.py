@@ -103,7 +103,7 @@ def test_prefill_first_gives_the_same_tokens_from_blocks_p_kept(cluster: vllm_pd
     # P prefills and finishes before D hears of the request; P keeps its blocks until D's
     # grant arrives, then pushes every granted block of every layer at once.
     length = 1000
-    prompt = prompt_ids(length, 70)
+    prompt = prompt_ids(length, 170)  # seed unused elsewhere: D must not hold it
     want = cluster.plain_complete(prompt, TOKENS)["choices"][0]["token_ids"]
     before = wan_c2u(cluster)
     got = cluster.pd_complete(prompt, TOKENS, order="prefill_first")
@@ -130,7 +130,7 @@ def test_kv_both_instances_swap_parts(cluster: vllm_pd.PdCluster) -> None:
     # not through wanem), by the same per-request kv_transfer_params.
     swapped = PdProxy(cluster.decode.url, cluster.prefill.url, cluster.prefill.kv_address(), model="tiny", timeout=60.0)
     length = 700
-    prompt = prompt_ids(length, 80)
+    prompt = prompt_ids(length, 180)
     want = cluster.plain_complete(prompt, TOKENS)["choices"][0]["token_ids"]
     got = swapped.complete({"prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True})
     assert got.prefill_error is None, got.prefill_error
