@@ -68,6 +68,7 @@ class LocalConfig:
     seed: int = 0
     timeout: float | None = None
     nixl_python: str | None = None
+    nixl_threads: int = 4
 
     def check(self) -> None:
         if not self.page_bytes:
@@ -312,7 +313,8 @@ def _start_nixl(cfg: LocalConfig, notes: list[str], stack: ExitStack) -> Any:
     from pdd_transport.bench import nixl_baseline
 
     try:
-        client = nixl_baseline.Client(cfg.nixl_python, cfg.bytes, cfg.layers, cfg.seed, cfg.transfer_timeout())
+        client = nixl_baseline.Client(cfg.nixl_python, cfg.bytes, cfg.layers, cfg.seed, cfg.transfer_timeout(),
+                                      cfg.nixl_threads)
     except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
         notes.append(f"nixl_failed: {exc}")
         return None
@@ -481,6 +483,8 @@ def add_parsers(bench_sub: Any, add_wan: Any, run: Any) -> None:
             b.add_argument("--nixl-python", metavar="PATH", default=os.environ.get("PDD_NIXL_PYTHON") or None,
                            help="interpreter of a venv with NIXL, for the NIXL baseline (default: $PDD_NIXL_PYTHON;"
                                 " unset: NIXL is not run)")
+            b.add_argument("--nixl-threads", type=int, default=4,
+                           help="NIXL's UCX num_threads (default %(default)s, as vLLM's NixlConnector; 0: NIXL's own)")
         else:
             b.add_argument("--missing", type=float, default=0.25, help="share of pages MD lacks (default %(default)s)")
             b.add_argument("--lanes", type=int, default=DEFAULT_LANES, help="WAN data lanes (default %(default)s)")
@@ -498,4 +502,5 @@ def run_args(args: Any, wan: Any, progress: Any = None) -> dict[str, Any]:
         return run_dual(DualConfig(page_bytes=parse_size(args.page_bytes), missing=args.missing, lanes=args.lanes,
                                    wan=wan, **common), progress)
     return run_local(LocalConfig(page_bytes=[parse_size(p) for p in args.page_bytes.split(",") if p],
-                                 baselines=not args.no_baselines, nixl_python=args.nixl_python, **common), progress)
+                                 baselines=not args.no_baselines, nixl_python=args.nixl_python,
+                                 nixl_threads=args.nixl_threads, **common), progress)

@@ -57,6 +57,13 @@ __all__ = ["Baseline", "Client", "landed_digests", "parse_size", "plan", "source
 
 TARGET_NAME = "pdd-nixl-target"
 INITIATOR_NAME = "pdd-nixl-initiator"
+POLL_S = 50e-6
+"""Pause between polls for completion (the initiator) and for the notification (the
+target): short against any transfer timed here, and it leaves the core to the threads
+that move the bytes."""
+DEFAULT_THREADS = 4
+"""NIXL's UCX backend ``num_threads``: vLLM's NixlConnector passes 4 unless told
+otherwise (0 is NIXL's own default: the posting thread does every copy itself)."""
 
 
 # ---------------------------------------------------------------------------------
@@ -174,10 +181,10 @@ class _Agent:
     """One NIXL agent with the UCX backend (NIXL's default configuration) over
     ``layers`` host buffers, registered whole."""
 
-    def __init__(self, name: str, layers: list[np.ndarray[Any, np.dtype[np.uint8]]]) -> None:
+    def __init__(self, name: str, layers: list[np.ndarray[Any, np.dtype[np.uint8]]], threads: int) -> None:
         api = _nixl_api()
         t0 = time.perf_counter()
-        self.agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+        self.agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"], num_threads=threads))
         self.layers = layers
         self.bases = [int(a.ctypes.data) for a in layers]
         reg = np.array([(b, a.nbytes, 0) for b, a in zip(self.bases, layers)], dtype=np.uint64)
@@ -218,7 +225,7 @@ def _target_main(args: argparse.Namespace, out: IO[str]) -> None:
         out.flush()
 
     per_layer = args.bytes // args.layers
-    agent = _Agent(TARGET_NAME, _layers(args.layers, per_layer, None))
+    agent = _Agent(TARGET_NAME, _layers(args.layers, per_layer, None), args.threads)
     say(metadata=agent.metadata(), bases=agent.bases, setup_seconds=agent.setup_seconds, **_versions())
     initiator = ""
     for line in sys.stdin:
@@ -242,7 +249,7 @@ def _target_main(args: argparse.Namespace, out: IO[str]) -> None:
                 if agent.agent.check_remote_xfer_done(initiator, tag):
                     found = True
                     break
-                time.sleep(0)
+                time.sleep(POLL_S)
             say(ok=found, t=_now(), cpu=_cpu() - cpu0)
         elif op == "verify":
             pb = req["page_bytes"]
@@ -321,23 +328,24 @@ class Baseline:
     """The initiator here, the target in a child process; :meth:`run_once` writes the
     workload once at one page size."""
 
-    def __init__(self, nbytes: int, layers: int, seed: int, timeout: float) -> None:
+    def __init__(self, nbytes: int, layers: int, seed: int, timeout: float, threads: int = DEFAULT_THREADS) -> None:
         self.bytes, self.nlayers, self.seed, self.timeout = nbytes, layers, seed, timeout
         self.per_layer = nbytes // layers
         self._n = 0
         self.agent: _Agent | None = None
         self.remote = ""
         self.target = _Child([sys.executable, os.path.abspath(__file__), "--role", "target", "--bytes", str(nbytes),
-                              "--layers", str(layers)], dict(os.environ, PYTHONUNBUFFERED="1"), "NIXL target process")
+                              "--layers", str(layers), "--threads", str(threads)],
+                             dict(os.environ, PYTHONUNBUFFERED="1"), "NIXL target process")
         try:
             hello = self.target.reply(120.0)
             self.src = _layers(layers, self.per_layer, seed)
             self.src_digests = source_digests(self.src)
-            self.agent = _Agent(INITIATOR_NAME, self.src)
+            self.agent = _Agent(INITIATOR_NAME, self.src, threads)
             self.remote = self.agent.add_peer(hello["metadata"])
             self.target.ask(60.0, op="peer", metadata=self.agent.metadata())
             self.remote_bases: list[int] = hello["bases"]
-            self.info = _versions() | {"target_ucx_version": hello["ucx_version"],
+            self.info = _versions() | {"target_ucx_version": hello["ucx_version"], "num_threads": threads,
                                        "setup_seconds": max(self.agent.setup_seconds, hello["setup_seconds"])}
         except BaseException:
             self.close()
@@ -363,10 +371,11 @@ class Baseline:
             time.sleep(0.05)  # let the target reach its poll loop
             cpu0, start = _cpu(), _now()
             state = api_agent.transfer(handle)
+            posted = _now()
             while state == "PROC":
                 if _now() - start > self.timeout:
                     raise TimeoutError(f"NIXL transfer not done after {self.timeout} s")
-                time.sleep(0)
+                time.sleep(POLL_S)
                 state = api_agent.check_xfer_state(handle)
             done, cpu = _now(), _cpu() - cpu0
             if state != "DONE":
@@ -380,7 +389,7 @@ class Baseline:
         digests = self.target.ask(self.timeout, op="verify", page_bytes=page_bytes, seed=self.seed,
                                   rep=rep)["digests"]
         return {"page_bytes": page_bytes, "seconds": seconds, "gbytes_per_s": self.bytes / seconds / 1e9,
-                "initiator_done_seconds": done - start, "prep_seconds": prep_seconds,
+                "initiator_done_seconds": done - start, "post_seconds": posted - start, "prep_seconds": prep_seconds,
                 "cpu_s_per_gbyte": (cpu + seen["cpu"]) / (self.bytes / 1e9),
                 "verified": digests == self.src_digests}
 
@@ -397,12 +406,14 @@ class Client:
     one transfer at one page size, as the repetition ``rep`` of our path writes it.
     Nothing here imports NIXL."""
 
-    def __init__(self, python: str, nbytes: int, layers: int, seed: int, timeout: float) -> None:
+    def __init__(self, python: str, nbytes: int, layers: int, seed: int, timeout: float,
+                 threads: int = DEFAULT_THREADS) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.setdefault("NIXL_LOG_LEVEL", "WARN")
         self.timeout = timeout
         self.child = _Child([python, os.path.abspath(__file__), "--serve", "--bytes", str(nbytes), "--layers",
-                             str(layers), "--seed", str(seed), "--timeout", str(timeout)], env, "NIXL baseline")
+                             str(layers), "--seed", str(seed), "--timeout", str(timeout), "--threads", str(threads)],
+                            env, "NIXL baseline")
         try:
             self.info = self.child.reply(120.0 + nbytes / 100e6)
         except BaseException:
@@ -490,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=None, help="bound per transfer in seconds")
+    ap.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                    help="NIXL UCX backend num_threads (default %(default)s, as vLLM's NixlConnector; 0: NIXL's own)")
     ap.add_argument("--serve", action="store_true", help="answer {page_bytes, rep} requests on stdin")
     ap.add_argument("--role", choices=["initiator", "target"], default="initiator", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -506,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             _target_main(args, out)
         else:
             timeout = args.timeout if args.timeout is not None else 30.0 + args.bytes / 10e6
-            base = Baseline(args.bytes, args.layers, args.seed, timeout)
+            base = Baseline(args.bytes, args.layers, args.seed, timeout, args.threads)
             try:
                 if args.serve:
                     _serve(base, out)
