@@ -31,6 +31,25 @@ def test_bench_local_reports_verified_figures_with_its_baselines() -> None:
     assert r["baseline_memcpy_gbytes_per_s"] > 0
     if "ucx_perftest_missing" not in r["notes"]:
         assert r["baseline_ucx_perftest_gbytes_per_s"] is not None
+    # No NIXL interpreter given: its fields are there, null, and a note says why.
+    assert r["nixl"] is None and r["baseline_nixl_gbytes_per_s"] is None and r["ratio_vs_nixl"] is None
+    assert any(n.startswith("nixl_not_run: no --nixl-python") for n in r["notes"])
+    for c in r["compare"]:
+        assert c["baseline_nixl_gbytes_per_s"] is None and c["ratio_vs_nixl"] is None
+    assert all("nixl_gbytes_per_s" not in one for one in r["runs"])
+
+
+@pytest.mark.skipif(not os.environ.get("PDD_NIXL_PYTHON"), reason="PDD_NIXL_PYTHON (an interpreter with NIXL) not set")
+def test_bench_local_pairs_nixl_at_every_page_size() -> None:
+    sizes = [1 << 20, 4 << 10]
+    r = run_local(LocalConfig(bytes=4 << 20, page_bytes=sizes, repeat=2, nixl_python=os.environ["PDD_NIXL_PYTHON"]))
+    assert r["verified"] is True, r["notes"]
+    assert r["nixl"]["ucx_version"] and r["nixl"]["nixl_version"]
+    assert r["baseline_nixl_gbytes_per_s"] > 0 and r["ratio_vs_nixl"] > 0
+    for c in r["compare"]:
+        assert c["baseline_nixl_gbytes_per_s"] > 0 and c["ratio_vs_nixl"] > 0
+    for one in r["runs"]:
+        assert set(one["nixl_gbytes_per_s"]) == {str(p) for p in sizes} and one["nixl_verified"] is True
 
 
 def test_bench_dual_reports_both_sides() -> None:

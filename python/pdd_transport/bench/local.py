@@ -15,7 +15,12 @@ same machine, it also measures:
 - a single-threaded memcpy of the same bytes in this process (``baseline_memcpy``);
 - ``ucx_perftest -t ucp_put_bw`` between two processes at the page size, where the
   ``ucx-utils`` package is installed: UCX's own contiguous-buffer put loop, the
-  ceiling our path runs under (``baseline_ucx_perftest``).
+  ceiling our path runs under (``baseline_ucx_perftest``);
+- NIXL (UCX underneath, its own transport choice) writing the same shuffle at each
+  page size between two processes of its own, paired with our path's run at that page
+  size (``baseline_nixl``), where ``--nixl-python`` (or ``PDD_NIXL_PYTHON``) names the
+  interpreter of a venv with NIXL: :mod:`pdd_transport.bench.nixl_baseline` runs
+  there, outside this package.
 
 ``UCX_TLS`` (``--ucx-tls``) picks the transports for both processes; unset, UCX
 chooses (shared memory / CMA between two processes on one host).
@@ -62,6 +67,8 @@ class LocalConfig:
     ucx_tls: str | None = None
     seed: int = 0
     timeout: float | None = None
+    nixl_python: str | None = None
+    nixl_threads: int = 4
 
     def check(self) -> None:
         if not self.page_bytes:
@@ -202,11 +209,19 @@ def run_local(cfg: LocalConfig, progress: Any = None) -> dict[str, Any]:
                                                  seed=cfg.seed + 1, timeout=timeout), MiB, 0, stack)
                 if shutil.which("ucx_perftest") is None:
                     notes.append("ucx_perftest_missing")
+            nixl = _start_nixl(cfg, notes, stack)
+            nixl_info = None if nixl is None else {"python": cfg.nixl_python, **nixl.info}
             flat = src[0] if cfg.layers == 1 else np.concatenate(src)
             for rep in range(cfg.repeat):
                 one: dict[str, Any] = {"paths": []}
                 for path in paths:
+                    # NIXL after our path in even repetitions, before it in odd ones.
+                    nixl_first = rep % 2 == 1
+                    if nixl is not None and nixl_first:
+                        nixl = _run_nixl(nixl, path.page_bytes, rep, one, notes)
                     one["paths"].append({"page_bytes": path.page_bytes, **path.run_once(rep)})
+                    if nixl is not None and not nixl_first:
+                        nixl = _run_nixl(nixl, path.page_bytes, rep, one, notes)
                 if cfg.baselines:
                     assert wan is not None
                     w = wan.run_once(rep)
@@ -248,6 +263,10 @@ def run_local(cfg: LocalConfig, progress: Any = None) -> dict[str, Any]:
                 _median([r.get("ucx_perftest_gbytes_per_s", {}).get(str(p)) for r in runs])),
             "ratio_vs_ucx_perftest": _round(
                 paired_path(i, lambda r, p=p: r.get("ucx_perftest_gbytes_per_s", {}).get(str(p))), 3),
+            "baseline_nixl_gbytes_per_s": _round(_median([r.get("nixl_gbytes_per_s", {}).get(str(p)) for r in runs])),
+            "baseline_nixl_cpu_s_per_gbyte": _round(
+                _median([r.get("nixl_cpu_s_per_gbyte", {}).get(str(p)) for r in runs])),
+            "ratio_vs_nixl": _round(paired_path(i, lambda r, p=p: r.get("nixl_gbytes_per_s", {}).get(str(p))), 3),
             "verified": all(r["paths"][i]["verified"] for r in runs),
         })
     head = compare[main]
@@ -260,7 +279,8 @@ def run_local(cfg: LocalConfig, progress: Any = None) -> dict[str, Any]:
         "pages_per_layer": head["pages_per_layer"],
         "shuffled": True,
         "processes": 2,
-        "verified": all(c["verified"] for c in compare) and all(r.get("wan_verified", True) for r in runs),
+        "verified": all(c["verified"] for c in compare) and all(r.get("wan_verified", True) for r in runs)
+        and all(r.get("nixl_verified", True) for r in runs),
         "repeat": cfg.repeat,
         "ucx_version": ucx_version,
         "ucx_tls": cfg.ucx_tls or os.environ.get("UCX_TLS") or "default",
@@ -272,10 +292,48 @@ def run_local(cfg: LocalConfig, progress: Any = None) -> dict[str, Any]:
         "ratio_vs_memcpy": _round(paired_path(main, lambda r: r.get("memcpy_gbytes_per_s")), 3),
         "baseline_ucx_perftest_gbytes_per_s": head["baseline_ucx_perftest_gbytes_per_s"],
         "ratio_vs_ucx_perftest": head["ratio_vs_ucx_perftest"],
+        "baseline_nixl_gbytes_per_s": head["baseline_nixl_gbytes_per_s"],
+        "ratio_vs_nixl": head["ratio_vs_nixl"],
+        "nixl": nixl_info,
         "compare": compare,
         "notes": notes,
         "runs": [_rounded(r) for r in runs],
     }
+
+
+def _start_nixl(cfg: LocalConfig, notes: list[str], stack: ExitStack) -> Any:
+    """The NIXL baseline's processes, set up (and paused) once for the run; None,
+    with a note saying why, when it is not run."""
+    if not cfg.nixl_python:
+        notes.append("nixl_not_run: no --nixl-python and PDD_NIXL_PYTHON unset")
+        return None
+    if not cfg.baselines:
+        notes.append("nixl_not_run: --no-baselines")
+        return None
+    from pdd_transport.bench import nixl_baseline
+
+    try:
+        client = nixl_baseline.Client(cfg.nixl_python, cfg.bytes, cfg.layers, cfg.seed, cfg.transfer_timeout(),
+                                      cfg.nixl_threads)
+    except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
+        notes.append(f"nixl_failed: {exc}")
+        return None
+    stack.callback(client.close)
+    return client
+
+
+def _run_nixl(nixl: Any, page_bytes: int, rep: int, one: dict[str, Any], notes: list[str]) -> Any:
+    """One NIXL transfer at ``page_bytes`` into ``one`` (a repetition's record); the
+    client back, or None (with a note) once it failed."""
+    try:
+        r = nixl.run(page_bytes, rep)
+    except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
+        notes.append(f"nixl_failed: {exc}")
+        return None
+    one.setdefault("nixl_gbytes_per_s", {})[str(page_bytes)] = r["gbytes_per_s"]
+    one.setdefault("nixl_cpu_s_per_gbyte", {})[str(page_bytes)] = r["cpu_s_per_gbyte"]
+    one["nixl_verified"] = one.get("nixl_verified", True) and bool(r["verified"])
+    return nixl
 
 
 def _rounded(v: Any) -> Any:
@@ -422,6 +480,11 @@ def add_parsers(bench_sub: Any, add_wan: Any, run: Any) -> None:
         b.add_argument("--timeout", type=float, help="bound per transfer in seconds (default from --bytes)")
         if name == "local":
             b.add_argument("--no-baselines", action="store_true", help="measure only the local path")
+            b.add_argument("--nixl-python", metavar="PATH", default=os.environ.get("PDD_NIXL_PYTHON") or None,
+                           help="interpreter of a venv with NIXL, for the NIXL baseline (default: $PDD_NIXL_PYTHON;"
+                                " unset: NIXL is not run)")
+            b.add_argument("--nixl-threads", type=int, default=4,
+                           help="NIXL's UCX num_threads (default %(default)s, as vLLM's NixlConnector; 0: NIXL's own)")
         else:
             b.add_argument("--missing", type=float, default=0.25, help="share of pages MD lacks (default %(default)s)")
             b.add_argument("--lanes", type=int, default=DEFAULT_LANES, help="WAN data lanes (default %(default)s)")
@@ -439,4 +502,5 @@ def run_args(args: Any, wan: Any, progress: Any = None) -> dict[str, Any]:
         return run_dual(DualConfig(page_bytes=parse_size(args.page_bytes), missing=args.missing, lanes=args.lanes,
                                    wan=wan, **common), progress)
     return run_local(LocalConfig(page_bytes=[parse_size(p) for p in args.page_bytes.split(",") if p],
-                                 baselines=not args.no_baselines, **common), progress)
+                                 baselines=not args.no_baselines, nixl_python=args.nixl_python,
+                                 nixl_threads=args.nixl_threads, **common), progress)
