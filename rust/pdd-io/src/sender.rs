@@ -664,6 +664,8 @@ async fn queue_on_a_free_lane(conn: &Conn, mut job: Job) -> Result<(), Error> {
                     Err(back) => job = back,
                 },
                 Err(mpsc::error::TrySendError::Full(())) => {}
+                // Revoked meanwhile, and its writer gone: the others take the block.
+                Err(mpsc::error::TrySendError::Closed(())) if ctl.is_dead(lane) => {}
                 Err(mpsc::error::TrySendError::Closed(())) => return Err(conn.dead_error()),
             }
         }
@@ -685,7 +687,13 @@ async fn queue_on_a_free_lane(conn: &Conn, mut job: Job) -> Result<(), Error> {
         })
         .await;
         let lane = live[at];
-        let permit = permit.map_err(|_| conn.dead_error())?;
+        let permit = match permit {
+            Ok(p) => p,
+            // A lane revoked while we waited on it closes its queue once its writer
+            // is released: try the others.
+            Err(_) if ctl.is_dead(lane) => continue,
+            Err(_) => return Err(conn.dead_error()),
+        };
         match ctl.place(lane, job, |j| permit.send(j)) {
             Ok(()) => {
                 conn.next_lane.store(lane + 1, Ordering::Relaxed);

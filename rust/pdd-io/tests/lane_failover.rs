@@ -83,7 +83,14 @@ async fn receiver() -> KvReceiver {
 }
 
 async fn proxy(rx: &KvReceiver) -> WanemHandle {
+    proxy_at(rx, None).await
+}
+
+/// The proxy, its sender-to-receiver direction capped at `rate_bps` if given (per
+/// connection).
+async fn proxy_at(rx: &KvReceiver, rate_bps: Option<u64>) -> WanemHandle {
     let mut cfg = WanemConfig::new("127.0.0.1:0".parse().unwrap(), rx.local_addr());
+    cfg.client_to_upstream.rate_bps = rate_bps;
     cfg.max_in_flight = Some(BUFFER);
     cfg.socket_buffer = Some(BUFFER);
     Wanem::start(cfg).await.unwrap()
@@ -222,6 +229,27 @@ async fn a_stalled_lane_is_revoked_and_its_blocks_move_to_the_other_lanes() {
         }
     })
     .await;
+    wan.stall_connection(STALLED, Direction::ClientToUpstream, Duration::ZERO);
+}
+
+/// The line is the bottleneck (every lane's queue full, `send_layer` waiting for
+/// room on all of them, the stalled one included) when the lane is revoked: the
+/// wait moves on to the other lanes instead of failing when the revoked lane's
+/// queue closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_revoked_while_the_sender_waits_for_room_does_not_fail_it() {
+    let rx = receiver().await;
+    let wan = proxy_at(&rx, Some(8_000_000)).await;
+    let src_pool = pattern_pool(4);
+    let tx = KvSender::connect(src_pool.clone(), sender_cfg(wan.local_addr(), true))
+        .await
+        .unwrap();
+    bounded(rx.wait_peer(Some(42))).await;
+    let bytes = transfer(&rx, &tx, &wan, 1, true).await.unwrap();
+    assert_eq!(bytes, u64::from(LAYERS) * u64::from(PAGES) * u64::from(PAGE));
+    verify(&rx, &src_pool, 1);
+    assert_eq!(metric(tx.metrics(), "lanes_revoked_total"), 1);
+    assert!(metric(tx.metrics(), "blocks_resent_total") > 0);
     wan.stall_connection(STALLED, Direction::ClientToUpstream, Duration::ZERO);
 }
 
