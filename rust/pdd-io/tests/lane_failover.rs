@@ -72,6 +72,10 @@ fn tuning() -> SocketTuning {
 }
 
 async fn receiver() -> KvReceiver {
+    receiver_with(None).await
+}
+
+async fn receiver_with(tls: Option<pdd_io::tls::TlsConfig>) -> KvReceiver {
     let mut cfg = ReceiverConfig::new(
         "127.0.0.1:0".parse().unwrap(),
         LocalHello::new(Role::MainDecode, capability::KV_STREAM),
@@ -79,6 +83,7 @@ async fn receiver() -> KvReceiver {
     cfg.heartbeat = Duration::from_millis(200);
     cfg.dead_after = DEAD_AFTER;
     cfg.tuning = tuning();
+    cfg.tls = tls;
     KvReceiver::start(zero_pool(), cfg).await.unwrap()
 }
 
@@ -246,10 +251,49 @@ async fn a_lane_revoked_while_the_sender_waits_for_room_does_not_fail_it() {
         .unwrap();
     bounded(rx.wait_peer(Some(42))).await;
     let bytes = transfer(&rx, &tx, &wan, 1, true).await.unwrap();
-    assert_eq!(bytes, u64::from(LAYERS) * u64::from(PAGES) * u64::from(PAGE));
+    assert_eq!(
+        bytes,
+        u64::from(LAYERS) * u64::from(PAGES) * u64::from(PAGE)
+    );
     verify(&rx, &src_pool, 1);
     assert_eq!(metric(tx.metrics(), "lanes_revoked_total"), 1);
     assert!(metric(tx.metrics(), "blocks_resent_total") > 0);
+    wan.stall_connection(STALLED, Direction::ClientToUpstream, Duration::ZERO);
+}
+
+/// The same over mutual TLS: the stall is read from the TCP socket under the TLS
+/// stream, a write given up mid-record is never resumed, and the receiver's TLS
+/// reader is cut off as cleanly as a plain one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_tls_lane_is_revoked_too() {
+    use pdd_io::tls::TestPki;
+    let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let pki = TestPki::generate(&names(&["md.example", "p1.example"])).unwrap();
+    let rx = receiver_with(Some(
+        pki.config("md.example", "md.example", &names(&["p1.example"]))
+            .unwrap(),
+    ))
+    .await;
+    let wan = proxy(&rx).await;
+    let src_pool = pattern_pool(6);
+    let mut cfg = sender_cfg(wan.local_addr(), true);
+    cfg.tls = Some(pki.config("p1.example", "md.example", &[]).unwrap());
+    let tx = KvSender::connect(src_pool.clone(), cfg).await.unwrap();
+    bounded(rx.wait_peer(Some(42))).await;
+    let bytes = transfer(&rx, &tx, &wan, 1, true).await.unwrap();
+    assert_eq!(
+        bytes,
+        u64::from(LAYERS) * u64::from(PAGES) * u64::from(PAGE)
+    );
+    verify(&rx, &src_pool, 1);
+    assert_eq!(metric(tx.metrics(), "lanes_revoked_total"), 1);
+    assert!(metric(tx.metrics(), "blocks_resent_total") > 0);
+    let bytes = transfer(&rx, &tx, &wan, 2, false).await.unwrap();
+    assert_eq!(
+        bytes,
+        u64::from(LAYERS) * u64::from(PAGES) * u64::from(PAGE)
+    );
+    verify(&rx, &src_pool, 2);
     wan.stall_connection(STALLED, Direction::ClientToUpstream, Duration::ZERO);
 }
 
