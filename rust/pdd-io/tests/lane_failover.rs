@@ -469,7 +469,13 @@ mod scripted {
             .unwrap()
             .iter()
             .all(|&b| b == 0x44));
-        assert_eq!(metric(rx.metrics(), "pool_pages_held"), 0);
+        // Published just after the completion is: wait for it.
+        bounded(async {
+            while metric(rx.metrics(), "pool_pages_held") != 0 {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        })
+        .await;
     }
 
     /// A peer that did not offer lane failover: LANE_REVOKE is a protocol error and
