@@ -478,8 +478,8 @@ mod scripted {
         .await;
     }
 
-    /// A peer that did not offer lane failover: LANE_REVOKE is a protocol error and
-    /// a RESENT block is refused (`invalid_flags`); the transfer fails.
+    /// A peer that did not offer lane failover: a RESENT block is refused
+    /// (`invalid_flags`), the session ends and the transfer fails.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn without_the_capability_resent_blocks_are_refused() {
         let rx = small_receiver().await;
