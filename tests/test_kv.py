@@ -86,7 +86,9 @@ def test_bad_endpoint_settings_are_refused_before_anything_opens() -> None:
     addr = "%s:%d" % rx.address
     try:
         for kwargs, needle in [({"node_id": 0}, "reserved"), ({"lanes": 0}, "lanes"), ({"block_bytes": 0}, "block_bytes"),
-                               ({"heartbeat_s": 1.0, "dead_after_s": 1.0}, "dead_after")]:
+                               ({"heartbeat_s": 1.0, "dead_after_s": 1.0}, "dead_after"),
+                               ({"lane_stall_s": 5.0, "dead_after_s": 5.0}, "lane_stall"),
+                               ({"lane_stall_s": 0.0}, "lane_stall_s")]:
             with pytest.raises(InvalidArgument, match=needle):
                 kv.KvSender(pool, addr, **kwargs)
         assert rx.peers() == []  # nothing connected

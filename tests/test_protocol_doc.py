@@ -111,6 +111,8 @@ SAMPLES: dict[str, dict[str, Any]] = {
         {"layer": 2, "page_start": 5, "page_count": 3, "remote_addr": 0x7F00DEAD0000, "rkey": b"k" * 9}]},
     "LOCAL_DONE": {"kind": "LOCAL_DONE", "transfer_id": 11, "layer_start": 3, "layer_count": 2,
                    "page_count": 2000, "byte_count": 2000 * 36864},
+    "LANE_REVOKE": {"kind": "LANE_REVOKE", "lane": 3},
+    "LANE_REVOKED": {"kind": "LANE_REVOKED", "lane": 3},
 }
 
 
@@ -123,7 +125,7 @@ def test_payload_layout_matches_code(kind: str) -> None:
     payload = encoded[wire.HEADER_LEN :]
     documented = [r[2] for r in rows]
     # Field order: the decoder's dict keys (insertion order = wire order), flags aside.
-    keys = [k for k in decoded if k not in {"kind", "final", "kv_complete", "resume"}]
+    keys = [k for k in decoded if k not in {"kind", "final", "kv_complete", "resume", "resent"}]
     assert [f for f in documented if f in decoded] == keys
     # Every fixed-offset integer field reads back its value from the payload.
     expected_offset = 0

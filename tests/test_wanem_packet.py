@@ -432,6 +432,45 @@ def test_a_lane_stalled_for_two_seconds_does_not_fail_the_transfer() -> None:
     print(f"{others / 1e6:.1f} MB moved by the other lanes during the stall")
 
 
+def test_a_lane_stalled_longer_than_dead_after_is_revoked_and_the_transfer_completes() -> None:
+    """One data lane's packets all dropped for 8 s mid-transfer, longer than the dead-peer
+    bound (5 s): the sender sees the lane's bytes unacknowledged for ``lane_stall`` (2 s),
+    revokes it (LANE_REVOKE / LANE_REVOKED on the control lane) and sends its blocks
+    again on the other lanes; the transfer completes and every page verifies. Without
+    lane failover the session ends at 5 s and the transfer fails."""
+    _need("ss")
+    import sys
+
+    with PacketWan(10, rate_gbit=0.2, backend="tun") as wan:
+        nbytes = 96 << 20  # about 4 s at 0.2 Gbit/s
+        proc = wan.popen("a", [sys.executable, "-c", _STALL_SENDER, wan.ns_b, wan.addr_b, str(nbytes)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdout.readline()
+        before = _lane_ports(wan)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        time.sleep(1.0)
+        during = _lane_ports(wan)
+        lane = max(during, key=lambda p: during[p] - before.get(p, 0))
+        wan.block_port(lane)
+        started = time.monotonic()
+        line = proc.stdout.readline()
+        finished = time.monotonic() - started
+        # The stall lasts 8 s whatever happens: longer than dead_after, so without
+        # failover the session could not have survived it.
+        time.sleep(max(0.0, 8.0 - finished))
+        dropped = wan.stats()["a_to_b"]["dropped_blocked"]
+        wan.block_port(None)
+        assert proc.wait(timeout=60) == 0
+        figures = json.loads(line)
+    assert figures["verified"], figures
+    assert dropped > 0
+    # It completed while the lane was still stalled: the stalled lane's blocks moved.
+    assert finished < 8.0, f"the transfer took {finished:.1f} s after the stall began"
+    print(f"transfer finished {finished:.1f} s into an 8 s stall of one lane")
+
+
 def test_loss_and_packet_options_are_checked() -> None:
     from pdd_transport.bench.stream import LossSpec, StreamConfig, parse_loss
     from pdd_transport.specs import WanSpec

@@ -39,6 +39,10 @@ FRAMES = [
     {"kind": "ABORT", "request_id": 0, "reason": "grant_violation", "message": "pages 9..12 outside grant ✗"},
     {"kind": "ABORT", "request_id": 0, "reason": 999, "message": ""},
     {"kind": "PONG", "nonce": 0, "sent_at_ns": 2**64 - 1},
+    {"kind": "KV_PAGES", "transfer_id": 1, "layer_start": 0, "layer_count": 1, "page_start": 7,
+     "page_count": 1, "page_bytes": 2, "data": b"xy", "resent": True},
+    {"kind": "LANE_REVOKE", "lane": 1},
+    {"kind": "LANE_REVOKED", "lane": 65535},
 ]
 
 
@@ -238,3 +242,15 @@ def test_protocol_errors_name_their_abort_reason() -> None:
     with pytest.raises(ProtocolError) as exc:
         wire.decode_frame(bytes(raw))
     assert (exc.value.reason, exc.value.abort_reason) == ("unknown_kind", "unknown_kind")
+
+
+def test_resent_is_the_kv_pages_flag_and_optional() -> None:
+    base = {"kind": "KV_PAGES", "transfer_id": 1, "layer_start": 0, "layer_count": 1, "page_start": 0,
+            "page_count": 1, "page_bytes": 1, "data": b"z"}
+    plain, resent = wire.encode_frame(base), wire.encode_frame({**base, "resent": True})
+    assert plain[4:6] == b"\x00\x00" and resent[4:6] == b"\x01\x00"
+    assert "resent" not in wire.decode_frame(plain)[0]  # type: ignore[index]
+    assert wire.decode_frame(resent)[0]["resent"] is True  # type: ignore[index]
+    assert wire.CAPABILITIES["lane_failover"] == 1 << 6
+    with pytest.raises(InvalidArgument):
+        wire.encode_frame({"kind": "LANE_REVOKE", "lane": 0})

@@ -343,7 +343,14 @@ class KvSender:
         socket_buffer: int = 8388608,
         congestion: str | None = None,
         max_payload: int = 16777216,
-    ) -> KvSender: ...
+        lane_stall_s: float | None = None,
+        lane_failover: bool = True,
+    ) -> KvSender:
+        """``lane_stall_s``: a data lane whose bytes stop being acknowledged this
+        long is revoked and its blocks move to the other lanes (default: 2 s, or half
+        of ``dead_after_s`` where shorter; must be below ``dead_after_s``).
+        ``lane_failover=False`` does not offer that (a stalled lane then ends the
+        session after ``dead_after_s``, as with a receiver of an older build)."""
     @property
     def node_id(self) -> int: ...
     def ensure_connected(self, timeout: float = 10.0) -> None: ...

@@ -224,6 +224,10 @@ pub enum BlockDisposition {
     Land(BlockTarget),
     /// The transfer already ended (failed or cancelled): read and discard the data.
     Drain,
+    /// A RESENT block whose pages had all landed already (it landed before its
+    /// first lane was revoked): read and discard the data, count it as a duplicate.
+    /// Changes nothing.
+    Duplicate,
 }
 
 impl ReceiverState {
@@ -373,10 +377,19 @@ impl ReceiverState {
     /// to another session is an `UnknownTransfer` of this one, exactly as if no such
     /// transfer existed, and changes nothing.
     ///
+    /// `resent`: the block carries the KV_PAGES flag RESENT (lane failover). A
+    /// RESENT block whose pages have all landed is a [`BlockDisposition::Duplicate`];
+    /// one whose pages are all pending lands as any other.
+    ///
     /// Errors (the connection must be aborted with `grant_violation`): unknown
-    /// transfer, block outside the grant, wrong page size, pages already landed or in
-    /// flight.
-    pub fn begin_block(&mut self, owner: u64, block: &KvBlock) -> Result<BlockDisposition> {
+    /// transfer, block outside the grant, wrong page size, pages already landed (but
+    /// for a whole RESENT block) or in flight, a RESENT block landed only in part.
+    pub fn begin_block(
+        &mut self,
+        owner: u64,
+        block: &KvBlock,
+        resent: bool,
+    ) -> Result<BlockDisposition> {
         let unknown = Error::UnknownTransfer {
             transfer_id: block.transfer_id,
         };
@@ -414,15 +427,21 @@ impl ReceiverState {
             )));
         }
         let per_layer = t.grant.page_count as usize;
-        for layer in block.layer_start..block.layer_start + block.layer_count {
-            let base = usize::from(layer) * per_layer;
-            for page in block.page_start..block.page_start + block.page_count {
-                if t.page_state[base + page as usize] != PAGE_PENDING {
-                    return Err(violation(format!(
-                        "layer {layer} page {page} written twice"
-                    )));
-                }
-            }
+        let states = || {
+            (block.layer_start..block.layer_start + block.layer_count).flat_map(move |layer| {
+                let base = usize::from(layer) * per_layer;
+                (block.page_start..block.page_start + block.page_count)
+                    .map(move |page| (layer, page, base + page as usize))
+            })
+        };
+        if resent && states().all(|(_, _, i)| t.page_state[i] == PAGE_LANDED) {
+            return Ok(BlockDisposition::Duplicate);
+        }
+        if let Some((layer, page, _)) = states().find(|&(_, _, i)| t.page_state[i] != PAGE_PENDING)
+        {
+            return Err(violation(format!(
+                "layer {layer} page {page} written twice"
+            )));
         }
         let mut pages =
             Vec::with_capacity(usize::from(block.layer_count) * block.page_count as usize);
@@ -485,6 +504,27 @@ impl ReceiverState {
         t.bytes += block.data_len();
         events.extend(self.try_complete(block.transfer_id));
         events
+    }
+
+    /// A block begun with `Land` will never finish: the lane carrying it was revoked
+    /// (lane failover) and its reader has ended, so no byte of it can land any more.
+    /// Its pages go back to pending, for the sender to send again (flagged RESENT);
+    /// the transfer goes on, and no event is reported. For a transfer that ended
+    /// meanwhile, the same release as [`ReceiverState::finish_block`].
+    pub fn abandon_block(&mut self, block: &KvBlock) {
+        let Some(t) = self.live.get_mut(&block.transfer_id) else {
+            // Ended meanwhile: nothing to report, only the pages' release.
+            let _ = self.finish_block(block, Ok(()));
+            return;
+        };
+        t.in_flight -= 1;
+        let per_layer = t.grant.page_count as usize;
+        for layer in block.layer_start..block.layer_start + block.layer_count {
+            let base = usize::from(layer) * per_layer;
+            for page in block.page_start..block.page_start + block.page_count {
+                t.page_state[base + page as usize] = PAGE_PENDING;
+            }
+        }
     }
 
     /// The sender's KV_DONE arrived on session `owner` (it may overtake data still
@@ -636,295 +676,4 @@ impl ReceiverState {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn land(rx: &mut ReceiverState, b: &KvBlock) -> Vec<TransferEvent> {
-        match rx.begin_block(0, b).unwrap() {
-            BlockDisposition::Land(_) => rx.finish_block(b, Ok(())),
-            BlockDisposition::Drain => panic!("unexpected drain"),
-        }
-    }
-
-    #[test]
-    fn a_transfer_completes_layer_by_layer() {
-        let mut rx = ReceiverState::new(3, 16, 8).unwrap();
-        let grant = rx.grant(77, &[9, 3, 12], 3, 0).unwrap();
-        let mut tx = SenderTransfer::new(grant.clone());
-        let mut events = Vec::new();
-        for layer in 0..3 {
-            for b in tx.send_layer(layer, 16).unwrap() {
-                let Ok(BlockDisposition::Land(target)) = rx.begin_block(0, &b) else {
-                    panic!()
-                };
-                assert!(target
-                    .pages
-                    .iter()
-                    .all(|&(l, p)| l == layer && [9, 3, 12].contains(&p)));
-                events.extend(rx.finish_block(&b, Ok(())));
-            }
-        }
-        assert_eq!(events.len(), 3);
-        let done = tx.finish().unwrap();
-        assert_eq!(done.chunk_count, 6);
-        let ev = rx.sender_done(0, &done).unwrap();
-        assert_eq!(
-            ev,
-            vec![TransferEvent::Complete {
-                transfer_id: grant.transfer_id,
-                request_id: 77,
-                bytes: 72,
-                blocks: 6
-            }]
-        );
-        // The pages are free again, and late frames for the transfer are drained.
-        assert!(rx.grant(78, &[9, 3, 12], 1, 0).is_ok());
-        let late = KvBlock {
-            transfer_id: grant.transfer_id,
-            layer_start: 0,
-            layer_count: 1,
-            page_start: 0,
-            page_count: 1,
-            page_bytes: 8,
-        };
-        assert_eq!(rx.begin_block(0, &late).unwrap(), BlockDisposition::Drain);
-    }
-
-    #[test]
-    fn another_session_can_neither_fill_nor_finish_a_grant() {
-        let mut rx = ReceiverState::new(1, 4, 8).unwrap();
-        let (victim, intruder) = (11, 22);
-        let grant = rx.grant_to(victim, 0xDEAD_BEEF, 1, &[0, 1], 1, 0).unwrap();
-        let mut tx = SenderTransfer::new(grant.clone());
-        let blocks = tx.send_layer(0, 16).unwrap();
-        let done = tx.finish().unwrap();
-        // The intruder names the right transfer id: refused as unknown, nothing moves.
-        assert_eq!(
-            rx.begin_block(intruder, &blocks[0]).unwrap_err().reason(),
-            "unknown_transfer"
-        );
-        assert_eq!(
-            rx.sender_done(intruder, &done).unwrap_err().reason(),
-            "unknown_transfer"
-        );
-        assert_eq!(rx.live_transfers(), 1);
-        // The owner's own blocks still land: the intruder marked no page.
-        let Ok(BlockDisposition::Land(_)) = rx.begin_block(victim, &blocks[0]) else {
-            panic!("owner's block refused");
-        };
-        assert!(rx.finish_block(&blocks[0], Ok(())).len() == 1);
-        let ev = rx.sender_done(victim, &done).unwrap();
-        assert!(matches!(ev.last(), Some(TransferEvent::Complete { .. })));
-        // After the end, a late block from the intruder is still not drained for it.
-        assert_eq!(
-            rx.begin_block(intruder, &blocks[0]).unwrap_err().reason(),
-            "unknown_transfer"
-        );
-        assert_eq!(
-            rx.begin_block(victim, &blocks[0]).unwrap(),
-            BlockDisposition::Drain
-        );
-        // Ids in use cannot be granted again; 0 never.
-        assert!(rx.grant_to(victim, 0xDEAD_BEEF, 2, &[2], 1, 0).is_err());
-        assert!(rx.grant_to(victim, 0, 2, &[2], 1, 0).is_err());
-    }
-
-    #[test]
-    fn done_may_overtake_data() {
-        let mut rx = ReceiverState::new(1, 4, 8).unwrap();
-        let grant = rx.grant(1, &[0, 1], 1, 0).unwrap();
-        let mut tx = SenderTransfer::new(grant);
-        let blocks = tx.send_layer(0, 8).unwrap();
-        let done = tx.finish().unwrap();
-        assert!(land(&mut rx, &blocks[0]).is_empty());
-        assert!(rx.sender_done(0, &done).unwrap().is_empty());
-        let ev = land(&mut rx, &blocks[1]);
-        assert!(matches!(ev.last(), Some(TransferEvent::Complete { .. })));
-    }
-
-    #[test]
-    fn blocks_outside_the_grant_are_violations() {
-        let mut rx = ReceiverState::new(2, 8, 4).unwrap();
-        let g = rx.grant(1, &[5, 6], 2, 0).unwrap();
-        let b = |layer_start, page_start, page_count, page_bytes| KvBlock {
-            transfer_id: g.transfer_id,
-            layer_start,
-            layer_count: 1,
-            page_start,
-            page_count,
-            page_bytes,
-        };
-        for bad in [b(0, 1, 2, 4), b(2, 0, 1, 4), b(0, 0, 1, 8), b(0, 2, 1, 4)] {
-            assert_eq!(
-                rx.begin_block(0, &bad).unwrap_err().reason(),
-                "grant_violation",
-                "{bad:?}"
-            );
-        }
-        assert!(matches!(
-            rx.begin_block(0, &b(0, 0, 1, 4)),
-            Ok(BlockDisposition::Land(_))
-        ));
-        // In flight: a second writer of the same page is refused.
-        assert_eq!(
-            rx.begin_block(0, &b(0, 0, 1, 4)).unwrap_err().reason(),
-            "grant_violation"
-        );
-        let unknown = KvBlock {
-            transfer_id: 999,
-            ..b(0, 0, 1, 4)
-        };
-        assert_eq!(
-            rx.begin_block(0, &unknown).unwrap_err().reason(),
-            "unknown_transfer"
-        );
-    }
-
-    #[test]
-    fn grants_never_overlap_and_bad_grants_change_nothing() {
-        let mut rx = ReceiverState::new(1, 4, 4).unwrap();
-        rx.grant(1, &[0, 1], 1, 0).unwrap();
-        assert_eq!(
-            rx.grant(2, &[1, 2], 1, 0).unwrap_err().reason(),
-            "pages_busy"
-        );
-        assert_eq!(
-            rx.grant(2, &[2, 2], 1, 0).unwrap_err().reason(),
-            "invalid_argument"
-        );
-        assert_eq!(
-            rx.grant(2, &[4], 1, 0).unwrap_err().reason(),
-            "invalid_argument"
-        );
-        assert_eq!(
-            rx.grant(2, &[2], 2, 0).unwrap_err().reason(),
-            "invalid_argument"
-        );
-        assert!(rx.grant(2, &[2, 3], 1, 0).is_ok());
-        assert_eq!(rx.live_transfers(), 2);
-    }
-
-    #[test]
-    fn a_bad_checksum_fails_the_transfer_and_frees_its_pages() {
-        let mut rx = ReceiverState::new(1, 4, 4).unwrap();
-        let g = rx.grant(5, &[0, 1], 1, 0).unwrap();
-        let mut tx = SenderTransfer::new(g.clone());
-        let blocks = tx.send_layer(0, 4).unwrap();
-        let Ok(BlockDisposition::Land(_)) = rx.begin_block(0, &blocks[0]) else {
-            panic!()
-        };
-        let err = Error::ChecksumMismatch {
-            expected: 1,
-            computed: 2,
-        };
-        let ev = rx.finish_block(&blocks[0], Err(err.clone()));
-        assert_eq!(
-            ev,
-            vec![TransferEvent::Failed {
-                transfer_id: g.transfer_id,
-                request_id: 5,
-                error: err
-            }]
-        );
-        assert_eq!(rx.live_transfers(), 0);
-        assert!(rx.grant(6, &[0, 1], 1, 0).is_ok());
-        assert_eq!(
-            rx.begin_block(0, &blocks[1]).unwrap(),
-            BlockDisposition::Drain
-        );
-    }
-
-    #[test]
-    fn pages_of_a_failed_transfer_stay_held_while_a_block_lands() {
-        let mut rx = ReceiverState::new(1, 4, 4).unwrap();
-        let g = rx.grant(5, &[0, 1], 1, 0).unwrap();
-        let mut tx = SenderTransfer::new(g.clone());
-        let blocks = tx.send_layer(0, 4).unwrap();
-        let Ok(BlockDisposition::Land(_)) = rx.begin_block(0, &blocks[0]) else {
-            panic!()
-        };
-        // The deadline fires while block 0 is still being written by a lane.
-        let ev = rx.fail(
-            g.transfer_id,
-            Error::DeadlineExceeded {
-                what: "test".into(),
-            },
-        );
-        assert!(matches!(&ev[0], TransferEvent::Failed { .. }));
-        assert_eq!(rx.pages_held(), 2);
-        assert_eq!(rx.grant(6, &[0], 1, 0).unwrap_err().reason(), "pages_busy");
-        // Further blocks are drained; the lane's finish releases the pages.
-        assert_eq!(
-            rx.begin_block(0, &blocks[1]).unwrap(),
-            BlockDisposition::Drain
-        );
-        assert!(rx.finish_block(&blocks[0], Ok(())).is_empty());
-        assert_eq!(rx.pages_held(), 0);
-        assert!(rx.grant(6, &[0, 1], 1, 0).is_ok());
-    }
-
-    #[test]
-    fn a_short_transfer_is_incomplete_not_complete() {
-        let mut rx = ReceiverState::new(1, 4, 4).unwrap();
-        let g = rx.grant(5, &[0, 1], 1, 0).unwrap();
-        let mut tx = SenderTransfer::new(g);
-        let blocks = tx.send_layer(0, 4).unwrap();
-        let done = tx.finish().unwrap();
-        land(&mut rx, &blocks[0]);
-        let lying = KvDone {
-            chunk_count: 1,
-            byte_count: 4,
-            ..done
-        };
-        let ev = rx.sender_done(0, &lying).unwrap();
-        assert!(
-            matches!(&ev[0], TransferEvent::Failed { error, .. } if error.reason() == "transfer_incomplete")
-        );
-    }
-
-    #[test]
-    fn sender_refuses_misuse() {
-        let g = KvGrant {
-            transfer_id: 1,
-            request_id: 1,
-            layer_count: 2,
-            page_count: 5,
-            page_bytes: 3,
-            deadline_ms: 0,
-        };
-        let mut tx = SenderTransfer::new(g);
-        assert!(tx.finish().is_err());
-        assert!(tx.send_layer(2, 100).is_err());
-        let blocks = tx.send_layer(0, 7).unwrap();
-        assert_eq!(
-            blocks.iter().map(|b| b.page_count).collect::<Vec<_>>(),
-            vec![2, 2, 1]
-        );
-        assert!(tx.send_layer(0, 7).is_err());
-        tx.send_layer(1, 1).unwrap();
-        assert!(tx.finish().is_ok());
-        assert!(tx.finish().is_err());
-    }
-
-    #[test]
-    fn block_header_parse_matches_the_frame_decoder() {
-        let b = KvBlock {
-            transfer_id: 9,
-            layer_start: 1,
-            layer_count: 2,
-            page_start: 3,
-            page_count: 4,
-            page_bytes: 5,
-        };
-        let fixed = b.to_fixed();
-        assert_eq!(KvBlock::parse(&fixed, 24 + 40).unwrap(), b);
-        assert_eq!(
-            KvBlock::parse(&fixed, 24 + 39).unwrap_err().reason(),
-            "invalid_field"
-        );
-        assert_eq!(
-            KvBlock::parse(&fixed, 10).unwrap_err().reason(),
-            "truncated"
-        );
-    }
-}
+mod tests;

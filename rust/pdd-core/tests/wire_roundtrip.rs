@@ -142,3 +142,54 @@ fn every_error_has_a_reason_and_an_abort_code() {
         assert_eq!(AbortReason::from_name(r.name()), Some(*r));
     }
 }
+
+/// Lane failover's wire: RESENT is bit 0 of KV_PAGES's flags and round-trips; any
+/// other KV_PAGES flag bit is refused; LANE_REVOKE / LANE_REVOKED carry one u16 lane,
+/// never 0 (the control lane).
+#[test]
+fn lane_failover_frames_and_the_resent_flag() {
+    use pdd_core::wire::{KvPages, LaneRevoke, FLAG_RESENT};
+    let pages = Frame::KvPages(KvPages {
+        transfer_id: 7,
+        layer_start: 0,
+        layer_count: 1,
+        page_start: 2,
+        page_count: 1,
+        page_bytes: 4,
+        data: bytes::Bytes::from_static(b"abcd"),
+        resent: true,
+    });
+    let bytes = encode(&pages);
+    assert_eq!(u16::from_le_bytes([bytes[4], bytes[5]]), FLAG_RESENT);
+    let (back, _) = decode_frame(&bytes, 1 << 20).unwrap().unwrap();
+    assert_eq!(back, pages);
+    let mut other = bytes.clone();
+    other[4] = 0x02;
+    assert_eq!(
+        decode_frame(&other, 1 << 20).unwrap_err().reason(),
+        "invalid_flags"
+    );
+    for f in [
+        Frame::LaneRevoke(LaneRevoke { lane: 3 }),
+        Frame::LaneRevoked(LaneRevoke { lane: 3 }),
+    ] {
+        let b = encode(&f);
+        assert_eq!(b.len(), HEADER_LEN + 2);
+        assert_eq!(decode_frame(&b, 1 << 20).unwrap().unwrap().0, f);
+    }
+    assert!(Frame::LaneRevoke(LaneRevoke { lane: 0 })
+        .validate()
+        .is_err());
+    // A hand-made LANE_REVOKE of lane 0 (CRC made right) is refused by the decoder.
+    let mut zero = encode(&Frame::LaneRevoke(LaneRevoke { lane: 1 }));
+    zero[HEADER_LEN] = 0;
+    let mut head = [0u8; HEADER_LEN];
+    head.copy_from_slice(&zero[..HEADER_LEN]);
+    let header = FrameHeader::parse(&head, 1 << 20).unwrap();
+    let crc = header.compute_crc([&zero[HEADER_LEN..]]);
+    zero[12..16].copy_from_slice(&crc.to_le_bytes());
+    assert_eq!(
+        decode_frame(&zero, 1 << 20).unwrap_err().reason(),
+        "invalid_field"
+    );
+}

@@ -80,7 +80,19 @@ impl SenderConfig {
             return Err(invalid("lane_queue must be >= 1"));
         }
         check_non_zero("connect_timeout", self.connect_timeout)?;
-        check_liveness(self.heartbeat, self.dead_after)
+        check_liveness(self.heartbeat, self.dead_after)?;
+        // A lane is revoked only while its session is alive: the stall bound must
+        // come first (the default, 2 s or half of dead_after, always does).
+        if let Some(stall) = self.lane_stall {
+            check_non_zero("lane_stall", stall)?;
+            if stall >= self.dead_after {
+                return Err(invalid(format!(
+                    "lane_stall ({stall:?}) must be shorter than dead_after ({:?})",
+                    self.dead_after
+                )));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -145,13 +157,15 @@ mod tests {
     #[test]
     fn each_bad_setting_is_named() {
         type Spoil = fn(&mut SenderConfig);
-        let cases: [(&str, Spoil); 6] = [
+        let cases: [(&str, Spoil); 8] = [
             ("session id", |c| c.session_id = 0),
             ("lanes", |c| c.lanes = 0),
             ("block_bytes", |c| c.max_block_bytes = 0),
             ("lane_queue", |c| c.lane_queue = 0),
             ("heartbeat", |c| c.heartbeat = Duration::ZERO),
             ("dead_after", |c| c.dead_after = c.heartbeat),
+            ("lane_stall", |c| c.lane_stall = Some(Duration::ZERO)),
+            ("lane_stall", |c| c.lane_stall = Some(c.dead_after)),
         ];
         for (name, spoil) in cases {
             let mut c = sender();

@@ -43,6 +43,16 @@ counters! {
     checksum_failures_total: "counter", "KV blocks refused for a CRC32C mismatch";
     /// Blocks of ended transfers read and discarded.
     blocks_drained_total: "counter", "late KV blocks of ended transfers, discarded";
+    /// Sender: data lanes given up for a stall and revoked (their blocks moved to
+    /// the other lanes; capability `lane_failover`).
+    lanes_revoked_total: "counter", "data lanes revoked after a stall, their blocks moved";
+    /// Sender: blocks queued again, flagged RESENT, after their lane was revoked.
+    blocks_resent_total: "counter", "KV blocks sent again after their lane was revoked";
+    /// Receiver: RESENT blocks whose pages had all landed already, discarded.
+    blocks_duplicate_total: "counter", "resent KV blocks that had landed already, discarded";
+    /// Receiver: blocks being read from a lane when it was revoked; their pages went
+    /// back to pending for the resend.
+    blocks_abandoned_total: "counter", "KV blocks cut off by a lane revocation, pages reopened";
     /// Sessions (re)connected by a sender after the first.
     reconnects_total: "counter", "sessions re-established after a loss";
     /// Sessions lost (peer dead, reset, protocol error).

@@ -8,7 +8,6 @@
 //! because they use the control lane.
 
 use std::collections::HashMap;
-use std::io::IoSlice;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -18,15 +17,17 @@ use futures_util::StreamExt;
 use pdd_core::kv::{KvBlock, PlannedBlock, SenderTransfer};
 use pdd_core::prefix::{verify_reply, VerifiedPrefix};
 use pdd_core::wire::handshake::{AuthBytes, LocalHello};
-use pdd_core::wire::{
-    Abort, AbortReason, Frame, FrameHeader, FrameKind, KvGrant, HEADER_LEN, KV_PAGES_FIXED_LEN,
-};
+use pdd_core::wire::{Abort, AbortReason, Frame, KvGrant, KV_PAGES_FIXED_LEN};
 use pdd_core::wire::{PrefixQuery, PrefixReply};
 use pdd_core::Error;
-use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::codec::{FramedRead, FramedWrite};
 use tokio_util::sync::CancellationToken;
+
+mod failover;
+mod writer;
+
+use writer::lane_writer;
 
 use crate::codec::{CodecError, WireCodec};
 use crate::lane::{self, LaneKey, LaneStream, SocketTuning, TlsConfig};
@@ -58,6 +59,14 @@ pub struct SenderConfig {
     pub lane_queue: usize,
     /// TLS 1.3 on every lane (the receiver must prove its certificate).
     pub tls: Option<TlsConfig>,
+    /// Offer lane failover (capability `lane_failover`): a stalled data lane is
+    /// revoked and its blocks move to the other lanes. Off: a stalled lane ends the
+    /// session after `dead_after`, as a peer of an older build does.
+    pub lane_failover: bool,
+    /// A data lane with bytes to deliver whose acknowledged bytes have not moved
+    /// for this long is stalled (lane failover). `None`: 2 s, or half of
+    /// `dead_after` where that is shorter. Must be non-zero and below `dead_after`.
+    pub lane_stall: Option<Duration>,
 }
 
 impl SenderConfig {
@@ -78,9 +87,20 @@ impl SenderConfig {
             // not hoard blocks the others could carry (see `queue_on_a_free_lane`).
             lane_queue: 4,
             tls: None,
+            lane_failover: true,
+            lane_stall: None,
         }
     }
+
+    /// The stall bound in force (see [`SenderConfig::lane_stall`]).
+    pub fn lane_stall(&self) -> Duration {
+        self.lane_stall
+            .unwrap_or_else(|| DEFAULT_LANE_STALL.min(self.dead_after / 2))
+    }
 }
+
+/// The default of [`SenderConfig::lane_stall`].
+pub const DEFAULT_LANE_STALL: Duration = Duration::from_secs(2);
 
 /// Where an outbound transfer stands.
 #[derive(Debug, Clone, PartialEq)]
@@ -96,15 +116,20 @@ pub enum OutboundStatus {
     Failed(Error),
 }
 
+#[derive(Clone)]
 struct Job {
     block: KvBlock,
     src: Vec<(u16, u32)>,
+    /// Sent again after the lane that first carried it was revoked.
+    resent: bool,
 }
 
 struct Conn {
     control: lane::ControlTx,
     lanes: Vec<mpsc::Sender<Job>>,
     next_lane: AtomicUsize,
+    /// Per-lane stop tokens, failover book-keeping (`failover.rs`).
+    lanes_ctl: failover::Lanes,
     cancel: CancellationToken,
     peer_max_payload: u32,
     /// Why the session died, once it did.
@@ -171,8 +196,11 @@ fn now_ns() -> u64 {
 
 impl KvSender {
     /// Connect to the receiver (control lane, then every data lane).
-    pub async fn connect(pool: Arc<PagePool>, cfg: SenderConfig) -> Result<KvSender, Error> {
+    pub async fn connect(pool: Arc<PagePool>, mut cfg: SenderConfig) -> Result<KvSender, Error> {
         cfg.validate()?;
+        if cfg.lane_failover {
+            cfg.hello.capabilities |= pdd_core::wire::capability::LANE_FAILOVER;
+        }
         let shared = Arc::new(Shared {
             pool,
             cfg,
@@ -414,6 +442,11 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
         let aead = lane.agreed.capabilities & pdd_core::wire::capability::AEAD != 0;
         data_streams.push((lane.stream, aead));
     }
+    let fds: Vec<std::os::fd::RawFd> = data_streams
+        .iter()
+        .map(|(s, _)| std::os::fd::AsRawFd::as_raw_fd(s.tcp()))
+        .collect();
+    let failover = agreed.capabilities & pdd_core::wire::capability::LANE_FAILOVER != 0;
     let cancel = shared.cancel.child_token();
     let (control_tx, control_rx) =
         lane::control_queue(lane::MAX_UNWRITTEN_CONTROL_FRAMES, cancel.clone());
@@ -428,24 +461,28 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
         control: control_tx,
         lanes,
         next_lane: AtomicUsize::new(0),
+        lanes_ctl: failover::Lanes::new(&fds, &cancel, failover),
         cancel: cancel.clone(),
         peer_max_payload: agreed.peer_max_payload,
         death: Mutex::new(None),
     });
-    for ((stream, aead), rx) in data_streams.into_iter().zip(lane_rxs) {
+    for (idx, ((stream, aead), rx)) in data_streams.into_iter().zip(lane_rxs).enumerate() {
         let (shared, conn) = (shared.clone(), conn.clone());
         match stream {
             // Plain TCP keeps the lock-free owned halves (writev straight from the pool).
             LaneStream::Plain(tcp) => {
                 let (rd, wr) = tcp.into_split();
-                tokio::spawn(lane_writer(shared, conn, rd, wr, rx, aead));
+                tokio::spawn(lane_writer(shared, conn, idx, rd, wr, rx, aead));
             }
             mut tls => {
                 tls.for_bulk_writes();
                 let (rd, wr) = tokio::io::split(tls);
-                tokio::spawn(lane_writer(shared, conn, rd, wr, rx, aead));
+                tokio::spawn(lane_writer(shared, conn, idx, rd, wr, rx, aead));
             }
         }
+    }
+    if failover {
+        tokio::spawn(failover::watch_lanes(shared.clone(), conn.clone()));
     }
     tokio::spawn(control_loop(
         shared.clone(),
@@ -547,6 +584,11 @@ async fn control_loop(
                     });
                 }
                 Metrics::set(&shared.metrics.transfers_in_flight, outbound.len() as u64);
+                drop(outbound);
+                conn.lanes_ctl.prune(&shared);
+            }
+            Frame::LaneRevoked(r) if conn.lanes_ctl.enabled => {
+                conn.lanes_ctl.revoked(r.lane);
             }
             Frame::PrefixReply(r) => {
                 // A reply after its query timed out has nobody waiting: dropped.
@@ -565,6 +607,7 @@ async fn control_loop(
                 lock(&shared.grants).retain(|_, g| g.request_id != a.request_id);
                 fail_queries(&shared, &err, Some(a.request_id));
                 fail_outbound(&shared, &err, Some(a.request_id));
+                conn.lanes_ctl.prune(&shared);
             }
             Frame::Ping(p) => {
                 let _ = conn.control.send(Frame::Pong(p));
@@ -597,166 +640,69 @@ async fn control_loop(
     fail_outbound(&shared, &reason, None);
 }
 
-async fn lane_writer<R, W>(
-    shared: Arc<Shared>,
-    conn: Arc<Conn>,
-    mut rd: R,
-    mut wr: W,
-    mut jobs: mpsc::Receiver<Job>,
-    aead: bool,
-) where
-    R: tokio::io::AsyncRead + Unpin,
-    W: tokio::io::AsyncWrite + Unpin,
-{
-    let stall = shared.cfg.dead_after;
-    loop {
-        let job = tokio::select! {
-            _ = conn.cancel.cancelled() => return,
-            j = jobs.recv() => match j { Some(j) => j, None => return },
-            // The receiver never writes on a data lane: anything readable is its
-            // close or a reset. Noticed now, while idle, the session is replaced
-            // before the next transfer needs it instead of failing that transfer.
-            gone = lane_closed(&mut rd) => {
-                let _ = tokio::time::timeout(PEER_REASON_GRACE, conn.cancel.cancelled()).await;
-                kill(&conn, gone);
-                return;
-            }
-        };
-        if let Err(e) = write_block(&shared.pool, &mut wr, &job, stall, aead).await {
-            // A receiver that ends the session closes its data lanes and says why on
-            // the control lane; a write here can fail (EPIPE, reset) before that
-            // ABORT is read. Give the control lane a moment so the engine gets the
-            // receiver's reason rather than a bare "broken pipe". If the control lane
-            // is healthy and says nothing, the lane's own error stands.
-            let _ = tokio::time::timeout(PEER_REASON_GRACE, conn.cancel.cancelled()).await;
-            kill(&conn, e);
-            return;
-        }
-        Metrics::add(&shared.metrics.bytes_sent_total, job.block.data_len());
-        Metrics::add(&shared.metrics.blocks_sent_total, 1);
-    }
-}
-
-/// Resolves when a data lane's read side shows its end: EOF, a reset, or bytes the
-/// receiver should never have sent.
-async fn lane_closed<R: tokio::io::AsyncRead + Unpin>(rd: &mut R) -> Error {
-    use tokio::io::AsyncReadExt;
-    let mut byte = [0u8; 1];
-    let detail = match rd.read(&mut byte).await {
-        Ok(0) => "data lane closed by the receiver".to_string(),
-        Ok(_) => "the receiver wrote on a data lane".to_string(),
-        Err(e) => format!("data lane: {e}"),
-    };
-    Error::ConnectionLost { detail }
-}
-
-/// Write one block; each write must make progress within `stall` (a lane whose
-/// bytes stopped moving, while the control lane may look healthy, ends the session
-/// rather than holding the transfer forever).
-async fn write_block<W: tokio::io::AsyncWrite + Unpin>(
-    pool: &PagePool,
-    wr: &mut W,
-    job: &Job,
-    stall: Duration,
-    aead: bool,
-) -> Result<(), Error> {
-    let mut pages: Vec<&[u8]> = Vec::with_capacity(job.src.len());
-    for &(layer, page) in &job.src {
-        // SAFETY: source pages are only read by the transport; the engine must not
-        // rewrite KV it asked to send until the transfer completes (documented).
-        pages.push(unsafe { pool.page(layer, page) }?);
-    }
-    let fixed = job.block.to_fixed();
-    let payload_len = u32::try_from(KV_PAGES_FIXED_LEN as u64 + job.block.data_len())
-        .map_err(|_| Error::InvalidArgument("block too large".into()))?;
-    let mut header = FrameHeader {
-        kind: FrameKind::KvPages,
-        flags: 0,
-        payload_len,
-        crc: 0,
-    };
-    // What `FrameHeader::compute_crc` does, with the faster CRC32C over the pages;
-    // inside TLS (AEAD negotiated) the CRC is 0 and nobody computes it.
-    if !aead {
-        let mut crc = crc32c::crc32c(&header.to_bytes()[..12]);
-        crc = lane::crc32c_append(crc, &fixed);
-        for p in &pages {
-            crc = lane::crc32c_append(crc, p);
-        }
-        header.crc = crc;
-    }
-    let mut head = [0u8; HEADER_LEN + KV_PAGES_FIXED_LEN];
-    head[..HEADER_LEN].copy_from_slice(&header.to_bytes());
-    head[HEADER_LEN..].copy_from_slice(&fixed);
-    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(pages.len() + 1);
-    slices.push(IoSlice::new(&head));
-    slices.extend(pages.iter().map(|p| IoSlice::new(p)));
-    let mut bufs: &mut [IoSlice<'_>] = &mut slices;
-    while !bufs.is_empty() {
-        // At most IOV_MAX (1024) slices per writev.
-        let upto = bufs.len().min(1024);
-        let n = progress(stall, wr.write_vectored(&bufs[..upto])).await?;
-        if n == 0 {
-            return Err(Error::ConnectionLost {
-                detail: "data lane closed".into(),
-            });
-        }
-        IoSlice::advance_slices(&mut bufs, n);
-    }
-    // A TLS write that found the socket full still reports the bytes it took into
-    // rustls's record buffer; they leave only on the next write or a flush, and the
-    // next block may be long in coming (or go to another lane): flush now. A no-op on
-    // plain TCP.
-    progress(stall, wr.flush()).await
-}
-
 /// Queue `job` on the next lane, round robin, that has room in its queue; when every
 /// lane's queue is full, on the first lane to free a slot. A lane slowed down by loss
 /// recovery (or stalled) stops taking blocks and the others carry them, so a lossy
 /// line runs at the sum of the lanes' rates rather than lanes x the slowest one's.
-async fn queue_on_a_free_lane(conn: &Conn, job: Job) -> Result<(), Error> {
+/// Revoked lanes (lane failover) are skipped; the block is logged for its lane.
+async fn queue_on_a_free_lane(conn: &Conn, mut job: Job) -> Result<(), Error> {
     let n = conn.lanes.len();
-    let start = conn.next_lane.load(Ordering::Relaxed);
-    for i in 0..n {
-        let lane = (start + i) % n;
-        match conn.lanes[lane].try_reserve() {
-            Ok(permit) => {
-                permit.send(job);
+    let ctl = &conn.lanes_ctl;
+    loop {
+        let start = conn.next_lane.load(Ordering::Relaxed);
+        for i in 0..n {
+            let lane = (start + i) % n;
+            if ctl.is_dead(lane) {
+                continue;
+            }
+            match conn.lanes[lane].try_reserve() {
+                Ok(permit) => match ctl.place(lane, job, |j| permit.send(j)) {
+                    Ok(()) => {
+                        conn.next_lane.store(lane + 1, Ordering::Relaxed);
+                        return Ok(());
+                    }
+                    Err(back) => job = back,
+                },
+                Err(mpsc::error::TrySendError::Full(())) => {}
+                // Revoked meanwhile, and its writer gone: the others take the block.
+                Err(mpsc::error::TrySendError::Closed(())) if ctl.is_dead(lane) => {}
+                Err(mpsc::error::TrySendError::Closed(())) => return Err(conn.dead_error()),
+            }
+        }
+        let live: Vec<usize> = (0..n).filter(|&l| !ctl.is_dead(l)).collect();
+        if live.is_empty() {
+            return Err(conn.dead_error());
+        }
+        let mut waits: Vec<_> = live
+            .iter()
+            .map(|&l| Box::pin(conn.lanes[l].reserve()))
+            .collect();
+        let (at, permit) = std::future::poll_fn(|cx| {
+            for (at, w) in waits.iter_mut().enumerate() {
+                if let std::task::Poll::Ready(r) = std::future::Future::poll(w.as_mut(), cx) {
+                    return std::task::Poll::Ready((at, r));
+                }
+            }
+            std::task::Poll::Pending
+        })
+        .await;
+        let lane = live[at];
+        let permit = match permit {
+            Ok(p) => p,
+            // A lane revoked while we waited on it closes its queue once its writer
+            // is released: try the others.
+            Err(_) if ctl.is_dead(lane) => continue,
+            Err(_) => return Err(conn.dead_error()),
+        };
+        match ctl.place(lane, job, |j| permit.send(j)) {
+            Ok(()) => {
                 conn.next_lane.store(lane + 1, Ordering::Relaxed);
                 return Ok(());
             }
-            Err(mpsc::error::TrySendError::Full(())) => {}
-            Err(mpsc::error::TrySendError::Closed(())) => return Err(conn.dead_error()),
+            // Revoked while we waited: try the others.
+            Err(back) => job = back,
         }
     }
-    let mut waits: Vec<_> = conn.lanes.iter().map(|l| Box::pin(l.reserve())).collect();
-    let (lane, permit) = std::future::poll_fn(|cx| {
-        for (lane, w) in waits.iter_mut().enumerate() {
-            if let std::task::Poll::Ready(r) = std::future::Future::poll(w.as_mut(), cx) {
-                return std::task::Poll::Ready((lane, r));
-            }
-        }
-        std::task::Poll::Pending
-    })
-    .await;
-    permit.map_err(|_| conn.dead_error())?.send(job);
-    conn.next_lane.store(lane + 1, Ordering::Relaxed);
-    Ok(())
-}
-
-/// One data-lane write step, which must make progress within `stall`.
-async fn progress<T>(
-    stall: Duration,
-    step: impl std::future::Future<Output = std::io::Result<T>>,
-) -> Result<T, Error> {
-    tokio::time::timeout(stall, step)
-        .await
-        .map_err(|_| Error::ConnectionLost {
-            detail: format!("data lane stalled: no byte taken for {stall:?}"),
-        })?
-        .map_err(|e| Error::ConnectionLost {
-            detail: format!("data lane write: {e}"),
-        })
 }
 
 /// The sender's handle on one grant.
@@ -875,7 +821,7 @@ impl OutboundTransfer {
                 .collect();
             tokio::select! {
                 _ = self.conn.cancel.cancelled() => return Err(self.conn.dead_error()),
-                r = queue_on_a_free_lane(&self.conn, Job { block, src }) => r?,
+                r = queue_on_a_free_lane(&self.conn, Job { block, src, resent: false }) => r?,
             }
         }
         Ok(())
@@ -905,11 +851,13 @@ impl OutboundTransfer {
             reason: AbortReason::Cancelled,
             message: message.clone(),
         }));
-        fail_transfer(
+        let failed = fail_transfer(
             &self.shared,
             self.grant.transfer_id,
             &Error::Cancelled { detail: message },
-        )
+        );
+        self.conn.lanes_ctl.prune(&self.shared);
+        failed
     }
 
     /// Every layer is queued: tell the receiver how many blocks and bytes to expect.

@@ -95,6 +95,7 @@ fn block(grant: &KvGrant, page: u32, fill: u8) -> Frame {
         page_count: 1,
         page_bytes: PAGE,
         data: vec![fill; PAGE as usize].into(),
+        resent: false,
     })
 }
 

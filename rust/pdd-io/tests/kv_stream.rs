@@ -248,6 +248,7 @@ async fn a_block_outside_the_grant_aborts_the_session() {
         page_count: 1,
         page_bytes: PAGE,
         data: vec![0xAB; PAGE as usize].into(),
+        resent: false,
     });
     lane::write_frame(&mut data, &frame, 1 << 24).await.unwrap();
     let err = bounded(inbound.wait()).await.unwrap_err();

@@ -81,6 +81,7 @@ fn pages_frame(transfer_id: u64, layer: u16, fill: u8) -> Frame {
         page_count: 2,
         page_bytes: PAGE,
         data: vec![fill; 2 * PAGE as usize].into(),
+        resent: false,
     })
 }
 

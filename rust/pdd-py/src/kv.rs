@@ -474,7 +474,7 @@ pub struct KvSender {
 #[pymethods]
 impl KvSender {
     #[new]
-    #[pyo3(signature = (pool, connect, *, lanes = 4, node_id = None, role = "prefill", secret = None, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, block_bytes = 1048576, socket_buffer = 8388608, congestion = None, max_payload = 16777216))]
+    #[pyo3(signature = (pool, connect, *, lanes = 4, node_id = None, role = "prefill", secret = None, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, block_bytes = 1048576, socket_buffer = 8388608, congestion = None, max_payload = 16777216, lane_stall_s = None, lane_failover = true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -492,12 +492,18 @@ impl KvSender {
         socket_buffer: usize,
         congestion: Option<String>,
         max_payload: u32,
+        lane_stall_s: Option<f64>,
+        lane_failover: bool,
     ) -> PyResult<Self> {
         let mut hello = LocalHello::new(self::role(role)?, capability::KV_STREAM);
         hello.secret = secret.map(|c| bytes::Bytes::copy_from_slice(&c));
         hello.max_payload = max_payload;
         let node_id = node_id.unwrap_or_else(pdd_io::config::random_session_id);
         let mut cfg = SenderConfig::new(address(connect)?, node_id, hello);
+        cfg.lane_stall = lane_stall_s
+            .map(|s| seconds(s, "lane_stall_s"))
+            .transpose()?;
+        cfg.lane_failover = lane_failover;
         cfg.lanes = lanes;
         cfg.tls = tls.map(|t| t.inner.clone());
         cfg.heartbeat = seconds(heartbeat_s, "heartbeat_s")?;

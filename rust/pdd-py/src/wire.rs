@@ -9,8 +9,8 @@ use pdd_core::wire::handshake::{negotiate, LocalHello};
 use pdd_core::wire::{
     self, capability, decode_frame as core_decode, decode_frame_shared,
     encode_frame as core_encode, Abort, AbortReason, Auth, CacheEvent, CacheEvents, Frame,
-    FrameKind, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvPages, LocalAddr, LocalDone,
-    LocalGrant, LocalRegion, Ping, PrefixQuery, PrefixReply, Progress, Role, AUTH_LEN,
+    FrameKind, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvPages, LaneRevoke, LocalAddr,
+    LocalDone, LocalGrant, LocalRegion, Ping, PrefixQuery, PrefixReply, Progress, Role, AUTH_LEN,
 };
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -63,6 +63,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ("cache_events", capability::CACHE_EVENTS),
         ("aead", capability::AEAD),
         ("local_ucx", capability::LOCAL_UCX),
+        ("lane_failover", capability::LANE_FAILOVER),
     ] {
         caps.set_item(name, bit)?;
     }
@@ -334,6 +335,15 @@ fn frame_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Frame> {
             page_count: get!(f, "page_count"),
             page_bytes: get!(f, "page_bytes"),
             data: bytes_field(&mut f, "data")?,
+            // Optional: the RESENT flag of lane failover (absent = not resent).
+            resent: match d.get_item("resent")? {
+                None => false,
+                Some(v) => {
+                    f.seen.push("resent");
+                    v.extract()
+                        .map_err(|e: PyErr| PyTypeError::new_err(format!("KV_PAGES.resent: {e}")))?
+                }
+            },
         }),
         FrameKind::KvDone => Frame::KvDone(KvDone {
             transfer_id: get!(f, "transfer_id"),
@@ -404,6 +414,16 @@ fn frame_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Frame> {
                 reason,
                 message: get!(f, "message"),
             })
+        }
+        FrameKind::LaneRevoke | FrameKind::LaneRevoked => {
+            let r = LaneRevoke {
+                lane: get!(f, "lane"),
+            };
+            if kind == FrameKind::LaneRevoke {
+                Frame::LaneRevoke(r)
+            } else {
+                Frame::LaneRevoked(r)
+            }
         }
         FrameKind::Ping | FrameKind::Pong => {
             let p = Ping {
@@ -545,6 +565,9 @@ fn frame_to_dict<'py>(py: Python<'py>, frame: &Frame) -> PyResult<Bound<'py, PyD
             d.set_item("page_count", p.page_count)?;
             d.set_item("page_bytes", p.page_bytes)?;
             d.set_item("data", PyBytes::new(py, &p.data))?;
+            if p.resent {
+                d.set_item("resent", true)?;
+            }
         }
         Frame::KvDone(k) => {
             d.set_item("transfer_id", k.transfer_id)?;
@@ -642,6 +665,9 @@ fn frame_to_dict<'py>(py: Python<'py>, frame: &Frame) -> PyResult<Bound<'py, PyD
                 regions.append(rd)?;
             }
             d.set_item("regions", regions)?;
+        }
+        Frame::LaneRevoke(r) | Frame::LaneRevoked(r) => {
+            d.set_item("lane", r.lane)?;
         }
         Frame::LocalDone(l) => {
             d.set_item("transfer_id", l.transfer_id)?;

@@ -230,7 +230,7 @@ mod tests {
         assert_eq!(tx.pages_unsent(), 0);
         let mut events = Vec::new();
         for p in &planned {
-            let Ok(BlockDisposition::Land(_)) = rx.begin_block(0, &p.block) else {
+            let Ok(BlockDisposition::Land(_)) = rx.begin_block(0, &p.block, false) else {
                 panic!("block refused: {p:?}");
             };
             events.extend(rx.finish_block(&p.block, Ok(())));

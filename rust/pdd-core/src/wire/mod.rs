@@ -24,8 +24,8 @@ pub use codec::{
 };
 pub use frame::{
     Abort, Auth, CacheEvent, CacheEvents, Frame, Handoff, HandoffAck, Hello, KvDone, KvGrant,
-    KvPages, LocalAddr, LocalDone, LocalGrant, LocalRegion, Ping, PrefixQuery, PrefixReply,
-    Progress, KV_PAGES_FIXED_LEN, LOCAL_REGION_MIN_LEN,
+    KvPages, LaneRevoke, LocalAddr, LocalDone, LocalGrant, LocalRegion, Ping, PrefixQuery,
+    PrefixReply, Progress, KV_PAGES_FIXED_LEN, LOCAL_REGION_MIN_LEN,
 };
 
 use std::fmt;
@@ -69,6 +69,10 @@ pub const FLAG_FINAL: u16 = 0x0001;
 pub const FLAG_KV_COMPLETE: u16 = 0x0001;
 /// Flag bit of HELLO: the lane joins a live session and proves its secret.
 pub const FLAG_RESUME: u16 = 0x0001;
+/// Flag bit of KV_PAGES (capability `lane_failover` only): the block is sent again
+/// because the lane that first carried it was revoked; its pages may already have
+/// landed, and then it is a duplicate to discard, not a violation.
+pub const FLAG_RESENT: u16 = 0x0001;
 
 macro_rules! frame_kinds {
     ($( $(#[$doc:meta])* $name:ident = $code:literal, $wire:literal, flags = $flags:expr; )*) => {
@@ -122,7 +126,7 @@ frame_kinds! {
     /// Receiver grants a sender a region of pages for one transfer.
     KvGrant = 0x02, "KV_GRANT", flags = 0;
     /// Pages of KV data for a grant.
-    KvPages = 0x03, "KV_PAGES", flags = 0;
+    KvPages = 0x03, "KV_PAGES", flags = FLAG_RESENT;
     /// Sender finished a transfer.
     KvDone = 0x04, "KV_DONE", flags = 0;
     /// Prefill asks a decoder to match (and pin) a prompt prefix.
@@ -153,6 +157,12 @@ frame_kinds! {
     /// Local path: the sender's completion notice for a range of a grant's layers,
     /// sent after its puts were flushed.
     LocalDone = 0x11, "LOCAL_DONE", flags = 0;
+    /// Lane failover (capability `lane_failover`): the KV sender gave up on a data
+    /// lane and asks the receiver to stop reading it.
+    LaneRevoke = 0x12, "LANE_REVOKE", flags = 0;
+    /// Lane failover: the receiver's reader of that lane has ended; no byte of it
+    /// can land any more.
+    LaneRevoked = 0x13, "LANE_REVOKED", flags = 0;
 }
 
 impl fmt::Display for FrameKind {
@@ -318,8 +328,13 @@ pub mod capability {
     /// lane, KV written by one-sided puts. Offered only by the local path's
     /// endpoints (`pdd_io::local`).
     pub const LOCAL_UCX: u64 = 1 << 5;
+    /// A stalled data lane is revoked (LANE_REVOKE / LANE_REVOKED on the control
+    /// lane) and its blocks are sent again, flagged RESENT, on the other lanes.
+    /// Offered by KV senders and receivers of this build.
+    pub const LANE_FAILOVER: u64 = 1 << 6;
     /// Every bit defined by this build.
-    pub const ALL_KNOWN: u64 = KV_STREAM | HANDOFF | PREFIX_CACHE | CACHE_EVENTS | AEAD | LOCAL_UCX;
+    pub const ALL_KNOWN: u64 =
+        KV_STREAM | HANDOFF | PREFIX_CACHE | CACHE_EVENTS | AEAD | LOCAL_UCX | LANE_FAILOVER;
 }
 
 /// The fixed header in front of every payload.

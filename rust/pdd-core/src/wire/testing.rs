@@ -105,13 +105,22 @@ pub fn any_frame() -> impl Strategy<Value = Frame> {
             1u16..4,
             any::<u32>(),
             1u32..4,
-            1u32..64
+            1u32..64,
+            any::<bool>()
         )
-            .prop_filter("ranges fit", |(_, ls, lc, ps, pc, _)| {
+            .prop_filter("ranges fit", |(_, ls, lc, ps, pc, _, _)| {
                 ls.checked_add(lc - 1).is_some() && ps.checked_add(pc - 1).is_some()
             })
             .prop_flat_map(
-                |(transfer_id, layer_start, layer_count, page_start, page_count, page_bytes)| {
+                |(
+                    transfer_id,
+                    layer_start,
+                    layer_count,
+                    page_start,
+                    page_count,
+                    page_bytes,
+                    resent,
+                )| {
                     let n = layer_count as usize * page_count as usize * page_bytes as usize;
                     vec(any::<u8>(), n).prop_map(move |data| {
                         Frame::KvPages(KvPages {
@@ -122,6 +131,7 @@ pub fn any_frame() -> impl Strategy<Value = Frame> {
                             page_count,
                             page_bytes,
                             data: Bytes::from(data),
+                            resent,
                         })
                     })
                 }
@@ -259,6 +269,8 @@ pub fn any_frame() -> impl Strategy<Value = Frame> {
                     byte_count,
                 })
             }),
+        (1u16..).prop_map(|lane| Frame::LaneRevoke(LaneRevoke { lane })),
+        (1u16..).prop_map(|lane| Frame::LaneRevoked(LaneRevoke { lane })),
     ]
 }
 

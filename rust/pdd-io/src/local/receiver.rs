@@ -649,8 +649,8 @@ fn local_done(shared: &Arc<Shared>, session: u64, done: &LocalDone) -> Result<()
                     page_count: 1,
                     page_bytes: shared.pool.page_bytes(),
                 };
-                return match lock(&shared.state).begin_block(session, &block)? {
-                    BlockDisposition::Drain => Ok(()),
+                return match lock(&shared.state).begin_block(session, &block, false)? {
+                    BlockDisposition::Drain | BlockDisposition::Duplicate => Ok(()),
                     BlockDisposition::Land(_) => Err(Error::InvalidField {
                         kind: pdd_core::wire::FrameKind::LocalDone,
                         field: "transfer_id",
@@ -686,8 +686,8 @@ fn local_done(shared: &Arc<Shared>, session: u64, done: &LocalDone) -> Result<()
     }
     let mut events = {
         let mut st = lock(&shared.state);
-        match st.begin_block(session, &block)? {
-            BlockDisposition::Drain => return Ok(()),
+        match st.begin_block(session, &block, false)? {
+            BlockDisposition::Drain | BlockDisposition::Duplicate => return Ok(()),
             BlockDisposition::Land(_) => st.finish_block(&block, Ok(())),
         }
     };

@@ -1,13 +1,13 @@
 //! Data lanes: each KV_PAGES block's header, then its page bytes read straight into
 //! the granted pool pages (vectored reads), checked before the block counts.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use pdd_core::kv::{BlockDisposition, KvBlock};
 use pdd_core::wire::handshake::AuthBytes;
-use pdd_core::wire::{FrameHeader, FrameKind, HEADER_LEN, KV_PAGES_FIXED_LEN};
+use pdd_core::wire::{FrameHeader, FrameKind, FLAG_RESENT, HEADER_LEN, KV_PAGES_FIXED_LEN};
 use pdd_core::Error;
 use tokio::io::AsyncReadExt;
 
@@ -24,6 +24,9 @@ struct BlockGuard<'a> {
     shared: &'a Shared,
     block: KvBlock,
     finished: bool,
+    /// Set when the lane was revoked (lane failover): a block cut off then is
+    /// abandoned (its pages reopened for the resend), not failed.
+    revoked: &'a AtomicBool,
 }
 
 impl BlockGuard<'_> {
@@ -44,7 +47,15 @@ fn finish_block(shared: &Shared, block: &KvBlock, outcome: Result<(), Error>) {
 
 impl Drop for BlockGuard<'_> {
     fn drop(&mut self) {
-        if !self.finished {
+        if !self.finished && self.revoked.load(Ordering::SeqCst) {
+            let mut state = lock(&self.shared.state);
+            state.abandon_block(&self.block);
+            Metrics::set(
+                &self.shared.metrics.pool_pages_held,
+                state.pages_held() as u64,
+            );
+            Metrics::add(&self.shared.metrics.blocks_abandoned_total, 1);
+        } else if !self.finished {
             let err = Error::ConnectionLost {
                 detail: "data lane closed mid-block".into(),
             };
@@ -71,6 +82,7 @@ pub(super) async fn data_lane(
                 s.death.clone(),
                 s.generation,
                 s.lanes.clone(),
+                (s.registry.clone(), s.failover),
             )
         });
     // Counted from here to the lane's end, admitted or not.
@@ -108,9 +120,15 @@ pub(super) async fn data_lane(
         _ = shared.cancel.cancelled() => return,
         r = lane::answer_hello(&mut stream, hello, &agreed, admitted, shared.cfg.hello_timeout) => r,
     };
-    let (Ok(()), Some((cancel, control, death, owner, _))) = (answered, session) else {
+    let (Ok(()), Some((session_cancel, control, death, owner, _, (registry, failover)))) =
+        (answered, session)
+    else {
         return;
     };
+    // Registered under its index for LANE_REVOKE; the ticket (dropped last, when this
+    // task ends) tells a revoker the lane can land nothing more.
+    let ticket = registry.register(agreed.lane, &session_cancel);
+    let cancel = ticket.cancel.clone();
     let _counted = counted;
     let _ = stream.tcp().set_nodelay(false);
     // Inside TLS the AEAD authenticates every byte; the blocks then carry no CRC.
@@ -120,7 +138,7 @@ pub(super) async fn data_lane(
     loop {
         let r = tokio::select! {
             _ = cancel.cancelled() => return,
-            r = read_block(&shared, owner, aead, &mut stream, max_payload, &mut scratch) => r,
+            r = read_block(&shared, owner, aead, failover, &ticket.revoked, &mut stream, max_payload, &mut scratch) => r,
         };
         match r {
             Ok(true) => {}
@@ -131,7 +149,7 @@ pub(super) async fn data_lane(
                     Metrics::add(&shared.metrics.violations_total, 1);
                     let _ = control.send(lane::abort_for(&e));
                     lock(&death).get_or_insert(e);
-                    cancel.cancel();
+                    session_cancel.cancel();
                 }
                 return;
             }
@@ -145,6 +163,8 @@ async fn read_block(
     shared: &Shared,
     owner: u64,
     aead: bool,
+    failover: bool,
+    revoked: &AtomicBool,
     stream: &mut LaneStream,
     max_payload: u32,
     scratch: &mut [u8],
@@ -189,9 +209,17 @@ async fn read_block(
     let block = KvBlock::parse(&fixed, header.payload_len)?;
     let mut crc = crc32c::crc32c(&head[..12]);
     crc = crc32c::crc32c_append(crc, &fixed);
-    let disposition = lock(&shared.state).begin_block(owner, &block)?;
+    let resent = header.flags & FLAG_RESENT != 0;
+    if resent && !failover {
+        // RESENT means something only where both sides offered lane failover.
+        return Err(Error::InvalidFlags {
+            kind: header.kind,
+            flags: header.flags,
+        });
+    }
+    let disposition = lock(&shared.state).begin_block(owner, &block, resent)?;
     match disposition {
-        BlockDisposition::Drain => {
+        BlockDisposition::Drain | BlockDisposition::Duplicate => {
             let mut left = block.data_len();
             while left > 0 {
                 let n = left.min(scratch.len() as u64) as usize;
@@ -200,7 +228,12 @@ async fn read_block(
                     .map_err(lost)?;
                 left -= n as u64;
             }
-            Metrics::add(&shared.metrics.blocks_drained_total, 1);
+            let counter = if disposition == BlockDisposition::Duplicate {
+                &shared.metrics.blocks_duplicate_total
+            } else {
+                &shared.metrics.blocks_drained_total
+            };
+            Metrics::add(counter, 1);
             Ok(true)
         }
         BlockDisposition::Land(target) => {
@@ -208,6 +241,7 @@ async fn read_block(
                 shared,
                 block,
                 finished: false,
+                revoked,
             };
             // Addresses only: begin_block marked every page of the block in flight for
             // this lane alone, and the guard keeps them held until it finishes.

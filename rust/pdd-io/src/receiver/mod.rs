@@ -33,6 +33,7 @@ use crate::metrics::Metrics;
 use crate::pool::PagePool;
 
 mod data_lane;
+mod revoke;
 mod session;
 
 use session::handle_connection;
@@ -169,6 +170,10 @@ struct Session {
     death: Arc<Mutex<Option<Error>>>,
     /// Data lanes admitted into the session, against [`MAX_LANES_PER_SESSION`].
     lanes: Arc<AtomicU64>,
+    /// The session's data lanes by index, for LANE_REVOKE.
+    registry: Arc<revoke::LaneRegistry>,
+    /// Both sides offered `lane_failover`.
+    failover: bool,
 }
 
 /// Sessions a receiver holds at once; a new one past this is refused
@@ -232,8 +237,11 @@ pub struct KvReceiver {
 
 impl KvReceiver {
     /// Bind and start accepting on the current tokio runtime.
-    pub async fn start(pool: Arc<PagePool>, cfg: ReceiverConfig) -> Result<KvReceiver, Error> {
+    pub async fn start(pool: Arc<PagePool>, mut cfg: ReceiverConfig) -> Result<KvReceiver, Error> {
         cfg.validate()?;
+        // This build answers LANE_REVOKE (see `revoke.rs`); a sender that does not
+        // offer it too never sends one.
+        cfg.hello.capabilities |= pdd_core::wire::capability::LANE_FAILOVER;
         lane::check_exposure(
             cfg.listen,
             &cfg.hello,

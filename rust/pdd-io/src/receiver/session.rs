@@ -11,7 +11,7 @@ use pdd_core::prefix::answer_query;
 use pdd_core::radix::hash;
 use pdd_core::time::Timestamp;
 use pdd_core::wire::handshake::AuthBytes;
-use pdd_core::wire::{Abort, Frame};
+use pdd_core::wire::{capability, Abort, Frame};
 use pdd_core::wire::{PrefixQuery, PrefixReply};
 use pdd_core::Error;
 use tokio::net::TcpStream;
@@ -213,6 +213,8 @@ async fn control_session(
     let cancel = shared.cancel.child_token();
     let (tx, rx) = lane::control_queue(lane::MAX_UNWRITTEN_CONTROL_FRAMES, cancel.clone());
     let death = Arc::new(Mutex::new(None));
+    let registry = Arc::new(super::revoke::LaneRegistry::default());
+    let failover = agreed.capabilities & capability::LANE_FAILOVER != 0;
     let registered = {
         let mut sessions = lock(&shared.sessions);
         // Between authentication and here another lane may have opened or resumed
@@ -235,6 +237,8 @@ async fn control_session(
                     peer_addr,
                     death: death.clone(),
                     lanes: Arc::default(),
+                    registry: registry.clone(),
+                    failover,
                 },
             )
         })
@@ -407,6 +411,11 @@ async fn control_session(
                     break err;
                 }
                 fail_session_transfers(&shared, session_id, generation, &err, Some(a.request_id));
+            }
+            // Only where both sides offered lane failover; otherwise it falls to the
+            // arm below, a protocol error, as for any peer of an older build.
+            Frame::LaneRevoke(r) if failover => {
+                super::revoke::revoke(&registry, r.lane, tx.clone(), cancel.clone(), death.clone());
             }
             other => {
                 let e = Error::InvalidField {

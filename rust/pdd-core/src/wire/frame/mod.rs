@@ -6,7 +6,7 @@ use bytes::Bytes;
 
 use super::tokens::encoded_len;
 use super::{
-    AbortReason, FrameKind, Role, AUTH_LEN, FLAG_FINAL, FLAG_KV_COMPLETE, FLAG_RESUME,
+    AbortReason, FrameKind, Role, AUTH_LEN, FLAG_FINAL, FLAG_KV_COMPLETE, FLAG_RESENT, FLAG_RESUME,
     HARD_MAX_PAYLOAD, MAX_ABORT_MESSAGE_LEN, MAX_HELLO_AUTH_LEN, MAX_LOCAL_ADDRESS_LEN,
     MAX_LOCAL_RKEY_LEN, MAX_PAGE_SIZE, MEMORY_KIND_CUDA, MEMORY_KIND_HOST, MIN_MAX_PAYLOAD,
 };
@@ -95,6 +95,9 @@ pub struct KvPages {
     pub page_bytes: u32,
     /// `layer_count * page_count * page_bytes` bytes of KV.
     pub data: Bytes,
+    /// Header flag RESENT (capability `lane_failover`): sent again after the lane
+    /// that first carried it was revoked.
+    pub resent: bool,
 }
 
 /// KV_DONE: the sender has sent every KV_PAGES of a transfer.
@@ -258,6 +261,15 @@ pub struct LocalRegion {
     pub rkey: Bytes,
 }
 
+/// LANE_REVOKE (sender -> receiver) and LANE_REVOKED (receiver -> sender), on the
+/// control lane, capability `lane_failover`: data lane `lane` is given up; the reply
+/// says the receiver's reader of it has ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaneRevoke {
+    /// The data lane's index (its HELLO's `lane`; >= 1).
+    pub lane: u16,
+}
+
 /// Fixed bytes of one LOCAL_GRANT region before its key, plus at least one key byte.
 pub const LOCAL_REGION_MIN_LEN: u64 = 2 + 4 + 4 + 8 + 2 + 1;
 
@@ -324,6 +336,10 @@ pub enum Frame {
     LocalGrant(LocalGrant),
     /// LOCAL_DONE
     LocalDone(LocalDone),
+    /// LANE_REVOKE
+    LaneRevoke(LaneRevoke),
+    /// LANE_REVOKED
+    LaneRevoked(LaneRevoke),
 }
 
 impl Frame {
@@ -347,6 +363,8 @@ impl Frame {
             Frame::LocalAddr(_) => FrameKind::LocalAddr,
             Frame::LocalGrant(_) => FrameKind::LocalGrant,
             Frame::LocalDone(_) => FrameKind::LocalDone,
+            Frame::LaneRevoke(_) => FrameKind::LaneRevoke,
+            Frame::LaneRevoked(_) => FrameKind::LaneRevoked,
         }
     }
 
@@ -357,6 +375,7 @@ impl Frame {
             Frame::HandoffAck(a) if a.final_ => FLAG_FINAL,
             Frame::Progress(p) if p.kv_complete => FLAG_KV_COMPLETE,
             Frame::Hello(h) if h.resume => FLAG_RESUME,
+            Frame::KvPages(p) if p.resent => FLAG_RESENT,
             _ => 0,
         }
     }
@@ -462,6 +481,11 @@ impl Frame {
             Frame::LocalDone(d) => {
                 check_local_done(d).or_else(arg)?;
             }
+            Frame::LaneRevoke(r) | Frame::LaneRevoked(r) => {
+                if r.lane == 0 {
+                    return arg("lane 0 is the control lane and cannot be revoked".into());
+                }
+            }
             Frame::KvDone(_)
             | Frame::HandoffAck(_)
             | Frame::Progress(_)
@@ -512,6 +536,7 @@ impl Frame {
                         .sum::<usize>()
             }
             Frame::LocalDone(_) => 8 + 2 + 2 + 8 + 8,
+            Frame::LaneRevoke(_) | Frame::LaneRevoked(_) => 2,
         })
     }
 }

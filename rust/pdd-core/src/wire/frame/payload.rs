@@ -7,15 +7,15 @@ use crate::error::{Error, Result};
 use crate::wire::reader::{PayloadReader, PayloadWriter};
 use crate::wire::tokens::{put_tokens, read_tokens};
 use crate::wire::{
-    AbortReason, FrameKind, Role, AUTH_LEN, FLAG_FINAL, FLAG_KV_COMPLETE, FLAG_RESUME,
+    AbortReason, FrameKind, Role, AUTH_LEN, FLAG_FINAL, FLAG_KV_COMPLETE, FLAG_RESENT, FLAG_RESUME,
     HARD_MAX_PAYLOAD, MAX_ABORT_MESSAGE_LEN, MAX_HELLO_AUTH_LEN, MAX_LOCAL_ADDRESS_LEN,
     MAX_LOCAL_RKEY_LEN, MAX_PAGE_SIZE, MEMORY_KIND_CUDA, MEMORY_KIND_HOST, MIN_MAX_PAYLOAD,
 };
 
 use super::{
     check_local_done, check_page_block, check_region, Abort, Auth, CacheEvent, CacheEvents, Frame,
-    Handoff, HandoffAck, Hello, KvDone, KvGrant, KvPages, LocalAddr, LocalDone, LocalGrant,
-    LocalRegion, Ping, PrefixQuery, PrefixReply, Progress, LOCAL_REGION_MIN_LEN,
+    Handoff, HandoffAck, Hello, KvDone, KvGrant, KvPages, LaneRevoke, LocalAddr, LocalDone,
+    LocalGrant, LocalRegion, Ping, PrefixQuery, PrefixReply, Progress, LOCAL_REGION_MIN_LEN,
 };
 
 const EVENT_STORED: u8 = 1;
@@ -140,6 +140,9 @@ impl Frame {
                     out.put_slice(&reg.rkey);
                 }
             }
+            Frame::LaneRevoke(r) | Frame::LaneRevoked(r) => {
+                out.put_u16_le(r.lane);
+            }
             Frame::LocalDone(d) => {
                 out.put_u64_le(d.transfer_id);
                 out.put_u16_le(d.layer_start);
@@ -228,6 +231,7 @@ impl Frame {
                     page_count: r.u32("page_count")?,
                     page_bytes: r.u32("page_bytes")?,
                     data: Bytes::new(),
+                    resent: flags & FLAG_RESENT != 0,
                 };
                 p.data = r.rest();
                 check_page_block(&p).map_err(|detail| Error::InvalidField {
@@ -462,6 +466,18 @@ impl Frame {
                     detail,
                 })?;
                 Frame::LocalDone(d)
+            }
+            FrameKind::LaneRevoke | FrameKind::LaneRevoked => {
+                let lane = r.u16("lane")?;
+                if lane == 0 {
+                    return Err(r.invalid("lane", "lane 0 is the control lane"));
+                }
+                let l = LaneRevoke { lane };
+                if kind == FrameKind::LaneRevoke {
+                    Frame::LaneRevoke(l)
+                } else {
+                    Frame::LaneRevoked(l)
+                }
             }
         };
         r.finish()?;

@@ -1,0 +1,174 @@
+//! The data-lane writer: takes blocks from its lane's queue and writes each with one
+//! vectored write of its header and the source pages, every step bounded by the
+//! dead-peer bound; stops at once when its lane is revoked (`failover.rs`).
+
+use std::io::IoSlice;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pdd_core::wire::{FrameHeader, FrameKind, FLAG_RESENT, HEADER_LEN, KV_PAGES_FIXED_LEN};
+use pdd_core::Error;
+use tokio::io::AsyncWriteExt;
+use tokio::sync::mpsc;
+
+use super::{kill, Conn, Job, Shared, PEER_REASON_GRACE};
+use crate::lane;
+use crate::metrics::Metrics;
+use crate::pool::PagePool;
+
+pub(super) async fn lane_writer<R, W>(
+    shared: Arc<Shared>,
+    conn: Arc<Conn>,
+    idx: usize,
+    mut rd: R,
+    mut wr: W,
+    mut jobs: mpsc::Receiver<Job>,
+    aead: bool,
+) where
+    R: tokio::io::AsyncRead + Unpin,
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    let stall = shared.cfg.dead_after;
+    let ctl = &conn.lanes_ctl.ctl[idx];
+    // Revoked (lane failover): stop writing at once, but keep the socket until the
+    // receiver confirmed the revocation, so no close of ours can reach its reader
+    // first and fail the block it was reading.
+    let revoked = || async {
+        tokio::select! {
+            _ = ctl.release.cancelled() => {}
+            _ = conn.cancel.cancelled() => {}
+        }
+    };
+    loop {
+        let job = tokio::select! {
+            biased;
+            _ = conn.cancel.cancelled() => return,
+            _ = ctl.stop.cancelled() => return revoked().await,
+            j = jobs.recv() => match j { Some(j) => j, None => return },
+            // The receiver never writes on a data lane: anything readable is its
+            // close or a reset. Noticed now, while idle, the session is replaced
+            // before the next transfer needs it instead of failing that transfer.
+            gone = lane_closed(&mut rd) => {
+                if ctl.stop.is_cancelled() {
+                    return;
+                }
+                let _ = tokio::time::timeout(PEER_REASON_GRACE, conn.cancel.cancelled()).await;
+                kill(&conn, gone);
+                return;
+            }
+        };
+        ctl.busy.store(true, Ordering::Relaxed);
+        let written = tokio::select! {
+            biased;
+            _ = ctl.stop.cancelled() => return revoked().await,
+            r = write_block(&shared.pool, &mut wr, &job, stall, aead) => r,
+        };
+        ctl.busy.store(false, Ordering::Relaxed);
+        if let Err(e) = written {
+            if ctl.stop.is_cancelled() {
+                return revoked().await;
+            }
+            // A receiver that ends the session closes its data lanes and says why on
+            // the control lane; a write here can fail (EPIPE, reset) before that
+            // ABORT is read. Give the control lane a moment so the engine gets the
+            // receiver's reason rather than a bare "broken pipe". If the control lane
+            // is healthy and says nothing, the lane's own error stands.
+            let _ = tokio::time::timeout(PEER_REASON_GRACE, conn.cancel.cancelled()).await;
+            kill(&conn, e);
+            return;
+        }
+        ctl.written
+            .fetch_add(job.block.data_len(), Ordering::Relaxed);
+        Metrics::add(&shared.metrics.bytes_sent_total, job.block.data_len());
+        Metrics::add(&shared.metrics.blocks_sent_total, 1);
+    }
+}
+
+/// Resolves when a data lane's read side shows its end: EOF, a reset, or bytes the
+/// receiver should never have sent.
+async fn lane_closed<R: tokio::io::AsyncRead + Unpin>(rd: &mut R) -> Error {
+    use tokio::io::AsyncReadExt;
+    let mut byte = [0u8; 1];
+    let detail = match rd.read(&mut byte).await {
+        Ok(0) => "data lane closed by the receiver".to_string(),
+        Ok(_) => "the receiver wrote on a data lane".to_string(),
+        Err(e) => format!("data lane: {e}"),
+    };
+    Error::ConnectionLost { detail }
+}
+
+/// Write one block; each write must make progress within `stall` (a lane whose
+/// bytes stopped moving, while the control lane may look healthy, ends the session
+/// rather than holding the transfer forever).
+async fn write_block<W: tokio::io::AsyncWrite + Unpin>(
+    pool: &PagePool,
+    wr: &mut W,
+    job: &Job,
+    stall: Duration,
+    aead: bool,
+) -> Result<(), Error> {
+    let mut pages: Vec<&[u8]> = Vec::with_capacity(job.src.len());
+    for &(layer, page) in &job.src {
+        // SAFETY: source pages are only read by the transport; the engine must not
+        // rewrite KV it asked to send until the transfer completes (documented).
+        pages.push(unsafe { pool.page(layer, page) }?);
+    }
+    let fixed = job.block.to_fixed();
+    let payload_len = u32::try_from(KV_PAGES_FIXED_LEN as u64 + job.block.data_len())
+        .map_err(|_| Error::InvalidArgument("block too large".into()))?;
+    let mut header = FrameHeader {
+        kind: FrameKind::KvPages,
+        flags: if job.resent { FLAG_RESENT } else { 0 },
+        payload_len,
+        crc: 0,
+    };
+    // What `FrameHeader::compute_crc` does, with the faster CRC32C over the pages;
+    // inside TLS (AEAD negotiated) the CRC is 0 and nobody computes it.
+    if !aead {
+        let mut crc = crc32c::crc32c(&header.to_bytes()[..12]);
+        crc = lane::crc32c_append(crc, &fixed);
+        for p in &pages {
+            crc = lane::crc32c_append(crc, p);
+        }
+        header.crc = crc;
+    }
+    let mut head = [0u8; HEADER_LEN + KV_PAGES_FIXED_LEN];
+    head[..HEADER_LEN].copy_from_slice(&header.to_bytes());
+    head[HEADER_LEN..].copy_from_slice(&fixed);
+    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(pages.len() + 1);
+    slices.push(IoSlice::new(&head));
+    slices.extend(pages.iter().map(|p| IoSlice::new(p)));
+    let mut bufs: &mut [IoSlice<'_>] = &mut slices;
+    while !bufs.is_empty() {
+        // At most IOV_MAX (1024) slices per writev.
+        let upto = bufs.len().min(1024);
+        let n = progress(stall, wr.write_vectored(&bufs[..upto])).await?;
+        if n == 0 {
+            return Err(Error::ConnectionLost {
+                detail: "data lane closed".into(),
+            });
+        }
+        IoSlice::advance_slices(&mut bufs, n);
+    }
+    // A TLS write that found the socket full still reports the bytes it took into
+    // rustls's record buffer; they leave only on the next write or a flush, and the
+    // next block may be long in coming (or go to another lane): flush now. A no-op on
+    // plain TCP.
+    progress(stall, wr.flush()).await
+}
+
+/// One data-lane write step, which must make progress within `stall`.
+async fn progress<T>(
+    stall: Duration,
+    step: impl std::future::Future<Output = std::io::Result<T>>,
+) -> Result<T, Error> {
+    tokio::time::timeout(stall, step)
+        .await
+        .map_err(|_| Error::ConnectionLost {
+            detail: format!("data lane stalled: no byte taken for {stall:?}"),
+        })?
+        .map_err(|e| Error::ConnectionLost {
+            detail: format!("data lane write: {e}"),
+        })
+}
