@@ -90,6 +90,19 @@ step "mypy --strict and stubtest"
 python -m mypy
 python -m mypy.stubtest pdd_transport._native
 
+step "NIXL for bench local's paired baseline (its own small venv, cached)"
+# nixl-cu13 alone (76 MB, ~12 s): --no-deps, its metadata asks for torch, which the
+# baseline (python/pdd_transport/bench/nixl_baseline.py) does not import. The tests
+# that drive real NIXL run when PDD_NIXL_PYTHON names this interpreter.
+nixl_venv=${PDD_NIXL_VENV:-$HOME/.cache/pdd_transport/nixl-venv}
+if ! "$nixl_venv/bin/python" -c 'import nixl_cu13._api' 2>/dev/null; then
+    rm -rf "$nixl_venv"
+    python3 -m venv "$nixl_venv"
+    timeout 600 "$nixl_venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps \
+        "nixl-cu13==1.5.1" "numpy>=1.26"
+fi
+export PDD_NIXL_PYTHON="$nixl_venv/bin/python"
+
 step "pytest (tests, and benches run once each without timing)"
 python -m pytest tests benches --benchmark-disable
 
