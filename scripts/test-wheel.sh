@@ -190,7 +190,7 @@ print(f"same {len(names_a)} files; every other file byte-identical (the SBOM: sa
 EOF
 lap "sdist -> wheel" "$t"
 else
-    echo "[test-wheel] sdist -> wheel rebuild: not run (PDD_WHEEL_SDIST_CHECK=1 runs it; the release workflow does)"
+    echo "[test-wheel] sdist -> wheel rebuild: not run (PDD_WHEEL_SDIST_CHECK=1 runs it: do so before a release, docs/release.md)"
 fi
 
 # 4, second half. The test suite against the installed wheel.
