@@ -393,27 +393,35 @@ def _lane_ports(wan: PacketWan) -> dict[int, int]:
     return ports
 
 
+def _start_and_block_the_busiest_lane(wan: PacketWan) -> tuple[subprocess.Popen[str], int, dict[int, int]]:
+    """Starts a 96 MiB transfer (about 4 s at 0.2 Gbit/s) from end A, lets it run 1 s,
+    then drops every packet of its busiest connection (a data lane: the control lane
+    carries little). Returns the sender, that lane's port and the acked bytes per lane
+    just before the block."""
+    import sys
+
+    proc = wan.popen("a", [sys.executable, "-c", _STALL_SENDER, wan.ns_b, wan.addr_b, str(96 << 20)],
+                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdout.readline()
+    before = _lane_ports(wan)
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    time.sleep(1.0)
+    during = _lane_ports(wan)
+    lane = max(during, key=lambda p: during[p] - before.get(p, 0))
+    wan.block_port(lane)
+    return proc, lane, during
+
+
 def test_a_lane_stalled_for_two_seconds_does_not_fail_the_transfer() -> None:
     """One data lane's packets all dropped for 2 s mid-transfer: the other lanes take the
     blocks meanwhile (the sender queues each block on a lane with room), the stalled
     lane's TCP recovers, and every page lands and verifies."""
     _need("ss")
-    import sys
-
     with PacketWan(10, rate_gbit=0.2, backend="tun") as wan:
-        nbytes = 96 << 20  # about 4 s at 0.2 Gbit/s
-        proc = wan.popen("a", [sys.executable, "-c", _STALL_SENDER, wan.ns_b, wan.addr_b, str(nbytes)],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdout.readline()
-        before = _lane_ports(wan)
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        time.sleep(1.0)
-        during = _lane_ports(wan)
-        # The busiest connection now is a data lane (the control lane carries little).
-        lane = max(during, key=lambda p: during[p] - before.get(p, 0))
-        wan.block_port(lane)
+        proc, lane, during = _start_and_block_the_busiest_lane(wan)
+        assert proc.stdout is not None
         time.sleep(2.0)
         blocked_at = _lane_ports(wan)
         wan.block_port(None)
@@ -439,21 +447,9 @@ def test_a_lane_stalled_longer_than_dead_after_is_revoked_and_the_transfer_compl
     again on the other lanes; the transfer completes and every page verifies. Without
     lane failover the session ends at 5 s and the transfer fails."""
     _need("ss")
-    import sys
-
     with PacketWan(10, rate_gbit=0.2, backend="tun") as wan:
-        nbytes = 96 << 20  # about 4 s at 0.2 Gbit/s
-        proc = wan.popen("a", [sys.executable, "-c", _STALL_SENDER, wan.ns_b, wan.addr_b, str(nbytes)],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdout.readline()
-        before = _lane_ports(wan)
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        time.sleep(1.0)
-        during = _lane_ports(wan)
-        lane = max(during, key=lambda p: during[p] - before.get(p, 0))
-        wan.block_port(lane)
+        proc, _, _ = _start_and_block_the_busiest_lane(wan)
+        assert proc.stdout is not None
         started = time.monotonic()
         line = proc.stdout.readline()
         finished = time.monotonic() - started
