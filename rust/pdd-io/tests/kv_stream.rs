@@ -2,6 +2,8 @@
 //! bounded, and failures (corruption, dead peers, resets, deadlines, hostile blocks)
 //! end transfers with a typed error instead of a hang or wrong data.
 
+mod common;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,7 +12,7 @@ use pdd_core::wire::handshake::LocalHello;
 use pdd_core::wire::{capability, Role};
 use pdd_core::Error;
 use pdd_io::lane::{self, LaneKey, SocketTuning};
-use pdd_io::pool::{MemoryRegion, PagePool};
+use pdd_io::pool::PagePool;
 use pdd_io::receiver::{KvReceiver, ReceiverConfig, ReceiverEvent, TransferStatus};
 use pdd_io::sender::{KvSender, SenderConfig};
 use pdd_io::wanem::{Direction, LinkProfile, Wanem, WanemConfig};
@@ -21,32 +23,11 @@ const PAGE: u32 = 4096;
 const BOUND: Duration = Duration::from_secs(20);
 
 fn pattern_pool(seed: u8) -> Arc<PagePool> {
-    let layers = (0..LAYERS)
-        .map(|l| {
-            let bytes: Vec<u8> = (0..PAGES * PAGE)
-                .map(|i| {
-                    (i as u8)
-                        .wrapping_mul(31)
-                        .wrapping_add(seed)
-                        .wrapping_add(l as u8 * 7)
-                })
-                .collect();
-            MemoryRegion::from_vec(bytes)
-        })
-        .collect();
-    Arc::new(PagePool::new(layers, PAGE).unwrap())
+    common::pattern_pool(LAYERS, PAGES, PAGE, seed, 1)
 }
 
 fn zero_pool() -> Arc<PagePool> {
-    Arc::new(
-        PagePool::new(
-            (0..LAYERS)
-                .map(|_| MemoryRegion::from_vec(vec![0; (PAGES * PAGE) as usize]))
-                .collect(),
-            PAGE,
-        )
-        .unwrap(),
-    )
+    common::zero_pool(LAYERS, PAGES, PAGE)
 }
 
 async fn receiver(tweak: impl FnOnce(&mut ReceiverConfig)) -> KvReceiver {

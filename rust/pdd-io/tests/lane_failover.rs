@@ -6,6 +6,8 @@
 //! it (a peer of an older build, or `lane_failover` off) the stall ends the session
 //! and fails the transfer, as it always did.
 
+mod common;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -36,32 +38,11 @@ const BOUND: Duration = Duration::from_secs(30);
 const BUFFER: usize = 64 << 10;
 
 fn pattern_pool(seed: u8) -> Arc<PagePool> {
-    let layers = (0..LAYERS)
-        .map(|l| {
-            let bytes: Vec<u8> = (0..PAGES * PAGE)
-                .map(|i| {
-                    ((i / 7) as u8)
-                        .wrapping_mul(31)
-                        .wrapping_add(seed)
-                        .wrapping_add(l as u8 * 7)
-                })
-                .collect();
-            MemoryRegion::from_vec(bytes)
-        })
-        .collect();
-    Arc::new(PagePool::new(layers, PAGE).unwrap())
+    common::pattern_pool(LAYERS, PAGES, PAGE, seed, 7)
 }
 
 fn zero_pool() -> Arc<PagePool> {
-    Arc::new(
-        PagePool::new(
-            (0..LAYERS)
-                .map(|_| MemoryRegion::from_vec(vec![0; (PAGES * PAGE) as usize]))
-                .collect(),
-            PAGE,
-        )
-        .unwrap(),
-    )
+    common::zero_pool(LAYERS, PAGES, PAGE)
 }
 
 fn tuning() -> SocketTuning {
