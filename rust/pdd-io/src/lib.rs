@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod pool;
 pub mod receiver;
 pub mod sender;
+mod status;
 pub mod tls;
 pub mod wanem;
 

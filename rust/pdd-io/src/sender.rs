@@ -871,18 +871,16 @@ impl OutboundTransfer {
 
     /// Wait for the receiver to confirm the transfer (bytes), or for its failure.
     pub async fn wait(&self) -> Result<u64, Error> {
-        let mut rx = self.status.clone();
-        loop {
-            match &*rx.borrow_and_update() {
-                OutboundStatus::Complete { bytes } => return Ok(*bytes),
-                OutboundStatus::Failed(e) => return Err(e.clone()),
-                OutboundStatus::InProgress => {}
-            }
-            if rx.changed().await.is_err() {
-                return Err(Error::Cancelled {
-                    detail: "sender closed".into(),
-                });
-            }
+        crate::status::wait_settled(self.status.clone(), "sender").await
+    }
+}
+
+impl crate::status::Settles for OutboundStatus {
+    fn settled(&self) -> Option<Result<u64, Error>> {
+        match self {
+            OutboundStatus::Complete { bytes } => Some(Ok(*bytes)),
+            OutboundStatus::Failed(e) => Some(Err(e.clone())),
+            OutboundStatus::InProgress => None,
         }
     }
 }

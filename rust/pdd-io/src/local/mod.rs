@@ -63,18 +63,17 @@ pub enum LocalStatus {
 
 /// Wait on a status channel until it is no longer in progress.
 pub(crate) async fn wait_status(
-    mut rx: tokio::sync::watch::Receiver<LocalStatus>,
+    rx: tokio::sync::watch::Receiver<LocalStatus>,
 ) -> Result<u64, Error> {
-    loop {
-        match &*rx.borrow_and_update() {
-            LocalStatus::Complete { bytes } => return Ok(*bytes),
-            LocalStatus::Failed(e) => return Err(e.clone()),
-            LocalStatus::InProgress => {}
-        }
-        if rx.changed().await.is_err() {
-            return Err(Error::Cancelled {
-                detail: "endpoint closed".into(),
-            });
+    crate::status::wait_settled(rx, "endpoint").await
+}
+
+impl crate::status::Settles for LocalStatus {
+    fn settled(&self) -> Option<Result<u64, Error>> {
+        match self {
+            LocalStatus::Complete { bytes } => Some(Ok(*bytes)),
+            LocalStatus::Failed(e) => Some(Err(e.clone())),
+            LocalStatus::InProgress => None,
         }
     }
 }

@@ -137,18 +137,16 @@ impl InboundTransfer {
 
     /// Wait until the transfer completes (page bytes received) or fails.
     pub async fn wait(&self) -> Result<u64, Error> {
-        let mut rx = self.status.clone();
-        loop {
-            match &*rx.borrow_and_update() {
-                TransferStatus::Complete { bytes, .. } => return Ok(*bytes),
-                TransferStatus::Failed(e) => return Err(e.clone()),
-                TransferStatus::InProgress { .. } => {}
-            }
-            if rx.changed().await.is_err() {
-                return Err(Error::Cancelled {
-                    detail: "receiver closed".into(),
-                });
-            }
+        crate::status::wait_settled(self.status.clone(), "receiver").await
+    }
+}
+
+impl crate::status::Settles for TransferStatus {
+    fn settled(&self) -> Option<Result<u64, Error>> {
+        match self {
+            TransferStatus::Complete { bytes, .. } => Some(Ok(*bytes)),
+            TransferStatus::Failed(e) => Some(Err(e.clone())),
+            TransferStatus::InProgress { .. } => None,
         }
     }
 }
