@@ -349,14 +349,22 @@ async fn connection_resets_mid_handoff_lose_and_duplicate_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_polling_md_engine_reads_itself_and_loses_nothing_across_resets() {
-    let (rld, md) = resets_lose_and_duplicate_nothing(MdWait::BusyPoll).await;
-    let s = md.stats();
-    assert!(
-        s.reads_on_caller > 0,
-        "the engine thread read the socket: {s:?}"
-    );
-    rld.close();
-    md.close();
+    // Exactly once and in order must hold on every try (checked inside). Whether the
+    // busy-polling engine thread, rather than the I/O task, happens to read the socket
+    // is up to the scheduler: on two loaded cores one run of 40 requests saw none
+    // (CI, 2026-12-01), so up to three tries, fresh links each, and one must show it.
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let (rld, md) = resets_lose_and_duplicate_nothing(MdWait::BusyPoll).await;
+        let s = md.stats();
+        rld.close();
+        md.close();
+        if s.reads_on_caller > 0 {
+            return;
+        }
+        seen.push(s);
+    }
+    panic!("the engine thread never read the socket itself in 3 tries: {seen:?}");
 }
 
 /// Corrupted bytes on the line (each caught by a frame CRC) drop the connection like a
