@@ -21,6 +21,8 @@ FRAMES = [
     {"kind": "AUTH", "nonce": bytes(range(32)), "proof": b"\xff" * 32},
     {"kind": "KV_GRANT", "transfer_id": 1, "request_id": 2, "layer_count": 65535, "page_count": 2**32 - 1,
      "page_bytes": 1, "deadline_ms": 0},
+    {"kind": "KV_GRANT", "transfer_id": 1, "request_id": 2, "layer_count": 1, "page_count": 0,
+     "page_bytes": 1, "deadline_ms": 0},  # an empty grant (capability empty_grant)
     {"kind": "KV_PAGES", "transfer_id": 1, "layer_start": 65534, "layer_count": 2, "page_start": 0,
      "page_count": 1, "page_bytes": 3, "data": b"abcdef"},
     {"kind": "KV_DONE", "transfer_id": 1, "chunk_count": 0, "byte_count": 0},
@@ -110,6 +112,8 @@ def test_hundred_token_handoff_fits_512_bytes() -> None:
         ({"kind": "HELLO", "min_version": 1, "max_version": 1, "role": "boss", "lane": 0, "session_id": 0,
           "capabilities": 0, "max_payload": 1 << 20, "auth": b"", "resume": False}, "unknown role"),
         ({"kind": "AUTH", "nonce": b"short", "proof": b"\x00" * 32}, "expected 32 bytes"),
+        ({"kind": "KV_GRANT", "transfer_id": 1, "request_id": 2, "layer_count": 0, "page_count": 0,
+          "page_bytes": 1, "deadline_ms": 0}, "layer_count"),
         ({"kind": "PREFIX_QUERY", "query_id": 1, "request_id": 2, "namespace": 0, "page_size": 0,
           "lease_ms": 0, "tokens": []}, "page_size"),
     ],
@@ -252,5 +256,6 @@ def test_resent_is_the_kv_pages_flag_and_optional() -> None:
     assert "resent" not in wire.decode_frame(plain)[0]  # type: ignore[index]
     assert wire.decode_frame(resent)[0]["resent"] is True  # type: ignore[index]
     assert wire.CAPABILITIES["lane_failover"] == 1 << 6
+    assert wire.CAPABILITIES["empty_grant"] == 1 << 7
     with pytest.raises(InvalidArgument):
         wire.encode_frame({"kind": "LANE_REVOKE", "lane": 0})

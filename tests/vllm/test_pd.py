@@ -141,3 +141,29 @@ def test_kv_both_instances_swap_parts(cluster: vllm_pd.PdCluster) -> None:
     assert any("p_sent layer=" in line and got.key in line for line in log.splitlines())
     assert wait_usage_zero(cluster.prefill) == 0.0
     assert wait_usage_zero(cluster.decode) == 0.0
+
+
+@pytest.mark.parametrize("order,seed", [("decode_first", 190), ("prefill_first", 191)])
+def test_decode_holding_the_whole_prompt_frees_prefill_at_once(cluster: vllm_pd.PdCluster, order: str, seed: int) -> None:
+    # The same prompt again: D's own prefix cache holds every block P could send, so D
+    # grants none (an empty grant). P, which keeps its blocks until a grant comes, frees
+    # them at once; before empty grants it held them for its grant timeout (10 s).
+    length = 600
+    prompt = prompt_ids(length, seed)
+    want = cluster.plain_complete(prompt, TOKENS)["choices"][0]["token_ids"]
+    first = cluster.pd_complete(prompt, TOKENS, order=order)
+    assert first.prefill_error is None, first.prefill_error
+    assert first.token_ids == want
+    assert wait_usage_zero(cluster.prefill) == 0.0
+    no_grant = cluster.prefill.log_path.read_text(errors="replace").count("no grant")
+    before = wan_c2u(cluster)
+    again = cluster.pd_complete(prompt, TOKENS, order=order)
+    crossed = wan_c2u(cluster) - before
+    assert again.prefill_error is None, again.prefill_error
+    assert again.token_ids == want
+    assert again.cached_tokens == (length - 1) // BLOCK_SIZE * BLOCK_SIZE  # D's own cache
+    assert crossed < 4096, crossed  # framing only: no KV crossed the WAN
+    # Well inside P's 10 s grant timeout, P holds nothing any more.
+    assert wait_usage_zero(cluster.prefill, timeout=3.0) == 0.0
+    assert wait_usage_zero(cluster.decode) == 0.0
+    assert cluster.prefill.log_path.read_text(errors="replace").count("no grant") == no_grant

@@ -16,7 +16,9 @@ The flow is decode first, so that prefill can push each layer while it computes:
 2. D's scheduler asks its own prefix cache first; the connector claims only the
    block-aligned prompt tokens D lacks (``get_num_new_matched_tokens``), vLLM allocates
    blocks for them, and D's worker grants exactly those blocks to P
-   (``KvReceiver.grant``). The request waits (``WAITING_FOR_REMOTE_KVS``).
+   (``KvReceiver.grant``). The request waits (``WAITING_FOR_REMOTE_KVS``). When D
+   lacks nothing, it grants zero pages (an empty grant), so P frees its blocks at
+   once instead of waiting out ``pdd_grant_timeout_s``.
 3. P computes the prompt. After each attention layer (``save_kv_layer``) its worker
    queues that layer's newly completed blocks to D; the lanes write them while P
    computes the next layer. P's blocks stay allocated until D confirmed
@@ -145,13 +147,19 @@ def _key_of(params: dict[str, Any] | None, flag: str) -> str | None:
 
 @dataclass
 class _RecvReq:
-    """D: grant ``block_ids`` (a contiguous run of the prompt's blocks) to P."""
+    """D: grant ``block_ids`` (a contiguous run of the prompt's blocks) to P.
+
+    ``notice``: D's own prefix cache holds every block P could send, so D grants none
+    (an empty grant): P, which keeps its blocks until a grant comes, releases them at
+    once instead of after ``pdd_grant_timeout_s``. vLLM is not waiting for it, so it is
+    never reported in ``get_finished``."""
 
     req_id: str
     key: str
     block_ids: list[int]
     peer: int | None
     corrupt: bool
+    notice: bool = False
 
 
 @dataclass
@@ -337,16 +345,25 @@ class _SchedulerSide:
         params = request.kv_transfer_params
         if self._conn._is_producer and _safe_key(params, DO_REMOTE_DECODE) is not None:
             self._send[request.request_id] = request
-        if num_external_tokens <= 0 or not self._conn._is_consumer:
+        if not self._conn._is_consumer or request.request_id in self._recv_started:
             return
         key = _safe_key(params, DO_REMOTE_PREFILL)
         if key is None:
+            return
+        peer = params.get(PREFILL_NODE) if params else None
+        if num_external_tokens <= 0:
+            # Nothing to load (D holds every block P could send, or the prompt is
+            # shorter than one block plus a token): tell P so with an empty grant.
+            self._pending_recv.append(
+                _RecvReq(req_id=request.request_id, key=key, block_ids=[],
+                         peer=int(peer) if peer is not None else None, corrupt=False, notice=True)
+            )
+            self._recv_started.add(request.request_id)
             return
         (block_ids,) = blocks.get_block_ids()
         end = self._wanted_tokens(request) // self._bs
         count = num_external_tokens // self._bs
         assert num_external_tokens % self._bs == 0 and count <= end <= len(block_ids)
-        peer = params.get(PREFILL_NODE) if params else None
         self._pending_recv.append(
             _RecvReq(
                 req_id=request.request_id,
@@ -721,7 +738,7 @@ class _WorkerSide:
                 self._try_grants(now)
             for req_id in finished_req_ids:
                 inc = self.incoming.get(req_id)
-                if inc is not None and not inc.cancelled:
+                if inc is not None and not inc.cancelled and not inc.req.notice:
                     # Aborted while loading: cancel; report once no write can land.
                     inc.cancelled = True
                     if inc.transfer is not None and not isinstance(inc.transfer, _Failed):
@@ -738,6 +755,12 @@ class _WorkerSide:
                 if state is None or state == "in_progress":
                     continue
                 del self.incoming[req_id]
+                if inc.req.notice:
+                    # vLLM never waited for it: nothing to report either way.
+                    if state != "complete":
+                        logger.info("pdd: telling the prefill side of %s there is nothing to send failed: %s",
+                                    req_id, _describe(inc.transfer))
+                    continue
                 if state == "complete" and not inc.cancelled:
                     if inc.req.corrupt:
                         self._corrupt(inc.req)

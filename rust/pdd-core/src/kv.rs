@@ -292,6 +292,11 @@ impl ReceiverState {
     /// and KV_DONE that arrive from that session count for it. Fails, changing
     /// nothing, if a page is out of the pool, repeated, or held by another live
     /// grant, or if `transfer_id` is 0 or in use ([`ReceiverState::id_in_use`]).
+    ///
+    /// An empty `dest_pages` is an empty grant (the receiver needs nothing): it holds
+    /// no page, takes no block, and completes on a KV_DONE of 0 blocks and 0 bytes.
+    /// Whether the peer may be sent one (capability `EMPTY_GRANT`) is the caller's
+    /// check.
     pub fn grant_to(
         &mut self,
         owner: u64,
@@ -305,11 +310,6 @@ impl ReceiverState {
             return Err(Error::InvalidArgument(format!(
                 "transfer id {transfer_id} is 0 or in use"
             )));
-        }
-        if dest_pages.is_empty() {
-            return Err(Error::InvalidArgument(
-                "a grant needs at least one page".into(),
-            ));
         }
         if layer_count == 0 || layer_count > self.pool_layers {
             return Err(Error::InvalidArgument(format!(

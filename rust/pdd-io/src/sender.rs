@@ -201,6 +201,8 @@ impl KvSender {
         if cfg.lane_failover {
             cfg.hello.capabilities |= pdd_core::wire::capability::LANE_FAILOVER;
         }
+        // This build finishes an empty grant (nothing to send) at once.
+        cfg.hello.capabilities |= pdd_core::wire::capability::EMPTY_GRANT;
         let shared = Arc::new(Shared {
             pool,
             cfg,
@@ -741,6 +743,11 @@ impl OutboundTransfer {
                 src_pages.len(),
                 self.grant.page_count
             )));
+        }
+        if self.grant.page_count == 0 {
+            // An empty grant: the core checks the layer; there is nothing to queue.
+            self.state.lock().await.send_layer(layer, 1)?;
+            return Ok(());
         }
         let end = layer
             .checked_add(1)

@@ -184,6 +184,68 @@ async fn bad_grants_are_refused_and_change_nothing() {
     );
 }
 
+/// An empty grant ("I hold all of it"): the sender finishes at once, the transfer
+/// completes with no data and no layer events, nothing is held, and the same sender
+/// then carries a normal transfer. A peer that did not offer `empty_grant` (an older
+/// build, which would take a 0-page KV_GRANT as a protocol error) is never sent one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_grant_completes_with_nothing_sent() {
+    let rx = receiver(|_| {}).await;
+    let tx = KvSender::connect(pattern_pool(5), sender_cfg(rx.local_addr(), 2))
+        .await
+        .unwrap();
+    bounded(rx.wait_peer(None)).await;
+    let inbound = rx.grant(7, &[], None, None, None).unwrap();
+    assert_eq!(inbound.grant.page_count, 0);
+    let out = bounded(tx.wait_grant(7)).await.unwrap();
+    assert_eq!(
+        (out.grant().page_count, out.grant().layer_count),
+        (0, LAYERS)
+    );
+    for layer in 0..LAYERS {
+        out.send_layer(layer, layer, &[]).await.unwrap();
+    }
+    out.finish().await.unwrap();
+    assert_eq!(bounded(inbound.wait()).await.unwrap(), 0);
+    assert_eq!(bounded(out.wait()).await.unwrap(), 0);
+    let events = rx.poll_events(16);
+    assert!(
+        matches!(
+            events.as_slice(),
+            [ReceiverEvent::Transfer(
+                pdd_core::kv::TransferEvent::Complete {
+                    request_id: 7,
+                    bytes: 0,
+                    blocks: 0,
+                    ..
+                }
+            )]
+        ),
+        "{events:?}"
+    );
+    transfer(&rx, &tx, 8, &[0, 1], &[2, 3]).await.unwrap();
+
+    // An older sender: HELLO without `empty_grant`.
+    let hello = LocalHello::new(Role::Prefill, capability::KV_STREAM);
+    let _old = lane::connect(
+        rx.local_addr(),
+        &hello,
+        77,
+        0,
+        &LaneKey::Root,
+        &SocketTuning::default(),
+        None,
+        BOUND,
+    )
+    .await
+    .unwrap();
+    bounded(rx.wait_peer(Some(77))).await;
+    let err = rx.grant(9, &[], None, Some(77), None).unwrap_err();
+    assert_eq!(err.reason(), "invalid_argument");
+    assert!(err.to_string().contains("empty_grant"), "{err}");
+    rx.grant(9, &[4], None, Some(77), None).unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_block_outside_the_grant_aborts_the_session() {
     let rx = receiver(|_| {}).await;

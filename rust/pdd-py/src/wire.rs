@@ -64,6 +64,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ("aead", capability::AEAD),
         ("local_ucx", capability::LOCAL_UCX),
         ("lane_failover", capability::LANE_FAILOVER),
+        ("empty_grant", capability::EMPTY_GRANT),
     ] {
         caps.set_item(name, bit)?;
     }

@@ -57,7 +57,8 @@ impl SenderTransfer {
     }
 
     /// Blocks covering every page of `layer`, each at most `max_block_bytes` (but at
-    /// least one page). A layer, or any page of it, cannot be sent twice.
+    /// least one page). A layer, or any page of it, cannot be sent twice. A layer of
+    /// an empty grant (0 pages) is no blocks.
     pub fn send_layer(&mut self, layer: u16, max_block_bytes: u64) -> Result<Vec<KvBlock>> {
         let all: Vec<u32> = (0..self.grant.page_count).collect();
         let end = layer.checked_add(1).ok_or_else(|| {
@@ -66,6 +67,10 @@ impl SenderTransfer {
                 self.grant.layer_count
             ))
         })?;
+        if all.is_empty() && layer < self.grant.layer_count && !self.finished {
+            // An empty grant (the receiver needs nothing): a layer of it is no pages.
+            return Ok(Vec::new());
+        }
         Ok(self
             .send_pages(layer..end, &all, max_block_bytes)?
             .into_iter()

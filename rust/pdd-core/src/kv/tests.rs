@@ -465,3 +465,67 @@ fn abandoning_a_block_of_an_ended_transfer_releases_its_pages() {
         BlockDisposition::Drain
     );
 }
+
+#[test]
+fn an_empty_grant_holds_nothing_takes_no_block_and_completes_on_an_empty_done() {
+    let mut rx = ReceiverState::new(2, 4, 4).unwrap();
+    let g = rx.grant(9, &[], 2, 0).unwrap();
+    assert_eq!((g.page_count, g.layer_count), (0, 2));
+    assert_eq!(rx.pages_held(), 0);
+    // Every page stays grantable while it is live.
+    let other = rx.grant(10, &[0, 1, 2, 3], 2, 0).unwrap();
+    // No block can land in it: page 0 of it is outside its 0 pages.
+    let block = KvBlock {
+        transfer_id: g.transfer_id,
+        layer_start: 0,
+        layer_count: 1,
+        page_start: 0,
+        page_count: 1,
+        page_bytes: 4,
+    };
+    assert_eq!(
+        rx.begin_block(0, &block, false).unwrap_err().reason(),
+        "grant_violation"
+    );
+    // The sender: each layer is no blocks, finish says 0 and 0.
+    let mut tx = SenderTransfer::new(g.clone());
+    assert!(tx.send_layer(0, 16).unwrap().is_empty());
+    assert!(tx.send_layer(1, 16).unwrap().is_empty());
+    assert_eq!(
+        tx.send_layer(2, 16).unwrap_err().reason(),
+        "invalid_argument"
+    );
+    assert_eq!(
+        tx.send_pages(0..1, &[0], 16).unwrap_err().reason(),
+        "invalid_argument"
+    );
+    let done = tx.finish().unwrap();
+    assert_eq!((done.chunk_count, done.byte_count), (0, 0));
+    assert_eq!(
+        rx.sender_done(0, &done).unwrap(),
+        vec![TransferEvent::Complete {
+            transfer_id: g.transfer_id,
+            request_id: 9,
+            bytes: 0,
+            blocks: 0
+        }]
+    );
+    assert_eq!(rx.live_transfers(), 1);
+    assert_eq!(rx.request_of(other.transfer_id), Some(10));
+}
+
+#[test]
+fn an_empty_grant_with_a_done_that_claims_data_fails() {
+    let mut rx = ReceiverState::new(1, 4, 4).unwrap();
+    let g = rx.grant(9, &[], 1, 0).unwrap();
+    let claims = KvDone {
+        transfer_id: g.transfer_id,
+        chunk_count: 1,
+        byte_count: 4,
+    };
+    let ev = rx.sender_done(0, &claims).unwrap();
+    assert!(
+        matches!(&ev[0], TransferEvent::Failed { error, .. } if error.reason() == "transfer_incomplete"),
+        "{ev:?}"
+    );
+}

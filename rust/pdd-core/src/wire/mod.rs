@@ -332,9 +332,21 @@ pub mod capability {
     /// lane) and its blocks are sent again, flagged RESENT, on the other lanes.
     /// Offered by KV senders and receivers of this build.
     pub const LANE_FAILOVER: u64 = 1 << 6;
+    /// A KV_GRANT may name zero pages: the receiver has every page already (its own
+    /// prefix cache holds them) and tells the sender there is nothing to send; the
+    /// sender answers with KV_DONE at once and the transfer completes with no data.
+    /// Without it a sender that waits for a grant can only time out. Offered by KV
+    /// senders and receivers of this build (not by the local path).
+    pub const EMPTY_GRANT: u64 = 1 << 7;
     /// Every bit defined by this build.
-    pub const ALL_KNOWN: u64 =
-        KV_STREAM | HANDOFF | PREFIX_CACHE | CACHE_EVENTS | AEAD | LOCAL_UCX | LANE_FAILOVER;
+    pub const ALL_KNOWN: u64 = KV_STREAM
+        | HANDOFF
+        | PREFIX_CACHE
+        | CACHE_EVENTS
+        | AEAD
+        | LOCAL_UCX
+        | LANE_FAILOVER
+        | EMPTY_GRANT;
 }
 
 /// The fixed header in front of every payload.

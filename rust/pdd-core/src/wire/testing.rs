@@ -83,7 +83,8 @@ pub fn any_frame() -> impl Strategy<Value = Frame> {
             any::<u64>(),
             any::<u64>(),
             1u16..,
-            1u32..,
+            // 0 pages: an empty grant (capability EMPTY_GRANT).
+            0u32..,
             1u32..,
             any::<u32>()
         )

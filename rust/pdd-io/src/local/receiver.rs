@@ -244,6 +244,13 @@ impl LocalReceiver {
         peer: Option<u64>,
         deadline: Option<Duration>,
     ) -> Result<LocalInbound, Error> {
+        if pages.is_empty() {
+            // The local path has no empty grant (capability EMPTY_GRANT is a WAN-lane
+            // one): RelayDecode always takes the whole KV.
+            return Err(Error::InvalidArgument(
+                "a local-path grant needs at least one page".into(),
+            ));
+        }
         let shared = &self.shared;
         let (peer, control) = {
             let sessions = lock(&shared.sessions);

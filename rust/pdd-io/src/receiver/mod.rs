@@ -172,6 +172,8 @@ struct Session {
     registry: Arc<revoke::LaneRegistry>,
     /// Both sides offered `lane_failover`.
     failover: bool,
+    /// Both sides offered `empty_grant`: a grant of zero pages may be sent.
+    empty_grant: bool,
 }
 
 /// Sessions a receiver holds at once; a new one past this is refused
@@ -240,6 +242,8 @@ impl KvReceiver {
         // This build answers LANE_REVOKE (see `revoke.rs`); a sender that does not
         // offer it too never sends one.
         cfg.hello.capabilities |= pdd_core::wire::capability::LANE_FAILOVER;
+        // It may grant zero pages ("nothing to send") to a sender that offers it too.
+        cfg.hello.capabilities |= pdd_core::wire::capability::EMPTY_GRANT;
         lane::check_exposure(
             cfg.listen,
             &cfg.hello,
@@ -352,6 +356,10 @@ impl KvReceiver {
     /// pool's layers with `None`) to `peer` (the only connected peer with `None`) for
     /// `request_id`. With a deadline, the transfer fails with `deadline_exceeded` if it
     /// is not complete in time.
+    ///
+    /// No pages is an empty grant: "I hold all of it, send nothing". The sender
+    /// answers KV_DONE at once and the transfer completes with no data and no
+    /// `LayerComplete` events. Only to a peer that offered `empty_grant`.
     pub fn grant(
         &self,
         request_id: u64,
@@ -383,6 +391,13 @@ impl KvReceiver {
             let session = sessions.get(&peer).ok_or_else(|| Error::ConnectionLost {
                 detail: format!("peer {peer} is not connected"),
             })?;
+            if pages.is_empty() && !session.empty_grant {
+                // An older sender would take a 0-page KV_GRANT as a protocol error.
+                return Err(Error::InvalidArgument(format!(
+                    "peer {peer} does not accept an empty grant (capability empty_grant): \
+                     grant at least one page"
+                )));
+            }
             (peer, session.generation, session.control.clone())
         };
         let deadline_ms =

@@ -215,6 +215,7 @@ async fn control_session(
     let death = Arc::new(Mutex::new(None));
     let registry = Arc::new(super::revoke::LaneRegistry::default());
     let failover = agreed.capabilities & capability::LANE_FAILOVER != 0;
+    let empty_grant = agreed.capabilities & capability::EMPTY_GRANT != 0;
     let registered = {
         let mut sessions = lock(&shared.sessions);
         // Between authentication and here another lane may have opened or resumed
@@ -239,6 +240,7 @@ async fn control_session(
                     lanes: Arc::default(),
                     registry: registry.clone(),
                     failover,
+                    empty_grant,
                 },
             )
         })

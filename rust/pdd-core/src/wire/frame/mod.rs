@@ -66,7 +66,10 @@ pub struct KvGrant {
     pub request_id: u64,
     /// Layers in the grant (>= 1).
     pub layer_count: u16,
-    /// Pages per layer in the grant (>= 1).
+    /// Pages per layer in the grant: >= 1, or 0 for an empty grant (nothing to send;
+    /// only on a session that agreed [`capability::EMPTY_GRANT`]).
+    ///
+    /// [`capability::EMPTY_GRANT`]: crate::wire::capability::EMPTY_GRANT
     pub page_count: u32,
     /// Bytes of one page of one layer (>= 1).
     pub page_bytes: u32,
@@ -403,10 +406,10 @@ impl Frame {
                 }
             }
             Frame::KvGrant(g) => {
-                if g.layer_count == 0 || g.page_count == 0 || g.page_bytes == 0 {
-                    return arg(
-                        "KV_GRANT layer_count, page_count and page_bytes must be >= 1".into(),
-                    );
+                // page_count 0 is an empty grant: whether the session allows it is
+                // the session's business (capability EMPTY_GRANT), not the codec's.
+                if g.layer_count == 0 || g.page_bytes == 0 {
+                    return arg("KV_GRANT layer_count and page_bytes must be >= 1".into());
                 }
             }
             Frame::KvPages(p) => {
