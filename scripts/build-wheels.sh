@@ -9,7 +9,7 @@
 # Then checks what a user gets: `auditwheel show` must name manylinux_2_17_x86_64, the
 # extension must carry no symbol table or debug sections, and the wheel must stay under
 # $PDD_MAX_WHEEL_BYTES (4 MiB). The tools (maturin, ziglang, auditwheel) come from PyPI
-# into .venv-release, pinned to the versions this was tested with.
+# into .venv-release (or $PDD_RELEASE_VENV), pinned in scripts/release-tools.sh.
 # Needs python3 >= 3.10, the Rust toolchain, readelf (binutils) and PyPI/crates.io.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,19 +18,19 @@ DIST=${PDD_DIST:-dist}
 MAX_WHEEL_BYTES=${PDD_MAX_WHEEL_BYTES:-4194304}
 # The one x86_64 target; maturin adds `--target` for zig, so its artifacts live in
 # target/x86_64-unknown-linux-gnu/ beside the editable build's target/release/.
-BUILD_ARGS=(--release --locked --zig --compatibility manylinux2014 --strip)
+source scripts/release-tools.sh
+RELEASE_VENV=${PDD_RELEASE_VENV:-$PWD/.venv-release}
+# -i: the interpreter is part of the build's fingerprint (pyo3's build config); naming
+# the tools venv's makes a build after test-all.sh's editable one a no-op.
+BUILD_ARGS=(--release "${WHEEL_FLAGS[@]}" -i "$RELEASE_VENV/bin/python")
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
 
 step() { printf '\n==> %s\n' "$*"; }
 
-step "release tools (.venv-release: maturin, ziglang, auditwheel)"
-if [ ! -x .venv-release/bin/python ]; then
-    python3 -m venv .venv-release
-fi
-timeout 600 .venv-release/bin/python -m pip install --quiet --disable-pip-version-check \
-    "maturin==1.16.0" "ziglang==0.17.1" "auditwheel==6.8.2"
+step "release tools ($RELEASE_VENV: ${RELEASE_TOOLS[*]})"
+install_release_tools "$RELEASE_VENV"
 # maturin finds zig as `python3 -m ziglang`: the tools' python must come first on PATH.
-export PATH="$PWD/.venv-release/bin:$PATH"
+export PATH="$RELEASE_VENV/bin:$PATH"
 
 rm -rf "$DIST"
 mkdir -p "$DIST"

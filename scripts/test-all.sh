@@ -42,7 +42,9 @@ if [ "${PDD_SKIP_VLLM:-0}" != 1 ]; then
     PDD_VLLM_VENV_ONLY=1 bash scripts/vllm-venv.sh >"$vllm_prep_log" 2>&1 &
     vllm_prep_pid=$!
 fi
-trap 'if [ -n "$vllm_prep_pid" ]; then kill "$vllm_prep_pid" 2>/dev/null || true; fi; rm -f "$vllm_prep_log"' EXIT
+fuzz_pid=
+fuzz_log=$(mktemp "${TMPDIR:-/tmp}/pdd-fuzz.XXXXXX")
+trap 'for p in $vllm_prep_pid $fuzz_pid; do kill "$p" 2>/dev/null || true; done; rm -f "$vllm_prep_log" "$fuzz_log"' EXIT
 
 step "python environment"
 if [ ! -x .venv/bin/python ]; then
@@ -51,13 +53,25 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 # pip's HTTP cache stores nothing on these machines (the registry's responses are not
 # cacheable), so the dependencies, torch's several GB above all, are downloaded once into
-# a wheelhouse that this install and the wheel step's fresh venvs install from. `pip
-# download` skips files already there, so a second run downloads nothing.
+# a wheelhouse that the wheel step's fresh venvs install from. `pip download` skips files
+# already there, so a second run downloads nothing.
 export PDD_WHEELHOUSE=${PDD_WHEELHOUSE:-$HOME/.cache/pdd_transport/wheelhouse}
 timeout 1200 .venv/bin/python -m pip download --quiet -d "$PDD_WHEELHOUSE" ".[test,torch]"
-# Builds the Rust extension (release) and installs pdd_transport in editable mode.
-.venv/bin/python -m pip install --quiet --find-links "$PDD_WHEELHOUSE" -e ".[test,torch]"
+# The dependencies, by uv (PyPI's uv, pinned): it links them into the venv from its own
+# cache (~/.cache/uv) in about a second once warm, where pip unpacked torch's GBs anew
+# into every fresh clone's venv (about 75 s here).
+.venv/bin/python -m pip install --quiet "uv==0.13.9"
+timeout 1200 .venv/bin/uv pip install --quiet --python .venv/bin/python --find-links "$PDD_WHEELHOUSE" \
+    -r pyproject.toml --extra test --extra torch
+# pdd_transport itself, editable, its extension built exactly as the release wheel is
+# (scripts/release-tools.sh: same maturin, flags and interpreter), so that the wheel
+# step below compiles nothing. It is therefore stripped: for perf, build with a plain
+# `pip install -e .`, which keeps symbols and line tables (docs/benchmarks.md).
+source scripts/release-tools.sh
+install_release_tools .venv
+export PDD_RELEASE_VENV="$PWD/.venv"
 export PATH="$PWD/.venv/bin:$PATH"
+MATURIN_PEP517_ARGS="${WHEEL_FLAGS[*]}" python -m pip install --quiet --no-deps --no-build-isolation -e .
 
 step "system tools of the packet-level WAN tests (iperf3, ping)"
 # tests/test_wanem_packet.py runs iperf3 and ping inside network namespaces (as root,
@@ -83,8 +97,11 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "cargo test"
 cargo test --workspace --locked
 
-step "fuzz smoke (${PDD_FUZZ_SECONDS:-30} s)"
-cargo run --release --locked -q -p pdd-fuzz -- --seconds "${PDD_FUZZ_SECONDS:-30}"
+step "fuzz smoke (${PDD_FUZZ_SECONDS:-30} s), in the background during the next two steps"
+# One thread: it runs beside mypy's and stubtest's one thread on the other core.
+cargo build --release --locked -q -p pdd-fuzz
+"${CARGO_TARGET_DIR:-target}/release/pdd-fuzz" --seconds "${PDD_FUZZ_SECONDS:-30}" >"$fuzz_log" 2>&1 &
+fuzz_pid=$!
 
 step "mypy --strict and stubtest"
 python -m mypy
@@ -102,6 +119,16 @@ if ! "$nixl_venv/bin/python" -c 'import nixl_cu13._api' 2>/dev/null; then
         "nixl-cu13==1.5.1" "numpy>=1.26"
 fi
 export PDD_NIXL_PYTHON="$nixl_venv/bin/python"
+
+step "fuzz smoke: its result"
+if ! wait "$fuzz_pid"; then
+    fuzz_pid=
+    cat "$fuzz_log" >&2
+    echo "the fuzz smoke run failed (output above)" >&2
+    exit 1
+fi
+fuzz_pid=
+cat "$fuzz_log"
 
 step "pytest (tests, and benches run once each without timing)"
 python -m pytest tests benches --benchmark-disable

@@ -118,8 +118,10 @@ srcdir=$(ls -d "$WORK"/sdist/*/)
 find "$srcdir" -type f -exec touch {} +
 (
     cd "$srcdir"
-    export PATH="$ROOT/.venv-release/bin:$PATH"
-    timeout 1800 maturin build --release --locked --zig --compatibility manylinux2014 --strip \
+    source "$ROOT/scripts/release-tools.sh"
+    RELEASE_VENV=${PDD_RELEASE_VENV:-$ROOT/.venv-release}
+    export PATH="$RELEASE_VENV/bin:$PATH"
+    timeout 1800 maturin build --release "${WHEEL_FLAGS[@]}" -i "$RELEASE_VENV/bin/python" \
         --out "$WORK/from-sdist"
 )
 python3 - "$wheel" "$WORK"/from-sdist/*.whl <<'EOF'
