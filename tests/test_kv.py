@@ -53,7 +53,7 @@ def test_pages_land_in_granted_slots(pair: tuple[kv.KvReceiver, kv.KvSender, np.
     rx, tx, rx_mem, tx_mem = pair
     dst, src = [9, 0, 14, 3], [1, 2, 3, 15]
     inbound = rx.grant(7, np.array(dst, dtype=np.int32), deadline_s=20)
-    assert (inbound.request_id, inbound.page_count, inbound.layer_count) == (7, 4, LAYERS)
+    assert (inbound.request_id, inbound.page_count, inbound.layer_count, inbound.page_bytes) == (7, 4, LAYERS, PAGE)
     out = send_all(tx, 7, src)
     assert inbound.wait(timeout=20) == LAYERS * 4 * PAGE
     assert out.wait(timeout=20) == LAYERS * 4 * PAGE

@@ -8,6 +8,8 @@ PDD_REQUIRE_UCX=1, which turns the skip below into a failure."""
 
 from __future__ import annotations
 
+import asyncio
+
 import os
 import subprocess
 import sys
@@ -130,6 +132,16 @@ def test_engine_keys_name_local_grants_and_their_events(
         for layer in range(LAYERS):
             out.send_layer(layer, [0, 1])
         out.finish()
+        # Both handles show the same grant shape, and both waits settle the same way
+        # as the KV lanes' (the awaitable included).
+        shape = (inbound.transfer_id, inbound.layer_count, inbound.page_count, inbound.page_bytes)
+        assert shape == (out.transfer_id, out.layer_count, out.page_count, out.page_bytes) == (
+            inbound.transfer_id, LAYERS, 2, PAGE)
+
+        async def settled(inbound: Any = inbound, out: Any = out) -> tuple[int, int]:
+            return await inbound.wait_async(timeout=10), await out.wait_async(timeout=10)
+
+        assert asyncio.run(settled()) == (LAYERS * 2 * PAGE, LAYERS * 2 * PAGE)
         assert inbound.wait(timeout=10) == LAYERS * 2 * PAGE
         events = rx.poll_events()
         done = [e for e in events if isinstance(e, kv.TransferComplete)]

@@ -68,7 +68,7 @@ where
 }
 
 /// `fut` as a Python awaitable on the shared runtime, bounded by `timeout`.
-fn awaitable<'py, T>(
+pub(crate) fn awaitable<'py, T>(
     py: Python<'py>,
     timeout: Duration,
     what: &'static str,
@@ -340,18 +340,16 @@ pub struct InboundTransfer {
     key: Py<PyAny>,
 }
 
+crate::handles::grant_getters!(InboundTransfer, |h| h.inner.grant);
+crate::handles::settle_waits!(
+    InboundTransfer,
+    "Block (GIL released) until complete (returns page bytes) or failed (raises).",
+    "the transfer",
+    |h| h.inner.clone()
+);
+
 #[pymethods]
 impl InboundTransfer {
-    #[getter]
-    fn transfer_id(&self) -> u64 {
-        self.inner.grant.transfer_id
-    }
-
-    #[getter]
-    fn request_id(&self) -> u64 {
-        self.inner.grant.request_id
-    }
-
     /// The request key the grant was made with (int, str or bytes).
     #[getter]
     fn request_key(&self, py: Python<'_>) -> Py<PyAny> {
@@ -407,16 +405,6 @@ impl InboundTransfer {
         Ok(d)
     }
 
-    #[getter]
-    fn layer_count(&self) -> u16 {
-        self.inner.grant.layer_count
-    }
-
-    #[getter]
-    fn page_count(&self) -> u32 {
-        self.inner.grant.page_count
-    }
-
     /// `{"state": "in_progress"|"complete"|"failed", ...}`.
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
@@ -438,30 +426,6 @@ impl InboundTransfer {
             }
         }
         Ok(d)
-    }
-
-    /// Block (GIL released) until complete (returns page bytes) or failed (raises).
-    #[pyo3(signature = (timeout = 60.0))]
-    fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<u64> {
-        let t = self.inner.clone();
-        wait_bounded(
-            py,
-            seconds(timeout, "timeout")?,
-            "the transfer",
-            async move { t.wait().await },
-        )
-    }
-
-    /// Awaitable `wait`.
-    #[pyo3(signature = (timeout = 60.0))]
-    fn wait_async<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyAny>> {
-        let t = self.inner.clone();
-        awaitable(
-            py,
-            seconds(timeout, "timeout")?,
-            "the transfer",
-            async move { t.wait().await },
-        )
     }
 }
 
@@ -618,59 +582,26 @@ pub struct OutboundTransfer {
     key: Py<PyAny>,
 }
 
+crate::handles::grant_getters!(OutboundTransfer, |h| h.inner.grant());
+crate::handles::send_layer_method!(
+    OutboundTransfer,
+    "Queue grant layer `layer` from source pages `src_pages` (one per grant page) of \
+     source pool layer `src_layer` (`layer` with None). Returns once queued.",
+    "queueing the layer"
+);
+crate::handles::settle_waits!(
+    OutboundTransfer,
+    "Block (GIL released) until the receiver confirms (returns bytes) or it fails.",
+    "the receiver's confirmation",
+    |h| h.inner.clone()
+);
+
 #[pymethods]
 impl OutboundTransfer {
-    #[getter]
-    fn transfer_id(&self) -> u64 {
-        self.inner.grant().transfer_id
-    }
-
-    #[getter]
-    fn request_id(&self) -> u64 {
-        self.inner.grant().request_id
-    }
-
     /// The request key given to `wait_grant` (int, str or bytes).
     #[getter]
     fn request_key(&self, py: Python<'_>) -> Py<PyAny> {
         self.key.clone_ref(py)
-    }
-
-    #[getter]
-    fn layer_count(&self) -> u16 {
-        self.inner.grant().layer_count
-    }
-
-    #[getter]
-    fn page_count(&self) -> u32 {
-        self.inner.grant().page_count
-    }
-
-    #[getter]
-    fn page_bytes(&self) -> u32 {
-        self.inner.grant().page_bytes
-    }
-
-    /// Queue grant layer `layer` from source pages `src_pages` (one per grant page)
-    /// of source pool layer `src_layer` (`layer` with None). Returns once queued.
-    #[pyo3(signature = (layer, src_pages, src_layer = None, timeout = 60.0))]
-    fn send_layer(
-        &self,
-        py: Python<'_>,
-        layer: u16,
-        src_pages: &Bound<'_, PyAny>,
-        src_layer: Option<u16>,
-        timeout: f64,
-    ) -> PyResult<()> {
-        let t = self.inner.clone();
-        let src_layer = src_layer.unwrap_or(layer);
-        send_layer_bounded(
-            py,
-            src_pages,
-            timeout,
-            "queueing the layer",
-            |pages| async move { t.send_layer(layer, src_layer, &pages).await },
-        )
     }
 
     /// Queue grant pages `grant_pages` (grant-relative indices, any subset, any
@@ -750,29 +681,5 @@ impl OutboundTransfer {
             }
         }
         Ok(d)
-    }
-
-    /// Block (GIL released) until the receiver confirms (returns bytes) or it fails.
-    #[pyo3(signature = (timeout = 60.0))]
-    fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<u64> {
-        let t = self.inner.clone();
-        wait_bounded(
-            py,
-            seconds(timeout, "timeout")?,
-            "the receiver's confirmation",
-            async move { t.wait().await },
-        )
-    }
-
-    /// Awaitable `wait`.
-    #[pyo3(signature = (timeout = 60.0))]
-    fn wait_async<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Bound<'py, PyAny>> {
-        let t = self.inner.clone();
-        awaitable(
-            py,
-            seconds(timeout, "timeout")?,
-            "the receiver's confirmation",
-            async move { t.wait().await },
-        )
     }
 }

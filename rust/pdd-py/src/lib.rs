@@ -10,6 +10,7 @@ use pyo3::prelude::*;
 
 mod convert;
 mod errors;
+mod handles;
 mod handoff;
 mod kv;
 mod kv_events;

@@ -15,7 +15,7 @@ use pyo3::types::PyDict;
 
 use crate::convert::{address, role, seconds, u32s_from_py};
 use crate::errors::PddErr;
-use crate::kv::{metrics_dict, send_layer_bounded, wait_bounded, KvPool};
+use crate::kv::{metrics_dict, wait_bounded, KvPool};
 use crate::kv_events::RequestKey;
 use crate::runtime::{block_on, runtime};
 
@@ -191,40 +191,19 @@ pub struct LocalInbound {
     inner: receiver::LocalInbound,
 }
 
+crate::handles::grant_getters!(LocalInbound, |h| h.inner.grant);
+crate::handles::settle_waits!(
+    LocalInbound,
+    "Wait until every page is in (returns the bytes) or raise why it failed.",
+    "a local transfer",
+    |h| h.inner.clone()
+);
+
 #[pymethods]
 impl LocalInbound {
-    #[getter]
-    fn transfer_id(&self) -> u64 {
-        self.inner.grant.transfer_id
-    }
-    #[getter]
-    fn request_id(&self) -> u64 {
-        self.inner.grant.request_id
-    }
-    #[getter]
-    fn layer_count(&self) -> u16 {
-        self.inner.grant.layer_count
-    }
-    #[getter]
-    fn page_count(&self) -> u32 {
-        self.inner.grant.page_count
-    }
-
     /// `{"state": "in_progress" | "complete" | "failed", ...}`.
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         status_dict(py, &self.inner.status())
-    }
-
-    /// Wait until every page is in (returns the bytes) or raise why it failed.
-    #[pyo3(signature = (timeout = 60.0))]
-    fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<u64> {
-        let t = self.inner.clone();
-        wait_bounded(
-            py,
-            seconds(timeout, "timeout")?,
-            "a local transfer",
-            async move { t.wait().await },
-        )
     }
 }
 
@@ -307,52 +286,23 @@ pub struct LocalOutbound {
     inner: Arc<sender::LocalOutbound>,
 }
 
+crate::handles::grant_getters!(LocalOutbound, |h| h.inner.grant());
+crate::handles::send_layer_method!(
+    LocalOutbound,
+    "Put grant layer `layer` from source pages `src_pages` (one per grant page) of pool \
+     layer `src_layer` (`layer` with None); returns once the bytes are in the \
+     receiver's memory and the completion notice is queued.",
+    "a local layer put"
+);
+crate::handles::settle_waits!(
+    LocalOutbound,
+    "Wait for the receiver's confirmation (bytes) or raise why it failed.",
+    "a local transfer",
+    |h| h.inner.clone()
+);
+
 #[pymethods]
 impl LocalOutbound {
-    #[getter]
-    fn transfer_id(&self) -> u64 {
-        self.inner.grant().transfer_id
-    }
-    #[getter]
-    fn request_id(&self) -> u64 {
-        self.inner.grant().request_id
-    }
-    #[getter]
-    fn layer_count(&self) -> u16 {
-        self.inner.grant().layer_count
-    }
-    #[getter]
-    fn page_count(&self) -> u32 {
-        self.inner.grant().page_count
-    }
-    #[getter]
-    fn page_bytes(&self) -> u32 {
-        self.inner.grant().page_bytes
-    }
-
-    /// Put grant layer `layer` from source pages `src_pages` (one per grant page)
-    /// of pool layer `src_layer` (`layer` with None); returns once the bytes are in
-    /// the receiver's memory and the completion notice is queued.
-    #[pyo3(signature = (layer, src_pages, src_layer = None, timeout = 60.0))]
-    fn send_layer(
-        &self,
-        py: Python<'_>,
-        layer: u16,
-        src_pages: &Bound<'_, PyAny>,
-        src_layer: Option<u16>,
-        timeout: f64,
-    ) -> PyResult<()> {
-        let out = self.inner.clone();
-        let src_layer = src_layer.unwrap_or(layer);
-        send_layer_bounded(
-            py,
-            src_pages,
-            timeout,
-            "a local layer put",
-            |pages| async move { out.send_layer(layer, src_layer, &pages).await },
-        )
-    }
-
     /// Check every layer was sent.
     fn finish(&self, py: Python<'_>) -> PyResult<()> {
         let out = self.inner.clone();
@@ -370,17 +320,5 @@ impl LocalOutbound {
     /// `{"state": ...}` as for `LocalInbound.status`.
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         status_dict(py, &self.inner.status())
-    }
-
-    /// Wait for the receiver's confirmation (bytes) or raise why it failed.
-    #[pyo3(signature = (timeout = 60.0))]
-    fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<u64> {
-        let out = self.inner.clone();
-        wait_bounded(
-            py,
-            seconds(timeout, "timeout")?,
-            "a local transfer",
-            async move { out.wait().await },
-        )
     }
 }
