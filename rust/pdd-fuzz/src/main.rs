@@ -137,12 +137,10 @@ fn mutate(base: &[u8], rng: &mut SmallRng) -> Vec<u8> {
                 // The payload length field: the favourite target of hostile input.
                 let v: u32 = match rng.random_range(0..3) {
                     0 => rng.random(),
-                    1 => {
-                        (len as u32)
-                            .wrapping_sub(HEADER_LEN as u32)
-                            .wrapping_add(rng.random_range(0..16))
-                            - 8
-                    }
+                    1 => (len as u32)
+                        .wrapping_sub(HEADER_LEN as u32)
+                        .wrapping_add(rng.random_range(0..16))
+                        .wrapping_sub(8),
                     _ => u32::MAX - rng.random_range(0..4),
                 };
                 b[8..12].copy_from_slice(&v.to_le_bytes());
