@@ -239,6 +239,72 @@ fn repr(py: Python<'_>, obj: &Py<PyAny>) -> String {
         .unwrap_or_else(|_| "?".into())
 }
 
+/// One transfer event as its typed Python value; the key book gives the engine's own
+/// request key back (and forgets it once the transfer ended).
+fn transfer_event_to_py(py: Python<'_>, book: &KeyBook, t: &TransferEvent) -> PyResult<Py<PyAny>> {
+    let (transfer_id, request_id, ended) = match t {
+        TransferEvent::LayerComplete {
+            transfer_id,
+            request_id,
+            ..
+        } => (*transfer_id, *request_id, false),
+        TransferEvent::Complete {
+            transfer_id,
+            request_id,
+            ..
+        }
+        | TransferEvent::Failed {
+            transfer_id,
+            request_id,
+            ..
+        } => (*transfer_id, *request_id, true),
+    };
+    let request_key = book.key(py, transfer_id, request_id, ended)?;
+    Ok(match t {
+        TransferEvent::LayerComplete { layer, .. } => {
+            let layer = *layer;
+            Py::new(
+                py,
+                LayerComplete {
+                    transfer_id,
+                    request_id,
+                    request_key,
+                    layer,
+                },
+            )?
+            .into_any()
+        }
+        TransferEvent::Complete { bytes, blocks, .. } => {
+            let (bytes, blocks) = (*bytes, *blocks);
+            Py::new(
+                py,
+                TransferComplete {
+                    transfer_id,
+                    request_id,
+                    request_key,
+                    bytes,
+                    blocks,
+                },
+            )?
+            .into_any()
+        }
+        TransferEvent::Failed { error, .. } => {
+            let (reason, message) = (error.reason(), error.to_string());
+            Py::new(
+                py,
+                TransferFailed {
+                    transfer_id,
+                    request_id,
+                    request_key,
+                    reason,
+                    message,
+                },
+            )?
+            .into_any()
+        }
+    })
+}
+
 /// One receiver event as its typed Python value.
 pub fn event_to_py(py: Python<'_>, book: &KeyBook, e: &ReceiverEvent) -> PyResult<Py<PyAny>> {
     let obj = match e {
@@ -257,51 +323,7 @@ pub fn event_to_py(py: Python<'_>, book: &KeyBook, e: &ReceiverEvent) -> PyResul
             },
         )?
         .into_any(),
-        ReceiverEvent::Transfer(TransferEvent::LayerComplete {
-            transfer_id,
-            request_id,
-            layer,
-        }) => Py::new(
-            py,
-            LayerComplete {
-                transfer_id: *transfer_id,
-                request_id: *request_id,
-                request_key: book.key(py, *transfer_id, *request_id, false)?,
-                layer: *layer,
-            },
-        )?
-        .into_any(),
-        ReceiverEvent::Transfer(TransferEvent::Complete {
-            transfer_id,
-            request_id,
-            bytes,
-            blocks,
-        }) => Py::new(
-            py,
-            TransferComplete {
-                transfer_id: *transfer_id,
-                request_id: *request_id,
-                request_key: book.key(py, *transfer_id, *request_id, true)?,
-                bytes: *bytes,
-                blocks: *blocks,
-            },
-        )?
-        .into_any(),
-        ReceiverEvent::Transfer(TransferEvent::Failed {
-            transfer_id,
-            request_id,
-            error,
-        }) => Py::new(
-            py,
-            TransferFailed {
-                transfer_id: *transfer_id,
-                request_id: *request_id,
-                request_key: book.key(py, *transfer_id, *request_id, true)?,
-                reason: error.reason(),
-                message: error.to_string(),
-            },
-        )?
-        .into_any(),
+        ReceiverEvent::Transfer(t) => transfer_event_to_py(py, book, t)?,
     };
     Ok(obj)
 }

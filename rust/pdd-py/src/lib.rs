@@ -16,6 +16,7 @@ mod kv;
 mod kv_events;
 mod local;
 mod policy;
+mod properties;
 mod radix;
 mod runtime;
 mod tls;

@@ -57,6 +57,13 @@ pub struct WanEstimate {
     inner: CoreWan,
 }
 
+crate::properties::properties_with_repr!(WanEstimate, |s| {
+    /// Goodput a transfer can expect, Gbit/s.
+    goodput_gbit: f64 = s.inner.goodput_gbit(),
+    /// Round-trip time, milliseconds.
+    rtt_ms: f64 = s.inner.rtt_ms(),
+});
+
 #[pymethods]
 impl WanEstimate {
     #[new]
@@ -66,26 +73,6 @@ impl WanEstimate {
             .map_err(PddErr)?;
         Ok(WanEstimate { inner })
     }
-
-    /// Goodput a transfer can expect, Gbit/s.
-    #[getter]
-    fn goodput_gbit(&self) -> f64 {
-        self.inner.goodput_gbit()
-    }
-
-    /// Round-trip time, milliseconds.
-    #[getter]
-    fn rtt_ms(&self) -> f64 {
-        self.inner.rtt_ms()
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "WanEstimate(goodput_gbit={}, rtt_ms={})",
-            self.inner.goodput_gbit(),
-            self.inner.rtt_ms()
-        )
-    }
 }
 
 /// Tunables of the pipeline choice (P-MD or P-RLD-MD).
@@ -94,50 +81,16 @@ pub struct PipelinePolicy {
     inner: CorePipeline,
 }
 
-#[pymethods]
-impl PipelinePolicy {
-    #[new]
-    #[pyo3(signature = (*, ttft_budget_ms = None, setup_rtts = None, goodput_share = None))]
-    fn new(
-        ttft_budget_ms: Option<&Bound<'_, PyAny>>,
-        setup_rtts: Option<&Bound<'_, PyAny>>,
-        goodput_share: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Self> {
-        let d = CorePipeline::default();
-        let inner = CorePipeline {
-            ttft_budget_ms: ttft_budget_ms
-                .map_or(Ok(d.ttft_budget_ms), |v| real(v, "ttft_budget_ms"))?,
-            setup_rtts: setup_rtts.map_or(Ok(d.setup_rtts), |v| real(v, "setup_rtts"))?,
-            goodput_share: goodput_share
-                .map_or(Ok(d.goodput_share), |v| real(v, "goodput_share"))?,
-        };
-        inner.validate().map_err(PddErr)?;
-        Ok(PipelinePolicy { inner })
-    }
-
-    #[getter]
-    fn ttft_budget_ms(&self) -> f64 {
-        self.inner.ttft_budget_ms
-    }
-
-    #[getter]
-    fn setup_rtts(&self) -> f64 {
-        self.inner.setup_rtts
-    }
-
-    #[getter]
-    fn goodput_share(&self) -> f64 {
-        self.inner.goodput_share
-    }
-
-    fn __repr__(&self) -> String {
-        let p = &self.inner;
-        format!(
-            "PipelinePolicy(ttft_budget_ms={}, setup_rtts={}, goodput_share={})",
-            p.ttft_budget_ms, p.setup_rtts, p.goodput_share
-        )
-    }
-}
+crate::properties::keyword_constructor!(PipelinePolicy(CorePipeline) {
+    ttft_budget_ms: real,
+    setup_rtts: real,
+    goodput_share: real,
+});
+crate::properties::properties_with_repr!(PipelinePolicy, |s| {
+    ttft_budget_ms: f64 = s.inner.ttft_budget_ms,
+    setup_rtts: f64 = s.inner.setup_rtts,
+    goodput_share: f64 = s.inner.goodput_share,
+});
 
 /// Tunables of the anomaly filter.
 #[pyclass(frozen, module = "pdd_transport._native")]
@@ -145,57 +98,25 @@ pub struct AnomalyPolicy {
     inner: CoreAnomaly,
 }
 
+crate::properties::keyword_constructor!(AnomalyPolicy(CoreAnomaly) {
+    long_input_tokens: count,
+    low_hit_rate: real,
+    short_output_tokens: count,
+});
+crate::properties::properties_with_repr!(AnomalyPolicy, |s| {
+    long_input_tokens: u64 = s.inner.long_input_tokens,
+    low_hit_rate: f64 = s.inner.low_hit_rate,
+    short_output_tokens: u64 = s.inner.short_output_tokens,
+});
+
 #[pymethods]
 impl AnomalyPolicy {
-    #[new]
-    #[pyo3(signature = (*, long_input_tokens = None, low_hit_rate = None, short_output_tokens = None))]
-    fn new(
-        long_input_tokens: Option<&Bound<'_, PyAny>>,
-        low_hit_rate: Option<&Bound<'_, PyAny>>,
-        short_output_tokens: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Self> {
-        let d = CoreAnomaly::default();
-        let inner = CoreAnomaly {
-            long_input_tokens: long_input_tokens
-                .map_or(Ok(d.long_input_tokens), |v| count(v, "long_input_tokens"))?,
-            low_hit_rate: low_hit_rate.map_or(Ok(d.low_hit_rate), |v| real(v, "low_hit_rate"))?,
-            short_output_tokens: short_output_tokens.map_or(Ok(d.short_output_tokens), |v| {
-                count(v, "short_output_tokens")
-            })?,
-        };
-        inner.validate().map_err(PddErr)?;
-        Ok(AnomalyPolicy { inner })
-    }
-
     /// A filter that flags nothing.
     #[staticmethod]
     fn disabled() -> Self {
         AnomalyPolicy {
             inner: CoreAnomaly::disabled(),
         }
-    }
-
-    #[getter]
-    fn long_input_tokens(&self) -> u64 {
-        self.inner.long_input_tokens
-    }
-
-    #[getter]
-    fn low_hit_rate(&self) -> f64 {
-        self.inner.low_hit_rate
-    }
-
-    #[getter]
-    fn short_output_tokens(&self) -> u64 {
-        self.inner.short_output_tokens
-    }
-
-    fn __repr__(&self) -> String {
-        let p = &self.inner;
-        format!(
-            "AnomalyPolicy(long_input_tokens={}, low_hit_rate={}, short_output_tokens={})",
-            p.long_input_tokens, p.low_hit_rate, p.short_output_tokens
-        )
     }
 }
 

@@ -19,16 +19,26 @@ pub(super) enum MainBackend {
 }
 
 #[allow(clippy::too_many_arguments)]
+/// A link's liveness bounds as Python gives them, in seconds.
+pub(super) struct LinkTiming {
+    pub heartbeat_interval: f64,
+    pub dead_after: f64,
+    pub connect_timeout: f64,
+}
+
 pub(super) fn link_config(
     policy: Option<&HandoffPolicy>,
     timers: Option<&HandoffTimers>,
-    heartbeat_interval: f64,
-    dead_after: f64,
-    connect_timeout: f64,
+    timing: LinkTiming,
     secret: Option<&[u8]>,
     insecure: bool,
     tls: Option<&crate::tls::TlsConfig>,
 ) -> PyResult<LinkConfig> {
+    let LinkTiming {
+        heartbeat_interval,
+        dead_after,
+        connect_timeout,
+    } = timing;
     let config = LinkConfig {
         policy: policy_of(policy),
         timers: timers_of(timers),
@@ -83,14 +93,43 @@ pub(super) fn pair_only(what: &str) -> PyErr {
     ))
 }
 
+/// The methods both link classes share. `$router`, `$io` and `$pair_op` name the
+/// side's router type, its I/O link type and `PairInner`'s method that runs a closure
+/// on that side of an in-process pair.
 macro_rules! common_link_methods {
-    ($ty:ident, $backend:ident, $events:ident, $to_py:ident, { $($side:tt)* }) => {
+    ($ty:ident, $backend:ident, $router:ty, $io:ty, $pair_op:ident, $events:ident, $to_py:ident, { $($side:tt)* }) => {
         impl $ty {
             fn queue(&self) -> &EventQueue<LinkEvent<<Self as LinkSide>::Event>> {
                 match &self.backend {
                     $backend::Link(l) => l.events(),
                     $backend::Pair(p) => &p.$events,
                 }
+            }
+
+            fn pair_op<T>(
+                p: &PairInner,
+                f: impl FnOnce(&mut $router, Timestamp, &mut Outbox<<Self as LinkSide>::Event>) -> T,
+            ) -> T {
+                p.$pair_op(f)
+            }
+
+            /// Run `link` on a TCP link or `pair` on an in-process pair's side, with
+            /// the GIL released.
+            fn op<T>(
+                &self,
+                py: Python<'_>,
+                link: impl FnOnce(&$io) -> Result<T, Error> + Send,
+                pair: impl FnOnce(&mut $router, Timestamp, &mut Outbox<<Self as LinkSide>::Event>) -> Result<T, Error>
+                    + Send,
+            ) -> PyResult<T>
+            where
+                T: Send,
+            {
+                let r = py.detach(|| match &self.backend {
+                    $backend::Link(l) => link(l),
+                    $backend::Pair(p) => p.$pair_op(pair),
+                });
+                Ok(r.map_err(PddErr)?)
             }
         }
 
@@ -335,147 +374,127 @@ pub struct RelayLink {
     pub(super) backend: RelayBackend,
 }
 
-impl RelayLink {
-    fn pair_op<T>(
-        p: &PairInner,
-        f: impl FnOnce(&mut RelayRouter, Timestamp, &mut Outbox<RelayEvent>) -> T,
-    ) -> T {
-        p.relay_op(f)
-    }
-
-    fn op<T>(
-        &self,
-        py: Python<'_>,
-        link: impl FnOnce(&IoRelayLink) -> Result<T, Error> + Send,
-        pair: impl FnOnce(&mut RelayRouter, Timestamp, &mut Outbox<RelayEvent>) -> Result<T, Error>
-            + Send,
-    ) -> PyResult<T>
-    where
-        T: Send,
+common_link_methods!(
+    RelayLink,
+    RelayBackend,
+    RelayRouter,
+    IoRelayLink,
+    relay_op,
+    relay_events,
+    relay_event_to_py,
     {
-        let r = py.detach(|| match &self.backend {
-            RelayBackend::Link(l) => link(l),
-            RelayBackend::Pair(p) => p.relay_op(pair),
-        });
-        Ok(r.map_err(PddErr)?)
-    }
-}
-
-common_link_methods!(RelayLink, RelayBackend, relay_events, relay_event_to_py, {
-    /// Connect to MD at `address` ("host:port") and keep the connection up
-    /// (reconnecting with backoff) until closed. With `wait`, block (GIL released)
-    /// until the first connection is up, raising DeadlineExceeded after
-    /// `connect_timeout`.
-    #[staticmethod]
-    #[pyo3(signature = (address, *, policy = None, timers = None, heartbeat_interval = 1.0, dead_after = 5.0, connect_timeout = 5.0, secret = None, tls = None, wait = true))]
-    #[allow(clippy::too_many_arguments)]
-    fn connect(
-        py: Python<'_>,
-        address: &str,
-        policy: Option<&HandoffPolicy>,
-        timers: Option<&HandoffTimers>,
-        heartbeat_interval: f64,
-        dead_after: f64,
-        connect_timeout: f64,
-        secret: Option<&[u8]>,
-        tls: Option<PyRef<'_, crate::tls::TlsConfig>>,
-        wait: bool,
-    ) -> PyResult<Self> {
-        let config = link_config(
-            policy,
-            timers,
-            heartbeat_interval,
-            dead_after,
-            connect_timeout,
-            secret,
-            false,
-            tls.as_deref(),
-        )?;
-        let addr = resolve(address)?;
-        let handle = runtime()?.handle().clone();
-        let link = Arc::new(IoRelayLink::connect(&handle, addr, config.clone()).map_err(PddErr)?);
-        if wait {
-            let l = Arc::clone(&link);
-            let t = config.connect_timeout;
-            if let Err(e) = block_on(py, async move { l.wait_connected(t).await })? {
-                link.close();
-                return Err(PddErr(e).into());
+        /// Connect to MD at `address` ("host:port") and keep the connection up
+        /// (reconnecting with backoff) until closed. With `wait`, block (GIL released)
+        /// until the first connection is up, raising DeadlineExceeded after
+        /// `connect_timeout`.
+        #[staticmethod]
+        #[pyo3(signature = (address, *, policy = None, timers = None, heartbeat_interval = 1.0, dead_after = 5.0, connect_timeout = 5.0, secret = None, tls = None, wait = true))]
+        #[allow(clippy::too_many_arguments)]
+        fn connect(
+            py: Python<'_>,
+            address: &str,
+            policy: Option<&HandoffPolicy>,
+            timers: Option<&HandoffTimers>,
+            heartbeat_interval: f64,
+            dead_after: f64,
+            connect_timeout: f64,
+            secret: Option<&[u8]>,
+            tls: Option<PyRef<'_, crate::tls::TlsConfig>>,
+            wait: bool,
+        ) -> PyResult<Self> {
+            let timing = LinkTiming {
+                heartbeat_interval,
+                dead_after,
+                connect_timeout,
+            };
+            let config = link_config(policy, timers, timing, secret, false, tls.as_deref())?;
+            let addr = resolve(address)?;
+            let handle = runtime()?.handle().clone();
+            let link =
+                Arc::new(IoRelayLink::connect(&handle, addr, config.clone()).map_err(PddErr)?);
+            if wait {
+                let l = Arc::clone(&link);
+                let t = config.connect_timeout;
+                if let Err(e) = block_on(py, async move { l.wait_connected(t).await })? {
+                    link.close();
+                    return Err(PddErr(e).into());
+                }
             }
+            Ok(RelayLink {
+                backend: RelayBackend::Link(link),
+            })
         }
-        Ok(RelayLink {
-            backend: RelayBackend::Link(link),
-        })
-    }
 
-    /// Start the handoff of `request_id` (non-zero) whose first eager token sits at
-    /// `first_position` (the prompt length).
-    fn open(&self, py: Python<'_>, request_id: RequestId, first_position: i64) -> PyResult<()> {
-        let request_id = request_id.0;
-        let first_position = u32_arg("first_position", first_position)?;
-        self.op(
-            py,
-            |l| l.open(request_id, first_position),
-            |r, now, out| r.open(request_id, first_position, now, out),
-        )
-    }
+        /// Start the handoff of `request_id` (non-zero) whose first eager token sits at
+        /// `first_position` (the prompt length).
+        fn open(&self, py: Python<'_>, request_id: RequestId, first_position: i64) -> PyResult<()> {
+            let request_id = request_id.0;
+            let first_position = u32_arg("first_position", first_position)?;
+            self.op(
+                py,
+                |l| l.open(request_id, first_position),
+                |r, now, out| r.open(request_id, first_position, now, out),
+            )
+        }
 
-    /// Record a token just decoded: "keep_decoding" (stream it, decode on),
-    /// "last_token" (stream it, then stop) or "refused" (do not stream it; stop).
-    fn offer(
-        &self,
-        py: Python<'_>,
-        request_id: RequestId,
-        token_id: i64,
-    ) -> PyResult<&'static str> {
-        let request_id = request_id.0;
-        let token_id = u32_arg("token_id", token_id)?;
-        self.op(
-            py,
-            |l| l.offer(request_id, token_id),
-            |r, now, out| r.offer(request_id, token_id, now, out),
-        )
-        .map(decision_name)
-    }
+        /// Record a token just decoded: "keep_decoding" (stream it, decode on),
+        /// "last_token" (stream it, then stop) or "refused" (do not stream it; stop).
+        fn offer(
+            &self,
+            py: Python<'_>,
+            request_id: RequestId,
+            token_id: i64,
+        ) -> PyResult<&'static str> {
+            let request_id = request_id.0;
+            let token_id = u32_arg("token_id", token_id)?;
+            self.op(
+                py,
+                |l| l.offer(request_id, token_id),
+                |r, now, out| r.offer(request_id, token_id, now, out),
+            )
+            .map(decision_name)
+        }
 
-    /// The sequence ended on RLD (EOS, stop string, length): hand everything final.
-    fn end_of_output(&self, py: Python<'_>, request_id: RequestId) -> PyResult<()> {
-        let request_id = request_id.0;
-        self.op(
-            py,
-            |l| l.end_of_output(request_id),
-            |r, now, out| r.end_of_output(request_id, now, out),
-        )
-    }
+        /// The sequence ended on RLD (EOS, stop string, length): hand everything final.
+        fn end_of_output(&self, py: Python<'_>, request_id: RequestId) -> PyResult<()> {
+            let request_id = request_id.0;
+            self.op(
+                py,
+                |l| l.end_of_output(request_id),
+                |r, now, out| r.end_of_output(request_id, now, out),
+            )
+        }
 
-    /// RLD's utilisation (0..=1; NaN means unknown and counts as saturated), for
-    /// every request: it picks One-Shot or Catch-Up and can end a Catch-Up.
-    fn set_load(&self, py: Python<'_>, load: f64) -> PyResult<()> {
-        self.op(
-            py,
-            |l| l.set_load(load),
-            |r, now, out| r.set_load(load, now, out),
-        )
-    }
+        /// RLD's utilisation (0..=1; NaN means unknown and counts as saturated), for
+        /// every request: it picks One-Shot or Catch-Up and can end a Catch-Up.
+        fn set_load(&self, py: Python<'_>, load: f64) -> PyResult<()> {
+            self.op(
+                py,
+                |l| l.set_load(load),
+                |r, now, out| r.set_load(load, now, out),
+            )
+        }
 
-    /// The state of a request's handoff: "decoding", "stopped", "catching_up",
-    /// "final_sent", "finished", "aborted" or "failed".
-    fn state(&self, py: Python<'_>, request_id: RequestId) -> PyResult<&'static str> {
-        let request_id = request_id.0;
-        self.read(py, request_id, |m| m.state().name())
-    }
+        /// The state of a request's handoff: "decoding", "stopped", "catching_up",
+        /// "final_sent", "finished", "aborted" or "failed".
+        fn state(&self, py: Python<'_>, request_id: RequestId) -> PyResult<&'static str> {
+            let request_id = request_id.0;
+            self.read(py, request_id, |m| m.state().name())
+        }
 
-    /// Whether the engine should keep decoding the request.
-    fn is_decoding(&self, py: Python<'_>, request_id: RequestId) -> PyResult<bool> {
-        let request_id = request_id.0;
-        self.read(py, request_id, |m| m.is_decoding())
-    }
+        /// Whether the engine should keep decoding the request.
+        fn is_decoding(&self, py: Python<'_>, request_id: RequestId) -> PyResult<bool> {
+            let request_id = request_id.0;
+            self.read(py, request_id, |m| m.is_decoding())
+        }
 
-    /// "one_shot" or "catch_up" once MD's KV is complete, else None.
-    fn mode(&self, py: Python<'_>, request_id: RequestId) -> PyResult<Option<&'static str>> {
-        let request_id = request_id.0;
-        self.read(py, request_id, |m| m.mode().map(|m| m.name()))
+        /// "one_shot" or "catch_up" once MD's KV is complete, else None.
+        fn mode(&self, py: Python<'_>, request_id: RequestId) -> PyResult<Option<&'static str>> {
+            let request_id = request_id.0;
+            self.read(py, request_id, |m| m.mode().map(|m| m.name()))
+        }
     }
-});
+);
 
 impl RelayLink {
     fn read<T: Send>(
@@ -500,29 +519,6 @@ pub struct MainLink {
 }
 
 impl MainLink {
-    fn pair_op<T>(
-        p: &PairInner,
-        f: impl FnOnce(&mut MainRouter, Timestamp, &mut Outbox<MainEvent>) -> T,
-    ) -> T {
-        p.main_op(f)
-    }
-
-    fn op<T>(
-        &self,
-        py: Python<'_>,
-        link: impl FnOnce(&IoMainLink) -> Result<T, Error> + Send,
-        pair: impl FnOnce(&mut MainRouter, Timestamp, &mut Outbox<MainEvent>) -> Result<T, Error> + Send,
-    ) -> PyResult<T>
-    where
-        T: Send,
-    {
-        let r = py.detach(|| match &self.backend {
-            MainBackend::Link(l) => link(l),
-            MainBackend::Pair(p) => p.main_op(pair),
-        });
-        Ok(r.map_err(PddErr)?)
-    }
-
     fn read<T: Send>(
         &self,
         py: Python<'_>,
@@ -537,82 +533,87 @@ impl MainLink {
     }
 }
 
-common_link_methods!(MainLink, MainBackend, main_events, main_event_to_py, {
-    /// Listen on `address` ("host:port"; port 0 picks one, see `address`) for RLD's
-    /// connection; a new connection replaces the current one.
-    #[staticmethod]
-    #[pyo3(signature = (address = "127.0.0.1:0", *, timers = None, heartbeat_interval = 1.0, dead_after = 5.0, connect_timeout = 5.0, secret = None, insecure = false, tls = None))]
-    #[allow(clippy::too_many_arguments)]
-    fn listen(
-        address: &str,
-        timers: Option<&HandoffTimers>,
-        heartbeat_interval: f64,
-        dead_after: f64,
-        connect_timeout: f64,
-        secret: Option<&[u8]>,
-        insecure: bool,
-        tls: Option<PyRef<'_, crate::tls::TlsConfig>>,
-    ) -> PyResult<Self> {
-        let config = link_config(
-            None,
-            timers,
-            heartbeat_interval,
-            dead_after,
-            connect_timeout,
-            secret,
-            insecure,
-            tls.as_deref(),
-        )?;
-        let addr = resolve(address)?;
-        let handle = runtime()?.handle().clone();
-        let link = IoMainLink::listen(&handle, addr, config).map_err(PddErr)?;
-        Ok(MainLink {
-            backend: MainBackend::Link(Arc::new(link)),
-        })
-    }
+common_link_methods!(
+    MainLink,
+    MainBackend,
+    MainRouter,
+    IoMainLink,
+    main_op,
+    main_events,
+    main_event_to_py,
+    {
+        /// Listen on `address` ("host:port"; port 0 picks one, see `address`) for RLD's
+        /// connection; a new connection replaces the current one.
+        #[staticmethod]
+        #[pyo3(signature = (address = "127.0.0.1:0", *, timers = None, heartbeat_interval = 1.0, dead_after = 5.0, connect_timeout = 5.0, secret = None, insecure = false, tls = None))]
+        #[allow(clippy::too_many_arguments)]
+        fn listen(
+            address: &str,
+            timers: Option<&HandoffTimers>,
+            heartbeat_interval: f64,
+            dead_after: f64,
+            connect_timeout: f64,
+            secret: Option<&[u8]>,
+            insecure: bool,
+            tls: Option<PyRef<'_, crate::tls::TlsConfig>>,
+        ) -> PyResult<Self> {
+            let timing = LinkTiming {
+                heartbeat_interval,
+                dead_after,
+                connect_timeout,
+            };
+            let config = link_config(None, timers, timing, secret, insecure, tls.as_deref())?;
+            let addr = resolve(address)?;
+            let handle = runtime()?.handle().clone();
+            let link = IoMainLink::listen(&handle, addr, config).map_err(PddErr)?;
+            Ok(MainLink {
+                backend: MainBackend::Link(Arc::new(link)),
+            })
+        }
 
-    /// Start the handoff of `request_id` (non-zero) whose handed tokens start at
-    /// `first_position` (the prompt length).
-    fn open(&self, py: Python<'_>, request_id: RequestId, first_position: i64) -> PyResult<()> {
-        let request_id = request_id.0;
-        let first_position = u32_arg("first_position", first_position)?;
-        self.op(
-            py,
-            |l| l.open(request_id, first_position),
-            |r, now, out| r.open(request_id, first_position, now, out),
-        )
-    }
+        /// Start the handoff of `request_id` (non-zero) whose handed tokens start at
+        /// `first_position` (the prompt length).
+        fn open(&self, py: Python<'_>, request_id: RequestId, first_position: i64) -> PyResult<()> {
+            let request_id = request_id.0;
+            let first_position = u32_arg("first_position", first_position)?;
+            self.op(
+                py,
+                |l| l.open(request_id, first_position),
+                |r, now, out| r.open(request_id, first_position, now, out),
+            )
+        }
 
-    /// MD's KV covers positions below `position`; `kv_complete` once the prompt KV
-    /// is in. Call with (prompt_len, True), then after extending each `Handoff` with
-    /// its `end_position`. Errors leave the handoff unchanged.
-    #[pyo3(signature = (request_id, position, kv_complete = true))]
-    fn report_progress(
-        &self,
-        py: Python<'_>,
-        request_id: RequestId,
-        position: i64,
-        kv_complete: bool,
-    ) -> PyResult<()> {
-        let request_id = request_id.0;
-        let position = u32_arg("position", position)?;
-        self.op(
-            py,
-            |l| l.report_progress(request_id, position, kv_complete),
-            |r, now, out| r.report_progress(request_id, position, kv_complete, now, out),
-        )
-    }
+        /// MD's KV covers positions below `position`; `kv_complete` once the prompt KV
+        /// is in. Call with (prompt_len, True), then after extending each `Handoff` with
+        /// its `end_position`. Errors leave the handoff unchanged.
+        #[pyo3(signature = (request_id, position, kv_complete = true))]
+        fn report_progress(
+            &self,
+            py: Python<'_>,
+            request_id: RequestId,
+            position: i64,
+            kv_complete: bool,
+        ) -> PyResult<()> {
+            let request_id = request_id.0;
+            let position = u32_arg("position", position)?;
+            self.op(
+                py,
+                |l| l.report_progress(request_id, position, kv_complete),
+                |r, now, out| r.report_progress(request_id, position, kv_complete, now, out),
+            )
+        }
 
-    /// The state of a request's handoff: "awaiting_kv", "receiving", "owned",
-    /// "closed", "aborted" or "failed".
-    fn state(&self, py: Python<'_>, request_id: RequestId) -> PyResult<&'static str> {
-        let request_id = request_id.0;
-        self.read(py, request_id, |m| m.state().name())
-    }
+        /// The state of a request's handoff: "awaiting_kv", "receiving", "owned",
+        /// "closed", "aborted" or "failed".
+        fn state(&self, py: Python<'_>, request_id: RequestId) -> PyResult<&'static str> {
+            let request_id = request_id.0;
+            self.read(py, request_id, |m| m.state().name())
+        }
 
-    /// Position after the last token delivered.
-    fn next_position(&self, py: Python<'_>, request_id: RequestId) -> PyResult<u32> {
-        let request_id = request_id.0;
-        self.read(py, request_id, |m| m.next_position())
+        /// Position after the last token delivered.
+        fn next_position(&self, py: Python<'_>, request_id: RequestId) -> PyResult<u32> {
+            let request_id = request_id.0;
+            self.read(py, request_id, |m| m.next_position())
+        }
     }
-});
+);

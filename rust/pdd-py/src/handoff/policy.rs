@@ -37,36 +37,15 @@ impl HandoffPolicy {
         inner.validate().map_err(PddErr)?;
         Ok(HandoffPolicy { inner })
     }
-
-    #[getter]
-    fn catch_up_threshold_tokens(&self) -> u32 {
-        self.inner.catch_up_threshold_tokens
-    }
-    #[getter]
-    fn level_tokens(&self) -> u32 {
-        self.inner.level_tokens
-    }
-    #[getter]
-    fn chunk_tokens(&self) -> u32 {
-        self.inner.chunk_tokens
-    }
-    #[getter]
-    fn one_shot_load(&self) -> f64 {
-        self.inner.one_shot_load
-    }
-    #[getter]
-    fn max_eager_tokens(&self) -> u32 {
-        self.inner.max_eager_tokens
-    }
-
-    fn __repr__(&self) -> String {
-        let p = &self.inner;
-        format!(
-            "HandoffPolicy(catch_up_threshold_tokens={}, level_tokens={}, chunk_tokens={}, one_shot_load={}, max_eager_tokens={})",
-            p.catch_up_threshold_tokens, p.level_tokens, p.chunk_tokens, p.one_shot_load, p.max_eager_tokens
-        )
-    }
 }
+
+crate::properties::properties_with_repr!(HandoffPolicy, |s| {
+    catch_up_threshold_tokens: u32 = s.inner.catch_up_threshold_tokens,
+    level_tokens: u32 = s.inner.level_tokens,
+    chunk_tokens: u32 = s.inner.chunk_tokens,
+    one_shot_load: f64 = s.inner.one_shot_load,
+    max_eager_tokens: u32 = s.inner.max_eager_tokens,
+});
 
 /// Retransmission and give-up bounds of both sides, in seconds.
 #[pyclass(frozen, module = "pdd_transport._native")]
@@ -99,45 +78,16 @@ impl HandoffTimers {
         inner.validate().map_err(PddErr)?;
         Ok(HandoffTimers { inner })
     }
-
-    #[getter]
-    fn rto_initial(&self) -> f64 {
-        self.inner.rto_initial.as_secs_f64()
-    }
-    #[getter]
-    fn rto_max(&self) -> f64 {
-        self.inner.rto_max.as_secs_f64()
-    }
-    #[getter]
-    fn max_attempts(&self) -> u32 {
-        self.inner.max_attempts
-    }
-    #[getter]
-    fn give_up_after(&self) -> f64 {
-        self.inner.give_up_after.as_secs_f64()
-    }
-    #[getter]
-    fn kv_wait_timeout(&self) -> f64 {
-        self.inner.kv_wait_timeout.as_secs_f64()
-    }
-    #[getter]
-    fn linger(&self) -> f64 {
-        self.inner.linger.as_secs_f64()
-    }
-
-    fn __repr__(&self) -> String {
-        let t = &self.inner;
-        format!(
-            "HandoffTimers(rto_initial={}, rto_max={}, max_attempts={}, give_up_after={}, kv_wait_timeout={}, linger={})",
-            t.rto_initial.as_secs_f64(),
-            t.rto_max.as_secs_f64(),
-            t.max_attempts,
-            t.give_up_after.as_secs_f64(),
-            t.kv_wait_timeout.as_secs_f64(),
-            t.linger.as_secs_f64()
-        )
-    }
 }
+
+crate::properties::properties_with_repr!(HandoffTimers, |s| {
+    rto_initial: f64 = s.inner.rto_initial.as_secs_f64(),
+    rto_max: f64 = s.inner.rto_max.as_secs_f64(),
+    max_attempts: u32 = s.inner.max_attempts,
+    give_up_after: f64 = s.inner.give_up_after.as_secs_f64(),
+    kv_wait_timeout: f64 = s.inner.kv_wait_timeout.as_secs_f64(),
+    linger: f64 = s.inner.linger.as_secs_f64(),
+});
 
 pub(super) fn policy_of(p: Option<&HandoffPolicy>) -> CorePolicy {
     p.map(|p| p.inner).unwrap_or_default()
