@@ -111,3 +111,47 @@ def test_roles_run_both_pipelines_and_match_a_monolithic_engine(secured: bool, r
         assert got == generate(reference, prompt, n), rid
     # Later prompts share the system prompt, which MD cached from the first.
     assert md.cache is not None and md.cache.stats()["pages"] > 0
+
+
+def test_a_page_aligned_prompt_md_holds_whole_gets_an_empty_grant() -> None:
+    # The same page-aligned prompt twice on P-MD: the second time MD's prefix cache holds
+    # every page, so MD grants none (an empty grant; before empty grants, admit raised
+    # InvalidArgument) and P's send completes with nothing to send. Output as a
+    # monolithic engine's, both times.
+    cfg = EngineConfig(num_pages=256)
+    md = MainDecodeRole(Engine(cfg))
+    p = PrefillRole.connect(Engine(cfg), md.kv_address, None, main_lanes=1,
+                            kv_bytes_per_token=cfg.kv_bytes_per_token, wan=WanEstimate(1.0, 30.0))
+    md.receiver.wait_peer(timeout=10)
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(0, 1024, size=4 * cfg.page_tokens).tolist()
+    outputs: dict[int, list[int]] = {1: [], 2: []}
+    failures: list[Failed] = []
+    try:
+        for rid in (1, 2):
+            plan = p.plan(rid, prompt, 6)
+            assert plan.pipeline == "p_md"
+            md.admit(rid, prompt, 6, plan.pipeline)
+            prefilled = p.prefill(plan, prompt)
+            assert p.send(prefilled, timeout=30) == []
+            p.release(prefilled)
+            deadline = time.monotonic() + 30
+            done = False
+            while not done and not failures and time.monotonic() < deadline:
+                for ev in md.poll():
+                    if isinstance(ev, Output):
+                        outputs[ev.request_id].extend(ev.tokens)
+                    elif isinstance(ev, Finished):
+                        done = done or ev.request_id == rid
+                    elif isinstance(ev, Failed):
+                        failures.append(ev)
+                time.sleep(0.001)
+            assert done and not failures, failures
+        wan = p.to_main.metrics()
+    finally:
+        p.to_main.close()
+        md.close()
+    want = generate(Engine(cfg), prompt, 6)
+    assert outputs[1] == want and outputs[2] == want
+    # The second request sent no page: every KV byte P sent was the first request's.
+    assert wan["bytes_sent_total"] == len(prompt) * cfg.kv_bytes_per_token
