@@ -744,11 +744,6 @@ impl OutboundTransfer {
                 self.grant.page_count
             )));
         }
-        if self.grant.page_count == 0 {
-            // An empty grant: the core checks the layer; there is nothing to queue.
-            self.state.lock().await.send_layer(layer, 1)?;
-            return Ok(());
-        }
         let end = layer
             .checked_add(1)
             .ok_or_else(|| Error::InvalidArgument(format!("layer {layer} outside the grant")))?;

@@ -67,10 +67,6 @@ impl SenderTransfer {
                 self.grant.layer_count
             ))
         })?;
-        if all.is_empty() && layer < self.grant.layer_count && !self.finished {
-            // An empty grant (the receiver needs nothing): a layer of it is no pages.
-            return Ok(Vec::new());
-        }
         Ok(self
             .send_pages(layer..end, &all, max_block_bytes)?
             .into_iter()
@@ -103,7 +99,9 @@ impl SenderTransfer {
                 layers.start, layers.end, g.layer_count
             )));
         }
-        if grant_pages.is_empty() {
+        // An empty grant (the receiver needs nothing) is sent as no pages; any other
+        // grant needs at least one per call.
+        if grant_pages.is_empty() && g.page_count > 0 {
             return Err(Error::InvalidArgument("no pages to send".into()));
         }
         let pages = g.page_count as usize;
