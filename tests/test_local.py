@@ -163,6 +163,17 @@ def test_wrong_source_page_count_is_refused(pair: tuple[local.LocalReceiver, loc
     out.abort()
 
 
+def test_the_local_path_refuses_an_empty_grant(pair: tuple[local.LocalReceiver, local.LocalSender, np.ndarray]) -> None:
+    # Empty grants are a WAN-lane capability; RelayDecode always takes the whole KV.
+    rx, tx, _ = pair
+    with pytest.raises(InvalidArgument, match="at least one page"):
+        rx.grant(5, [])
+    inbound = rx.grant(5, [1])  # nothing was left behind by the refusal
+    out = tx.wait_grant(5, timeout=10)
+    assert (inbound.page_count, out.page_count) == (1, 1)
+    out.abort()
+
+
 def test_a_missing_library_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDD_UCX_LIBRARY", "libucp-not-here.so.7")
     pool, _ = zeros_pool()
