@@ -152,3 +152,13 @@ def test_no_pickle_between_the_processes() -> None:
         text = path.read_text()
         for banned in ("import pickle", "from pickle", "multiprocessing", "marshal"):
             assert banned not in text, (path, banned)
+
+
+@pytest.mark.parametrize("mode, sealed", [("", 3), ("records", 0)])
+def test_a_tls_run_pairs_the_plain_path_and_reports_its_sealed_lanes(mode: str, sealed: int) -> None:
+    args = ["--bytes", "4M", "--page-bytes", "256K", "--lanes", "3", "--repeat", "1", "--no-baselines", "--tls"]
+    result = run_cli(*args, *([mode] if mode else []))
+    assert result["verified"] is True and result["tls"] is True
+    assert result["lanes_sealed"] == sealed
+    for key in ("plain_gbytes_per_s", "ratio_vs_plain", "plain_cpu_s_per_gbyte"):
+        assert isinstance(result[key], float) and result[key] > 0, (key, result[key])

@@ -82,6 +82,26 @@ def test_mutual_tls_transfers_and_refuses_strangers(tmp_path: Path) -> None:
         rx.close()
 
 
+@pytest.mark.parametrize("sender_seals", [True, False])
+def test_tls_data_lanes_are_sealed_when_both_ends_offer_it(tmp_path: Path, sender_seals: bool) -> None:
+    """Sealed lanes (the KV decrypted inside the pages) by default; a sender that does
+    not offer them (as an older build) keeps TLS records. The bytes land either way."""
+    pki = test_pki(tmp_path, ["md.test", "p.test"])
+    rx_pool, rx_mem, tx_pool, tx_mem = pools()
+    rx = kv.KvReceiver(rx_pool, tls=pki.tls("md.test", server_name="md.test", allowed_peers=["p.test"]))
+    try:
+        tx = kv.KvSender(tx_pool, addr(rx), lanes=3, tls=pki.tls("p.test", server_name="md.test"),
+                         sealed_lanes=sender_seals)
+        transfer(rx, tx, rx_mem, tx_mem)
+        expected = 3 if sender_seals else 0
+        assert tx.metrics()["lanes_sealed_total"] == expected
+        assert rx.metrics()["lanes_sealed_total"] == expected
+        assert rx.metrics()["checksum_failures_total"] == 0
+        tx.close()
+    finally:
+        rx.close()
+
+
 def test_handoff_links_over_mutual_tls(tmp_path: Path) -> None:
     pki = test_pki(tmp_path, ["md.test", "rld.test"])
     md = MainLink.listen("127.0.0.1:0", tls=pki.tls("md.test", server_name="md.test", allowed_peers=["rld.test"]))

@@ -257,5 +257,6 @@ def test_resent_is_the_kv_pages_flag_and_optional() -> None:
     assert wire.decode_frame(resent)[0]["resent"] is True  # type: ignore[index]
     assert wire.CAPABILITIES["lane_failover"] == 1 << 6
     assert wire.CAPABILITIES["empty_grant"] == 1 << 7
+    assert wire.CAPABILITIES["sealed_lanes"] == 1 << 8
     with pytest.raises(InvalidArgument):
         wire.encode_frame({"kind": "LANE_REVOKE", "lane": 0})

@@ -269,6 +269,7 @@ class KvReceiver:
         congestion: str | None = None,
         max_payload: int = 16777216,
         prefix_cache: RadixCache | None = None,
+        sealed_lanes: bool = True,
     ) -> KvReceiver: ...
     @property
     def address(self) -> tuple[str, int]: ...
@@ -347,6 +348,7 @@ class KvSender:
         max_payload: int = 16777216,
         lane_stall_s: float | None = None,
         lane_failover: bool = True,
+        sealed_lanes: bool = True,
     ) -> KvSender:
         """``lane_stall_s``: a data lane whose bytes stop being acknowledged this
         long is revoked and its blocks move to the other lanes (default: 2 s, or half

@@ -71,7 +71,7 @@ def _bench_stream(args: argparse.Namespace) -> dict[str, Any]:
         congestion=args.congestion,
         seed=args.seed,
         timeout=args.timeout,
-        tls=args.tls,
+        tls=args.tls is not None, tls_records=args.tls == "records",
         packet=args.packet,
         loss=stream.parse_loss(args.loss) if args.loss is not None else stream.LossSpec(),
     )
@@ -328,10 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     stream.add_argument("--seed", type=int, default=0, help="seed of the data and the permutations")
     stream.add_argument("--timeout", type=float, help="bound per transfer in seconds (default from --bytes)")
     stream.add_argument(
-        "--tls",
-        action="store_true",
-        help="our path over mutual TLS 1.3 (a test CA made for the run), with the plain path measured "
-        "in the same run (plain_gbytes_per_s, ratio_vs_plain)",
+        "--tls", nargs="?", const="sealed", choices=["sealed", "records"],
+        help="our path over mutual TLS 1.3 (a test CA made for the run), the plain path measured in the same "
+        "run (plain_gbytes_per_s, ratio_vs_plain); --tls records: data lanes keep TLS records, not sealed lanes",
     )
     stream.add_argument("--packet", action="store_true", help="emulate --wan packet by packet between two "
                         "network namespaces (root); see docs/wanem.md, 'Packet mode'")

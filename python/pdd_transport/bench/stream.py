@@ -209,6 +209,8 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
             runs.append(one)
             if progress is not None:
                 progress(rep, one)
+        # Measured, not configured: how many of our TLS path's data lanes were sealed.
+        lanes_sealed = main.tx.metrics()["lanes_sealed_total"] if cfg.tls else None
 
     def med(key: str) -> float | None:
         return _median([r.get(key) for r in runs])
@@ -250,6 +252,7 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
         result["plain_gbytes_per_s"] = _round(med("plain_gbytes_per_s"))
         result["ratio_vs_plain"] = _round(paired("plain_gbytes_per_s"), 3)
         result["plain_cpu_s_per_gbyte"] = _round(med("plain_cpu_s_per_gbyte"))
+        result["lanes_sealed"] = lanes_sealed
     if cfg.packet:
         result["emulation"] = "packet"
         result["loss_pct"] = cfg.loss.pct

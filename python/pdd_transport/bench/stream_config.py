@@ -88,6 +88,9 @@ class StreamConfig:
     tls: bool = False
     """Run our path over mutual TLS (a test CA made for the run) and measure the
     plain path in the same run, paired (``plain_gbytes_per_s``, ``ratio_vs_plain``)."""
+    tls_records: bool = False
+    """With ``tls``: keep the data lanes in TLS records (``sealed_lanes=False``), as
+    against a peer of an older build."""
     packet: bool = False
     """Emulate ``wan`` packet by packet (:class:`~pdd_transport.wanem_packet.PacketWan`)."""
     loss: LossSpec = field(default_factory=LossSpec)

@@ -244,6 +244,7 @@ class PddPath:
             congestion=cfg.congestion,
             tls=None if pki is None else pki.tls(TLS_SENDER, server_name=TLS_RECEIVER),
             secret=secret,
+            sealed_lanes=not cfg.tls_records,
         )
         stack.callback(self.tx.close)
         peer.request("pdd_wait_peer", slot=slot, timeout=30.0)

@@ -15,15 +15,23 @@ use tokio::net::TcpStream;
 
 pub use crate::tls::{LaneStream, PeerIdentity, TlsConfig};
 
-/// `local`, offering AEAD integrity when the lane runs inside TLS.
+/// `local`, offering AEAD integrity when the lane runs inside TLS; sealed lanes (if
+/// `local` offers them) only there too.
 pub fn with_aead(local: &LocalHello, tls: bool) -> LocalHello {
+    use pdd_core::wire::capability::{AEAD, SEALED_LANES};
     let mut h = local.clone();
     if tls {
-        h.capabilities |= pdd_core::wire::capability::AEAD;
+        h.capabilities |= AEAD;
     } else {
-        h.capabilities &= !pdd_core::wire::capability::AEAD;
+        h.capabilities &= !(AEAD | SEALED_LANES);
     }
     h
+}
+
+/// Whether a lane's ends agreed to seal its KV (see [`crate::sealed`]).
+pub fn sealed(agreed: &Negotiated) -> bool {
+    use pdd_core::wire::capability::{AEAD, SEALED_LANES};
+    agreed.capabilities & (AEAD | SEALED_LANES) == AEAD | SEALED_LANES
 }
 
 /// Socket settings for every lane.

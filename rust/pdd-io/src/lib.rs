@@ -3,7 +3,8 @@
 //! Protocol decisions live in `pdd-core` (sans-IO); this crate adapts them to tokio.
 //! [`lane`]: one TCP connection of a session (tuning, HELLO exchange, TCP_INFO);
 //! [`pool`]: registered memory seen as pages; [`metrics`]: endpoint counters;
-//! [`codec`]: the framing adapter for small-frame connections; [`local`]: the local
+//! [`codec`]: the framing adapter for small-frame connections; [`sealed`]: TLS data lanes whose
+//! KV is decrypted in the pages themselves; [`local`]: the local
 //! (UCX, one-sided put) path to a receiver in the same datacenter. [`wanem`] is the user-space WAN
 //! emulator (a delaying, shaping TCP proxy) the tests run the lanes through.
 
@@ -16,6 +17,7 @@ pub mod local;
 pub mod metrics;
 pub mod pool;
 pub mod receiver;
+pub mod sealed;
 pub mod sender;
 mod status;
 pub mod tls;

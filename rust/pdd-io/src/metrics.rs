@@ -39,8 +39,12 @@ counters! {
     transfers_completed_total: "counter", "transfers completed";
     /// Transfers failed.
     transfers_failed_total: "counter", "transfers failed";
-    /// Blocks whose CRC32C did not match (their transfer failed; never accepted).
-    checksum_failures_total: "counter", "KV blocks refused for a CRC32C mismatch";
+    /// Blocks whose CRC32C did not match, or whose sealed record failed its AEAD
+    /// check (their transfer failed; never accepted).
+    checksum_failures_total: "counter", "KV blocks refused for a CRC32C or AEAD mismatch";
+    /// Data lanes that left TLS's record layer for sealed records (capability
+    /// `sealed_lanes`): their KV is decrypted inside the pages.
+    lanes_sealed_total: "counter", "TLS data lanes switched to sealed page-aligned records";
     /// Blocks of ended transfers read and discarded.
     blocks_drained_total: "counter", "late KV blocks of ended transfers, discarded";
     /// Sender: data lanes given up for a stall and revoked (their blocks moved to

@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 mod failover;
 mod writer;
 
-use writer::lane_writer;
+use writer::{lane_writer, Protection};
 
 use crate::codec::{CodecError, WireCodec};
 use crate::lane::{self, LaneKey, LaneStream, SocketTuning, TlsConfig};
@@ -59,6 +59,10 @@ pub struct SenderConfig {
     pub lane_queue: usize,
     /// TLS 1.3 on every lane (the receiver must prove its certificate).
     pub tls: Option<TlsConfig>,
+    /// Offer sealed data lanes on TLS (capability `sealed_lanes`, see `sealed.rs`):
+    /// KV leaves TLS's record layer after each data lane's HELLO. Off: data lanes stay
+    /// in TLS records, as with a peer of an older build. On by default.
+    pub sealed_lanes: bool,
     /// Offer lane failover (capability `lane_failover`): a stalled data lane is
     /// revoked and its blocks move to the other lanes. Off: a stalled lane ends the
     /// session after `dead_after`, as a peer of an older build does.
@@ -87,6 +91,7 @@ impl SenderConfig {
             // not hoard blocks the others could carry (see `queue_on_a_free_lane`).
             lane_queue: 4,
             tls: None,
+            sealed_lanes: true,
             lane_failover: true,
             lane_stall: None,
         }
@@ -203,6 +208,9 @@ impl KvSender {
         }
         // This build finishes an empty grant (nothing to send) at once.
         cfg.hello.capabilities |= pdd_core::wire::capability::EMPTY_GRANT;
+        if cfg.sealed_lanes {
+            cfg.hello.capabilities |= pdd_core::wire::capability::SEALED_LANES;
+        }
         let shared = Arc::new(Shared {
             pool,
             cfg,
@@ -440,9 +448,18 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
     let mut data_streams = Vec::with_capacity(usize::from(cfg.lanes));
     for lane_no in 1..=cfg.lanes {
         let lane = open(LaneKey::Session(control.session_secret), lane_no).await?;
-        // Inside TLS (both offered AEAD) the blocks carry no CRC32C.
-        let aead = lane.agreed.capabilities & pdd_core::wire::capability::AEAD != 0;
-        data_streams.push((lane.stream, aead));
+        // Inside TLS (both offered AEAD) the blocks carry no CRC32C; sealed lanes
+        // leave TLS's record layer here, right after their HELLO.
+        let protection = if lane::sealed(&lane.agreed) {
+            let (tcp, keys) = lane.stream.into_sealed()?;
+            Metrics::add(&shared.metrics.lanes_sealed_total, 1);
+            (LaneStream::Plain(tcp), Protection::Sealed(Box::new(keys)))
+        } else if lane.agreed.capabilities & pdd_core::wire::capability::AEAD != 0 {
+            (lane.stream, Protection::Tls)
+        } else {
+            (lane.stream, Protection::Crc)
+        };
+        data_streams.push(protection);
     }
     let fds: Vec<std::os::fd::RawFd> = data_streams
         .iter()
@@ -468,18 +485,18 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
         peer_max_payload: agreed.peer_max_payload,
         death: Mutex::new(None),
     });
-    for (idx, ((stream, aead), rx)) in data_streams.into_iter().zip(lane_rxs).enumerate() {
+    for (idx, ((stream, protection), rx)) in data_streams.into_iter().zip(lane_rxs).enumerate() {
         let (shared, conn) = (shared.clone(), conn.clone());
         match stream {
             // Plain TCP keeps the lock-free owned halves (writev straight from the pool).
             LaneStream::Plain(tcp) => {
                 let (rd, wr) = tcp.into_split();
-                tokio::spawn(lane_writer(shared, conn, idx, rd, wr, rx, aead));
+                tokio::spawn(lane_writer(shared, conn, idx, rd, wr, rx, protection));
             }
             mut tls => {
                 tls.for_bulk_writes();
                 let (rd, wr) = tokio::io::split(tls);
-                tokio::spawn(lane_writer(shared, conn, idx, rd, wr, rx, aead));
+                tokio::spawn(lane_writer(shared, conn, idx, rd, wr, rx, protection));
             }
         }
     }

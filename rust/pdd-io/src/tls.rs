@@ -117,6 +117,11 @@ impl TlsConfig {
             .with_client_cert_verifier(verifier)
             .with_single_cert(certs, key)
             .map_err(|e| bad(format!("our certificate and key: {e}")))?;
+        let mut server = server;
+        // No resumption tickets: every lane proves its certificate afresh, and nothing
+        // arrives after the handshake that a sealed lane (which leaves TLS's record
+        // layer after its HELLO) would have to read past.
+        server.send_tls13_tickets = 0;
         Ok(TlsConfig {
             client: Arc::new(client),
             server: Arc::new(server),
@@ -285,6 +290,27 @@ impl LaneStream {
         }
     }
 
+    /// Leave TLS's record layer on a data lane whose ends agreed on sealed lanes
+    /// (`capability::SEALED_LANES`, see [`crate::sealed`]): export the lane's secret
+    /// and return the bare socket with the record keys of its KV direction. Called
+    /// by both ends right after the HELLO exchange, when TLS holds no byte in either
+    /// direction; bytes still buffered then (the peer sent early) are a violation.
+    pub fn into_sealed(self) -> Result<(TcpStream, crate::sealed::LaneKeys), Error> {
+        match self {
+            LaneStream::Plain(_) => Err(Error::InvalidArgument(
+                "sealed lanes need TLS underneath".into(),
+            )),
+            LaneStream::TlsClient(s) => {
+                let (io, mut conn) = (*s).into_inner();
+                sealed_parts(io, &mut conn)
+            }
+            LaneStream::TlsServer(s) => {
+                let (io, mut conn) = (*s).into_inner();
+                sealed_parts(io, &mut conn)
+            }
+        }
+    }
+
     /// Fill every page completely from a TLS lane's plaintext, each byte copied once,
     /// straight out of rustls's decrypted record into the page through raw pointers
     /// (no Rust reference to pool memory is formed while it is written). Every wait
@@ -336,6 +362,50 @@ impl LaneStream {
         }
         Ok(())
     }
+}
+
+fn sealed_parts<D>(
+    io: TlsIo,
+    conn: &mut rustls::ConnectionCommon<D>,
+) -> Result<(TcpStream, crate::sealed::LaneKeys), Error> {
+    use std::io::Read;
+    let early = |what: &str| Error::InvalidField {
+        kind: pdd_core::wire::FrameKind::KvPages,
+        field: "sealed lane",
+        detail: format!("{what} arrived before the lane left TLS"),
+    };
+    if conn.wants_write() {
+        return Err(Error::InvalidArgument(
+            "sealed lanes: TLS records still unwritten at the switch".into(),
+        ));
+    }
+    match conn.reader().read(&mut [0u8; 1]) {
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+        Ok(0) | Err(_) => {
+            return Err(Error::ConnectionLost {
+                detail: "the peer closed the lane's TLS session".into(),
+            })
+        }
+        Ok(_) => return Err(early("data")),
+    }
+    if !io.buffer().is_empty() {
+        return Err(early("TLS records"));
+    }
+    let suite = conn
+        .negotiated_cipher_suite()
+        .ok_or_else(|| Error::InvalidArgument("sealed lanes: the handshake is not done".into()))?;
+    let algorithm = crate::sealed::algorithm_of(suite.suite())?;
+    let secret = conn
+        .export_keying_material(
+            [0u8; 32],
+            crate::sealed::EXPORTER_LABEL,
+            Some(crate::sealed::EXPORTER_CONTEXT),
+        )
+        .map_err(|e| Error::InvalidArgument(format!("sealed lanes: TLS exporter: {e}")))?;
+    Ok((
+        io.into_inner(),
+        crate::sealed::LaneKeys::new(&secret, algorithm),
+    ))
 }
 
 /// Bytes of TLS records a data lane's rustls may hold encrypted but not yet written

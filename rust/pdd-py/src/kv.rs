@@ -178,7 +178,7 @@ pub struct KvReceiver {
 #[pymethods]
 impl KvReceiver {
     #[new]
-    #[pyo3(signature = (pool, listen = "127.0.0.1:0", *, role = "main_decode", secret = None, insecure = false, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, hello_timeout_s = 5.0, socket_buffer = 8388608, congestion = None, max_payload = 16777216, prefix_cache = None))]
+    #[pyo3(signature = (pool, listen = "127.0.0.1:0", *, role = "main_decode", secret = None, insecure = false, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, hello_timeout_s = 5.0, socket_buffer = 8388608, congestion = None, max_payload = 16777216, prefix_cache = None, sealed_lanes = true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -195,6 +195,7 @@ impl KvReceiver {
         congestion: Option<String>,
         max_payload: u32,
         prefix_cache: Option<PyRef<'_, RadixCache>>,
+        sealed_lanes: bool,
     ) -> PyResult<Self> {
         let caps = if prefix_cache.is_some() {
             capability::KV_STREAM | capability::PREFIX_CACHE
@@ -207,6 +208,7 @@ impl KvReceiver {
         let mut cfg = ReceiverConfig::new(address(listen)?, hello);
         cfg.allow_insecure = insecure;
         cfg.tls = tls.map(|t| t.inner.clone());
+        cfg.sealed_lanes = sealed_lanes;
         cfg.heartbeat = seconds(heartbeat_s, "heartbeat_s")?;
         cfg.dead_after = seconds(dead_after_s, "dead_after_s")?;
         cfg.hello_timeout = seconds(hello_timeout_s, "hello_timeout_s")?;
@@ -438,7 +440,7 @@ pub struct KvSender {
 #[pymethods]
 impl KvSender {
     #[new]
-    #[pyo3(signature = (pool, connect, *, lanes = 4, node_id = None, role = "prefill", secret = None, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, block_bytes = 1048576, socket_buffer = 8388608, congestion = None, max_payload = 16777216, lane_stall_s = None, lane_failover = true))]
+    #[pyo3(signature = (pool, connect, *, lanes = 4, node_id = None, role = "prefill", secret = None, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, block_bytes = 1048576, socket_buffer = 8388608, congestion = None, max_payload = 16777216, lane_stall_s = None, lane_failover = true, sealed_lanes = true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -458,6 +460,7 @@ impl KvSender {
         max_payload: u32,
         lane_stall_s: Option<f64>,
         lane_failover: bool,
+        sealed_lanes: bool,
     ) -> PyResult<Self> {
         let mut hello = LocalHello::new(self::role(role)?, capability::KV_STREAM);
         hello.secret = secret.map(|c| bytes::Bytes::copy_from_slice(&c));
@@ -468,6 +471,7 @@ impl KvSender {
             .map(|s| seconds(s, "lane_stall_s"))
             .transpose()?;
         cfg.lane_failover = lane_failover;
+        cfg.sealed_lanes = sealed_lanes;
         cfg.lanes = lanes;
         cfg.tls = tls.map(|t| t.inner.clone());
         cfg.heartbeat = seconds(heartbeat_s, "heartbeat_s")?;

@@ -65,6 +65,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ("local_ucx", capability::LOCAL_UCX),
         ("lane_failover", capability::LANE_FAILOVER),
         ("empty_grant", capability::EMPTY_GRANT),
+        ("sealed_lanes", capability::SEALED_LANES),
     ] {
         caps.set_item(name, bit)?;
     }

@@ -338,6 +338,12 @@ pub mod capability {
     /// Without it a sender that waits for a grant can only time out. Offered by KV
     /// senders and receivers of this build (not by the local path).
     pub const EMPTY_GRANT: u64 = 1 << 7;
+    /// Data lanes of a TLS session leave TLS's record layer after their HELLO and
+    /// carry KV_PAGES sealed in page-aligned AEAD records, under keys both sides
+    /// export from the lane's TLS session, so the receiver decrypts inside the pages
+    /// (docs/protocol.md, "Sealed data lanes"). Meaningful only with [`AEAD`]: offered
+    /// on TLS lanes by KV senders and receivers of this build.
+    pub const SEALED_LANES: u64 = 1 << 8;
     /// Every bit defined by this build.
     pub const ALL_KNOWN: u64 = KV_STREAM
         | HANDOFF
@@ -346,7 +352,8 @@ pub mod capability {
         | AEAD
         | LOCAL_UCX
         | LANE_FAILOVER
-        | EMPTY_GRANT;
+        | EMPTY_GRANT
+        | SEALED_LANES;
 }
 
 /// The fixed header in front of every payload.

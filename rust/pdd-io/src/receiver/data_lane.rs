@@ -14,6 +14,7 @@ use tokio::io::AsyncReadExt;
 use crate::lane::{self, LaneStream};
 use crate::metrics::Metrics;
 use crate::pool::RawPage;
+use crate::sealed::{self, LaneKeys};
 
 use super::{apply, lock, Shared, MAX_LANES_PER_SESSION};
 
@@ -133,12 +134,30 @@ pub(super) async fn data_lane(
     let _ = stream.tcp().set_nodelay(false);
     // Inside TLS the AEAD authenticates every byte; the blocks then carry no CRC.
     let aead = agreed.capabilities & pdd_core::wire::capability::AEAD != 0;
+    // A sealed lane leaves TLS's record layer now, right after its HELLO.
+    let (mut stream, mut keys) = if lane::sealed(&agreed) {
+        match stream.into_sealed() {
+            Ok((tcp, keys)) => {
+                Metrics::add(&shared.metrics.lanes_sealed_total, 1);
+                (LaneStream::Plain(tcp), Some(keys))
+            }
+            Err(e) => {
+                Metrics::add(&shared.metrics.violations_total, 1);
+                let _ = control.send(lane::abort_for(&e));
+                lock(&death).get_or_insert(e);
+                session_cancel.cancel();
+                return;
+            }
+        }
+    } else {
+        (stream, None)
+    };
     let max_payload = shared.cfg.hello.max_payload;
     let mut scratch = vec![0u8; 64 << 10];
     loop {
         let r = tokio::select! {
             _ = cancel.cancelled() => return,
-            r = read_block(&shared, owner, aead, failover, &ticket.revoked, &mut stream, max_payload, &mut scratch) => r,
+            r = read_block(&shared, owner, aead, failover, &ticket.revoked, &mut stream, keys.as_mut(), max_payload, &mut scratch) => r,
         };
         match r {
             Ok(true) => {}
@@ -166,6 +185,7 @@ async fn read_block(
     failover: bool,
     revoked: &AtomicBool,
     stream: &mut LaneStream,
+    mut keys: Option<&mut LaneKeys>,
     max_payload: u32,
     scratch: &mut [u8],
 ) -> Result<bool, Error> {
@@ -177,33 +197,35 @@ async fn read_block(
     // mid-frame while the control lane stays healthy must not hold its transfer.
     let stall = shared.cfg.dead_after;
     let mut head = [0u8; HEADER_LEN + KV_PAGES_FIXED_LEN];
-    // One read usually brings the frame header and the block's fixed fields together
-    // (a KV_PAGES frame is never shorter, so this never reads into the next frame);
-    // 0 bytes is a clean EOF between blocks. The header is checked as soon as it is
-    // complete, before waiting for more.
-    let mut got = stream.read(&mut head).await.map_err(lost)?;
-    if got == 0 {
-        return Ok(false);
-    }
-    if got < HEADER_LEN {
-        within_stall(stall, stream.read_exact(&mut head[got..HEADER_LEN]))
-            .await
-            .map_err(lost)?;
-        got = HEADER_LEN;
-    }
-    let mut header_bytes = [0u8; HEADER_LEN];
-    header_bytes.copy_from_slice(&head[..HEADER_LEN]);
-    let header = FrameHeader::parse(&header_bytes, max_payload)?;
-    if header.kind != FrameKind::KvPages {
-        return Err(Error::InvalidField {
-            kind: header.kind,
-            field: "kind",
-            detail: "only KV_PAGES travels on a data lane".into(),
-        });
-    }
-    within_stall(stall, stream.read_exact(&mut head[got..]))
-        .await
-        .map_err(lost)?;
+    let header = match keys.as_deref_mut() {
+        Some(keys) => {
+            if !read_sealed_head(stream, keys, &mut head, stall).await? {
+                return Ok(false);
+            }
+            data_lane_header(&head, max_payload)?
+        }
+        None => {
+            // One read usually brings the frame header and the block's fixed fields
+            // together (a KV_PAGES frame is never shorter, so this never reads into
+            // the next frame); 0 bytes is a clean EOF between blocks. The header is
+            // checked as soon as it is complete, before waiting for more.
+            let mut got = stream.read(&mut head).await.map_err(lost)?;
+            if got == 0 {
+                return Ok(false);
+            }
+            if got < HEADER_LEN {
+                within_stall(stall, stream.read_exact(&mut head[got..HEADER_LEN]))
+                    .await
+                    .map_err(lost)?;
+                got = HEADER_LEN;
+            }
+            let header = data_lane_header(&head, max_payload)?;
+            within_stall(stall, stream.read_exact(&mut head[got..]))
+                .await
+                .map_err(lost)?;
+            header
+        }
+    };
     let mut fixed = [0u8; KV_PAGES_FIXED_LEN];
     fixed.copy_from_slice(&head[HEADER_LEN..]);
     let block = KvBlock::parse(&fixed, header.payload_len)?;
@@ -220,7 +242,15 @@ async fn read_block(
     let disposition = lock(&shared.state).begin_block(owner, &block, resent)?;
     match disposition {
         BlockDisposition::Drain | BlockDisposition::Duplicate => {
+            // Read past, never opened: a sealed lane counts the records it skipped.
             let mut left = block.data_len();
+            if let Some(keys) = keys {
+                let records = u64::from(block.layer_count)
+                    * u64::from(block.page_count)
+                    * sealed::records_per_page(u64::from(block.page_bytes));
+                keys.skip(records);
+                left += records * sealed::TAG_LEN as u64;
+            }
             while left > 0 {
                 let n = left.min(scratch.len() as u64) as usize;
                 within_stall(stall, stream.read_exact(&mut scratch[..n]))
@@ -250,8 +280,15 @@ async fn read_block(
                 .iter()
                 .map(|&(layer, page)| shared.pool.page_raw(layer, page))
                 .collect::<Result<Vec<RawPage>, Error>>()?;
-            if let Err(e) = read_into_pages(stream, &pages, stall).await {
-                guard.finish(Err(lost(e)));
+            let landed = match keys {
+                Some(keys) => read_sealed_pages(stream, keys, &pages, stall).await,
+                None => read_into_pages(stream, &pages, stall).await.map_err(lost),
+            };
+            if let Err(e) = landed {
+                if e.to_string().contains("AEAD") {
+                    Metrics::add(&shared.metrics.checksum_failures_total, 1);
+                }
+                guard.finish(Err(e));
                 return Err(Error::ConnectionLost {
                     detail: "data lane failed mid-block".into(),
                 });
@@ -281,6 +318,155 @@ async fn read_block(
             guard.finish(Ok(()));
             Ok(true)
         }
+    }
+}
+
+/// The frame header at the front of a data lane's block: KV_PAGES, nothing else.
+fn data_lane_header(head: &[u8], max_payload: u32) -> Result<FrameHeader, Error> {
+    let mut header_bytes = [0u8; HEADER_LEN];
+    header_bytes.copy_from_slice(&head[..HEADER_LEN]);
+    let header = FrameHeader::parse(&header_bytes, max_payload)?;
+    if header.kind != FrameKind::KvPages {
+        return Err(Error::InvalidField {
+            kind: header.kind,
+            field: "kind",
+            detail: "only KV_PAGES travels on a data lane".into(),
+        });
+    }
+    Ok(header)
+}
+
+/// A sealed lane's next head record, opened into `head`; `false` on a clean EOF
+/// between blocks.
+async fn read_sealed_head(
+    stream: &mut LaneStream,
+    keys: &mut LaneKeys,
+    head: &mut [u8; HEADER_LEN + KV_PAGES_FIXED_LEN],
+    stall: Duration,
+) -> Result<bool, Error> {
+    let lost = |e: std::io::Error| Error::ConnectionLost {
+        detail: format!("data lane: {e}"),
+    };
+    let mut record = [0u8; sealed::TAG_LEN + HEADER_LEN + KV_PAGES_FIXED_LEN];
+    let got = stream.read(&mut record).await.map_err(lost)?;
+    if got == 0 {
+        return Ok(false);
+    }
+    within_stall(stall, stream.read_exact(&mut record[got..]))
+        .await
+        .map_err(lost)?;
+    let (tag, body) = record.split_at_mut(sealed::TAG_LEN);
+    let tag: &[u8; sealed::TAG_LEN] = (&*tag).try_into().expect("TAG_LEN bytes");
+    keys.open(tag, body)?;
+    head.copy_from_slice(body);
+    Ok(true)
+}
+
+/// Fill every page from a sealed lane: each `readv` puts the records' tags in
+/// scratch and their ciphertext straight into the pages (raw iovecs, as on plain TCP),
+/// and each record is opened in its page as soon as it has landed, while its bytes are
+/// still in cache. No byte is copied in user space.
+async fn read_sealed_pages(
+    stream: &mut LaneStream,
+    keys: &mut LaneKeys,
+    pages: &[RawPage],
+    stall: Duration,
+) -> Result<(), Error> {
+    let lost = |e: std::io::Error| Error::ConnectionLost {
+        detail: format!("data lane: {e}"),
+    };
+    let LaneStream::Plain(tcp) = stream else {
+        return Err(Error::InvalidArgument(
+            "a sealed lane is a bare socket".into(),
+        ));
+    };
+    // (page, offset, length) of every record, in wire order.
+    let records: Vec<(usize, usize, usize)> = pages
+        .iter()
+        .enumerate()
+        .flat_map(|(i, p)| {
+            (0..p.len())
+                .step_by(sealed::SEAL_CHUNK)
+                .map(move |at| (i, at, (p.len() - at).min(sealed::SEAL_CHUNK)))
+        })
+        .collect();
+    // Two iovecs per record, at most IOV_MAX (1024) per readv.
+    const BATCH: usize = 512;
+    let mut tags = vec![[0u8; sealed::TAG_LEN]; records.len().min(BATCH)];
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&*tcp);
+    for batch in records.chunks(BATCH) {
+        let mut iov = Iovecs(
+            {
+                let tag_base = tags.as_mut_ptr();
+                batch
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(k, &(i, at, len))| {
+                        [
+                            libc::iovec {
+                                // SAFETY: k < batch.len() <= tags.len().
+                                iov_base: unsafe { tag_base.add(k) }.cast(),
+                                iov_len: sealed::TAG_LEN,
+                            },
+                            libc::iovec {
+                                // SAFETY: at + len <= the page's length.
+                                iov_base: unsafe { pages[i].as_ptr().add(at) }.cast(),
+                                iov_len: len,
+                            },
+                        ]
+                    })
+                    .collect()
+            },
+            0,
+        );
+        let mut opened = 0;
+        while opened < batch.len() {
+            if !iov.done() {
+                readv_once(tcp, fd, &mut iov, stall).await.map_err(lost)?;
+            }
+            // Records whose tag and ciphertext have both landed.
+            let landed = iov.1 / 2;
+            while opened < landed {
+                let (i, at, len) = batch[opened];
+                // SAFETY: the page is in flight for this lane alone (nothing in the
+                // transport touches it until the block finishes) and the engine does
+                // not touch granted pages (its documented obligation), so this
+                // exclusive view, which ends with the call, aliases nothing; the
+                // readv that wrote it has returned.
+                let body =
+                    unsafe { std::slice::from_raw_parts_mut(pages[i].as_ptr().add(at), len) };
+                keys.open(&tags[opened], body)?;
+                opened += 1;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Wait (within `stall`) until the socket is readable, then one `readv` into the
+/// iovecs not yet filled.
+async fn readv_once(
+    tcp: &tokio::net::TcpStream,
+    fd: std::os::fd::RawFd,
+    iov: &mut Iovecs,
+    stall: Duration,
+) -> std::io::Result<()> {
+    within_stall(stall, tcp.readable()).await?;
+    match tcp.try_io(tokio::io::Interest::READABLE, || iov.readv(fd)) {
+        Ok(0) => Err(std::io::ErrorKind::UnexpectedEof.into()),
+        Ok(n) => {
+            iov.advance(n);
+            Ok(())
+        }
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+            ) =>
+        {
+            Ok(())
+        }
+        Err(e) => Err(e),
     }
 }
 
@@ -371,14 +557,7 @@ async fn read_into_pages(
             0,
         );
         while !iov.done() {
-            within_stall(stall, stream.readable()).await?;
-            match stream.try_io(tokio::io::Interest::READABLE, || iov.readv(fd)) {
-                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                Ok(n) => iov.advance(n),
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
+            readv_once(stream, fd, &mut iov, stall).await?;
         }
     }
     Ok(())

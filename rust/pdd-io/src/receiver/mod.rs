@@ -61,6 +61,10 @@ pub struct ReceiverConfig {
     pub allow_insecure: bool,
     /// TLS 1.3 on every lane, peers authenticated by certificate.
     pub tls: Option<TlsConfig>,
+    /// Offer sealed data lanes on TLS (capability `sealed_lanes`, see `sealed.rs`):
+    /// KV is decrypted inside the granted pages. Off: data lanes stay in TLS records.
+    /// On by default.
+    pub sealed_lanes: bool,
 }
 
 impl ReceiverConfig {
@@ -76,6 +80,7 @@ impl ReceiverConfig {
             prefix_cache: None,
             allow_insecure: false,
             tls: None,
+            sealed_lanes: true,
         }
     }
 }
@@ -244,6 +249,13 @@ impl KvReceiver {
         cfg.hello.capabilities |= pdd_core::wire::capability::LANE_FAILOVER;
         // It may grant zero pages ("nothing to send") to a sender that offers it too.
         cfg.hello.capabilities |= pdd_core::wire::capability::EMPTY_GRANT;
+        if cfg.sealed_lanes {
+            cfg.hello.capabilities |= pdd_core::wire::capability::SEALED_LANES;
+        }
+        // AEAD (and sealed lanes) exactly when TLS runs, in every HELLO we answer
+        // with: a data lane's answer once lacked AEAD, and its sender then computed
+        // CRC32C over every TLS block that nobody checked.
+        cfg.hello = lane::with_aead(&cfg.hello, cfg.tls.is_some());
         lane::check_exposure(
             cfg.listen,
             &cfg.hello,

@@ -16,6 +16,21 @@ use super::{kill, Conn, Job, Shared, PEER_REASON_GRACE};
 use crate::lane;
 use crate::metrics::Metrics;
 use crate::pool::PagePool;
+use crate::sealed::{self, LaneKeys};
+
+/// What protects a data lane's blocks.
+pub(crate) enum Protection {
+    /// Plain TCP: a CRC32C over each block.
+    Crc,
+    /// TLS records (rustls): its AEAD covers every byte, the blocks carry no CRC.
+    Tls,
+    /// Sealed records (`sealed.rs`): page-aligned AEAD records on the bare socket.
+    Sealed(Box<LaneKeys>),
+}
+
+/// Bytes of sealed records a lane writes at once: a 1 MiB page and its tags leave in
+/// one write.
+const SEALED_WRITE_BATCH: usize = (1 << 20) + 64 * sealed::TAG_LEN;
 
 pub(super) async fn lane_writer<R, W>(
     shared: Arc<Shared>,
@@ -24,13 +39,15 @@ pub(super) async fn lane_writer<R, W>(
     mut rd: R,
     mut wr: W,
     mut jobs: mpsc::Receiver<Job>,
-    aead: bool,
+    mut protection: Protection,
 ) where
     R: tokio::io::AsyncRead + Unpin,
     W: tokio::io::AsyncWrite + Unpin,
 {
     let stall = shared.cfg.dead_after;
     let ctl = &conn.lanes_ctl.ctl[idx];
+    // Sealed records are built here before they are written (reused across blocks).
+    let mut sealed_out = Vec::new();
     // Revoked (lane failover): stop writing at once, but keep the socket until the
     // receiver confirmed the revocation, so no close of ours can reach its reader
     // first and fail the block it was reading.
@@ -62,7 +79,7 @@ pub(super) async fn lane_writer<R, W>(
         let written = tokio::select! {
             biased;
             _ = ctl.stop.cancelled() => return revoked().await,
-            r = write_block(&shared.pool, &mut wr, &job, stall, aead) => r,
+            r = write_block(&shared.pool, &mut wr, &job, stall, &mut protection, &mut sealed_out) => r,
         };
         ctl.busy.store(false, Ordering::Relaxed);
         if let Err(e) = written {
@@ -106,7 +123,8 @@ async fn write_block<W: tokio::io::AsyncWrite + Unpin>(
     wr: &mut W,
     job: &Job,
     stall: Duration,
-    aead: bool,
+    protection: &mut Protection,
+    sealed_out: &mut Vec<u8>,
 ) -> Result<(), Error> {
     let mut pages: Vec<&[u8]> = Vec::with_capacity(job.src.len());
     for &(layer, page) in &job.src {
@@ -125,7 +143,7 @@ async fn write_block<W: tokio::io::AsyncWrite + Unpin>(
     };
     // What `FrameHeader::compute_crc` does, with the faster CRC32C over the pages;
     // inside TLS (AEAD negotiated) the CRC is 0 and nobody computes it.
-    if !aead {
+    if matches!(protection, Protection::Crc) {
         let mut crc = crc32c::crc32c(&header.to_bytes()[..12]);
         crc = lane::crc32c_append(crc, &fixed);
         for p in &pages {
@@ -136,6 +154,9 @@ async fn write_block<W: tokio::io::AsyncWrite + Unpin>(
     let mut head = [0u8; HEADER_LEN + KV_PAGES_FIXED_LEN];
     head[..HEADER_LEN].copy_from_slice(&header.to_bytes());
     head[HEADER_LEN..].copy_from_slice(&fixed);
+    if let Protection::Sealed(keys) = protection {
+        return write_sealed(wr, keys, &head, &pages, stall, sealed_out).await;
+    }
     let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(pages.len() + 1);
     slices.push(IoSlice::new(&head));
     slices.extend(pages.iter().map(|p| IoSlice::new(p)));
@@ -156,6 +177,48 @@ async fn write_block<W: tokio::io::AsyncWrite + Unpin>(
     // next block may be long in coming (or go to another lane): flush now. A no-op on
     // plain TCP.
     progress(stall, wr.flush()).await
+}
+
+/// Seal a block (head, then its pages chunk by chunk) and write it a batch at a
+/// time: each page is copied once, into its records, and sealed there.
+async fn write_sealed<W: tokio::io::AsyncWrite + Unpin>(
+    wr: &mut W,
+    keys: &mut LaneKeys,
+    head: &[u8; sealed::HEAD_LEN],
+    pages: &[&[u8]],
+    stall: Duration,
+    out: &mut Vec<u8>,
+) -> Result<(), Error> {
+    out.clear();
+    keys.push_record(out, head);
+    for page in pages {
+        for chunk in sealed::page_chunks(page) {
+            if out.len() + sealed::TAG_LEN + chunk.len() > SEALED_WRITE_BATCH {
+                write_all_within(wr, out, stall).await?;
+                out.clear();
+            }
+            keys.push_record(out, chunk);
+        }
+    }
+    write_all_within(wr, out, stall).await
+}
+
+/// Write all of `bytes`, each write making progress within `stall`.
+async fn write_all_within<W: tokio::io::AsyncWrite + Unpin>(
+    wr: &mut W,
+    mut bytes: &[u8],
+    stall: Duration,
+) -> Result<(), Error> {
+    while !bytes.is_empty() {
+        let n = progress(stall, wr.write(bytes)).await?;
+        if n == 0 {
+            return Err(Error::ConnectionLost {
+                detail: "data lane closed".into(),
+            });
+        }
+        bytes = &bytes[n..];
+    }
+    Ok(())
 }
 
 /// One data-lane write step, which must make progress within `stall`.
