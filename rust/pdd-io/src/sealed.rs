@@ -97,9 +97,15 @@ impl hkdf::KeyType for IvLen {
     }
 }
 
-fn integrity() -> Error {
-    Error::ConnectionLost {
-        detail: "sealed data lane: a record failed its AEAD check (corrupted or forged)".into(),
+/// A record failed its AEAD check: corrupted or forged, never the peer's bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Forged;
+
+impl From<Forged> for Error {
+    fn from(_: Forged) -> Error {
+        Error::ConnectionLost {
+            detail: "sealed data lane: a record failed its AEAD check (corrupted or forged)".into(),
+        }
     }
 }
 
@@ -161,12 +167,12 @@ impl LaneKeys {
 
     /// Open the next record in place: `in_out` holds its ciphertext and becomes its
     /// plaintext. A failed check is the lane's end (the bytes are not the peer's).
-    pub fn open(&mut self, tag: &[u8; TAG_LEN], in_out: &mut [u8]) -> Result<(), Error> {
+    pub fn open(&mut self, tag: &[u8; TAG_LEN], in_out: &mut [u8]) -> Result<(), Forged> {
         let tag = Tag::from(*tag);
         let (key, nonce) = self.next();
         key.open_in_place_separate_tag(nonce, Aad::empty(), tag, in_out, 0..)
             .map(|_| ())
-            .map_err(|_| integrity())
+            .map_err(|_| Forged)
     }
 
     /// Count `records` records that were read past, not opened (a drained block's).
@@ -200,7 +206,7 @@ mod tests {
         )
     }
 
-    fn open_all(keys: &mut LaneKeys, mut wire: &[u8], lens: &[usize]) -> Result<Vec<u8>, Error> {
+    fn open_all(keys: &mut LaneKeys, mut wire: &[u8], lens: &[usize]) -> Result<Vec<u8>, Forged> {
         let mut plain = Vec::new();
         for &len in lens {
             let mut tag = [0u8; TAG_LEN];

@@ -210,6 +210,8 @@ impl KvSender {
         cfg.hello.capabilities |= pdd_core::wire::capability::EMPTY_GRANT;
         if cfg.sealed_lanes {
             cfg.hello.capabilities |= pdd_core::wire::capability::SEALED_LANES;
+        } else {
+            cfg.hello.capabilities &= !pdd_core::wire::capability::SEALED_LANES;
         }
         let shared = Arc::new(Shared {
             pool,

@@ -294,7 +294,9 @@ impl LaneStream {
     /// (`capability::SEALED_LANES`, see [`crate::sealed`]): export the lane's secret
     /// and return the bare socket with the record keys of its KV direction. Called
     /// by both ends right after the HELLO exchange, when TLS holds no byte in either
-    /// direction; bytes still buffered then (the peer sent early) are a violation.
+    /// direction. Bytes the peer sent early that rustls already decrypted, or that
+    /// wait in the read buffer, are a violation; a part-record rustls holds is dropped,
+    /// and the lane's next sealed record then fails its tag.
     pub fn into_sealed(self) -> Result<(TcpStream, crate::sealed::LaneKeys), Error> {
         match self {
             LaneStream::Plain(_) => Err(Error::InvalidArgument(

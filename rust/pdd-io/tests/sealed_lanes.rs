@@ -302,3 +302,28 @@ async fn the_receiver_opens_sealed_records_in_the_pages_and_refuses_forged_ones(
         2 * u64::from(page)
     );
 }
+
+/// A head record with one flipped byte ends the lane (its header cannot be trusted, so
+/// it names no transfer to fail) and is counted; the grant is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_head_record_ends_the_lane_and_touches_no_grant() {
+    use tokio::io::AsyncReadExt;
+    let pki = pki();
+    let page = 4096;
+    let rx = receiver(page, &pki, true).await;
+    let mut s = scripted(&rx, &pki).await;
+    let inbound = rx.grant(1, &[0, 1], Some(1), Some(SENDER), None).unwrap();
+    let pages = [vec![0xAB; 4096], vec![0xCD; 4096]];
+    let mut wire = sealed_block(&mut s.keys, &block(inbound.grant.transfer_id, page), &pages);
+    wire[sealed::TAG_LEN + 3] ^= 0x80; // inside the head record's ciphertext
+    let _ = s.data.write_all(&wire).await;
+    // The receiver closes the lane: a close or a reset, never a byte.
+    let mut byte = [0u8; 1];
+    let end = bounded(s.data.read(&mut byte)).await;
+    assert!(!matches!(end, Ok(1)), "{end:?}");
+    assert_eq!(metric(rx.metrics(), "checksum_failures_total"), 1);
+    assert_eq!(metric(rx.metrics(), "blocks_received_total"), 0);
+    for p in [0, 1] {
+        assert!(rx.pool().copy_page(0, p).unwrap().iter().all(|&b| b == 0));
+    }
+}

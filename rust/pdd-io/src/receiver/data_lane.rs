@@ -141,6 +141,8 @@ pub(super) async fn data_lane(
                 Metrics::add(&shared.metrics.lanes_sealed_total, 1);
                 (LaneStream::Plain(tcp), Some(keys))
             }
+            // The peer closed: the lane ends, as a close between blocks does.
+            Err(Error::ConnectionLost { .. }) => return,
             Err(e) => {
                 Metrics::add(&shared.metrics.violations_total, 1);
                 let _ = control.send(lane::abort_for(&e));
@@ -199,7 +201,7 @@ async fn read_block(
     let mut head = [0u8; HEADER_LEN + KV_PAGES_FIXED_LEN];
     let header = match keys.as_deref_mut() {
         Some(keys) => {
-            if !read_sealed_head(stream, keys, &mut head, stall).await? {
+            if !read_sealed_head(stream, keys, &mut head, stall, &shared.metrics).await? {
                 return Ok(false);
             }
             data_lane_header(&head, max_payload)?
@@ -281,13 +283,10 @@ async fn read_block(
                 .map(|&(layer, page)| shared.pool.page_raw(layer, page))
                 .collect::<Result<Vec<RawPage>, Error>>()?;
             let landed = match keys {
-                Some(keys) => read_sealed_pages(stream, keys, &pages, stall).await,
+                Some(keys) => read_sealed_pages(stream, keys, &pages, stall, &shared.metrics).await,
                 None => read_into_pages(stream, &pages, stall).await.map_err(lost),
             };
             if let Err(e) = landed {
-                if e.to_string().contains("AEAD") {
-                    Metrics::add(&shared.metrics.checksum_failures_total, 1);
-                }
                 guard.finish(Err(e));
                 return Err(Error::ConnectionLost {
                     detail: "data lane failed mid-block".into(),
@@ -343,6 +342,7 @@ async fn read_sealed_head(
     keys: &mut LaneKeys,
     head: &mut [u8; HEADER_LEN + KV_PAGES_FIXED_LEN],
     stall: Duration,
+    metrics: &Metrics,
 ) -> Result<bool, Error> {
     let lost = |e: std::io::Error| Error::ConnectionLost {
         detail: format!("data lane: {e}"),
@@ -357,7 +357,9 @@ async fn read_sealed_head(
         .map_err(lost)?;
     let (tag, body) = record.split_at_mut(sealed::TAG_LEN);
     let tag: &[u8; sealed::TAG_LEN] = (&*tag).try_into().expect("TAG_LEN bytes");
-    keys.open(tag, body)?;
+    // A forged head ends the lane: its header cannot be trusted, so no transfer is
+    // named to fail (the sender sees the lane close).
+    keys.open(tag, body).map_err(|f| forged(f, metrics))?;
     head.copy_from_slice(body);
     Ok(true)
 }
@@ -371,6 +373,7 @@ async fn read_sealed_pages(
     keys: &mut LaneKeys,
     pages: &[RawPage],
     stall: Duration,
+    metrics: &Metrics,
 ) -> Result<(), Error> {
     let lost = |e: std::io::Error| Error::ConnectionLost {
         detail: format!("data lane: {e}"),
@@ -435,12 +438,19 @@ async fn read_sealed_pages(
                 // readv that wrote it has returned.
                 let body =
                     unsafe { std::slice::from_raw_parts_mut(pages[i].as_ptr().add(at), len) };
-                keys.open(&tags[opened], body)?;
+                keys.open(&tags[opened], body)
+                    .map_err(|f| forged(f, metrics))?;
                 opened += 1;
             }
         }
     }
     Ok(())
+}
+
+/// A sealed record failed its tag: counted with the CRC failures, and the lane's end.
+fn forged(f: sealed::Forged, metrics: &Metrics) -> Error {
+    Metrics::add(&metrics.checksum_failures_total, 1);
+    f.into()
 }
 
 /// Wait (within `stall`) until the socket is readable, then one `readv` into the

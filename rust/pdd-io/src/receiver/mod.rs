@@ -251,6 +251,8 @@ impl KvReceiver {
         cfg.hello.capabilities |= pdd_core::wire::capability::EMPTY_GRANT;
         if cfg.sealed_lanes {
             cfg.hello.capabilities |= pdd_core::wire::capability::SEALED_LANES;
+        } else {
+            cfg.hello.capabilities &= !pdd_core::wire::capability::SEALED_LANES;
         }
         // AEAD (and sealed lanes) exactly when TLS runs, in every HELLO we answer
         // with: a data lane's answer once lacked AEAD, and its sender then computed
