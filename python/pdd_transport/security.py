@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdd_transport._native import TlsConfig, make_test_pki
+from pdd_transport._native import SEALED_LANE_CRYPTO, TlsConfig, make_test_pki
 
-__all__ = ["NONE", "Security", "TestPki", "TlsConfig", "make_test_pki", "test_pki"]
+__all__ = ["NONE", "SEALED_LANE_CRYPTO", "Security", "TestPki", "TlsConfig", "make_test_pki", "test_pki"]
 
 
 @dataclass(frozen=True)

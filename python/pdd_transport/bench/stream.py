@@ -77,6 +77,7 @@ from pdd_transport.bench.stream_paths import (
     socket_baseline,
 )
 from pdd_transport.errors import PddError
+from pdd_transport.security import SEALED_LANE_CRYPTO
 
 __all__ = [
     "DEFAULT_LANES",
@@ -253,6 +254,7 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
         result["ratio_vs_plain"] = _round(paired("plain_gbytes_per_s"), 3)
         result["plain_cpu_s_per_gbyte"] = _round(med("plain_cpu_s_per_gbyte"))
         result["lanes_sealed"] = lanes_sealed
+        result["sealed_lane_crypto"] = SEALED_LANE_CRYPTO
     if cfg.packet:
         result["emulation"] = "packet"
         result["loss_pct"] = cfg.loss.pct

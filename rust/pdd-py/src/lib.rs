@@ -28,6 +28,9 @@ mod wire;
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // The library that seals sealed TLS data lanes in this build ("aws-lc-rs" in the
+    // package's builds, "ring" where pdd-io's `aws-lc` feature is off).
+    m.add("SEALED_LANE_CRYPTO", pdd_io::sealed::CRYPTO)?;
     wire::register(m)?;
     kv::register(m)?;
     local::register(m)?;
