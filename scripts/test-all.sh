@@ -9,6 +9,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Compiled crates are kept between runs, as the wheelhouse and uv's cache are: in a
+# fresh clone on a machine that ran this before, cargo rebuilds only this checkout's
+# own crates (their fingerprints include the checkout's path), not tokio, rustls,
+# AWS-LC's C sources or pyo3. On a fresh machine the directory starts empty.
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/pdd_transport/cargo-target}
+
 # Each step's header says how long the whole run has taken so far (seconds), so a slow
 # step shows in the log without timing it separately.
 run_start=$(date +%s)

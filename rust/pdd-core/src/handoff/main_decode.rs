@@ -292,15 +292,7 @@ impl MainSide {
         }
     }
 
-    /// The next frame to send to RLD, in order.
-    pub fn poll_transmit(&mut self, _now: Timestamp) -> Option<Frame> {
-        self.transmit.pop_front()
-    }
-
-    /// The next event for the engine.
-    pub fn poll_event(&mut self) -> Option<MainEvent> {
-        self.events.pop_front()
-    }
+    drain_queues!(MainEvent, "RLD");
 
     /// When [`handle_timeout`](Self::handle_timeout) must be called next, if ever.
     pub fn poll_timeout(&self) -> Option<Timestamp> {

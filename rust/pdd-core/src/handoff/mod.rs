@@ -20,6 +20,23 @@
 //!
 //! The protocol, its guarantees and the policy are documented in `docs/handoff.md`.
 
+/// `poll_transmit` and `poll_event`, which every handoff machine drains the same way
+/// from its `transmit` and `events` queues (one definition, so the two sides cannot
+/// drift apart).
+macro_rules! drain_queues {
+    ($event:ty, $peer:literal) => {
+        #[doc = concat!("The next frame to send to ", $peer, ", in order.")]
+        pub fn poll_transmit(&mut self, _now: Timestamp) -> Option<Frame> {
+            self.transmit.pop_front()
+        }
+
+        /// The next event for the engine.
+        pub fn poll_event(&mut self) -> Option<$event> {
+            self.events.pop_front()
+        }
+    };
+}
+
 mod main_decode;
 pub mod pair;
 mod policy;

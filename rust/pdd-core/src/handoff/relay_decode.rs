@@ -331,15 +331,7 @@ impl RelaySide {
         }
     }
 
-    /// The next frame to send to MD, in order.
-    pub fn poll_transmit(&mut self, _now: Timestamp) -> Option<Frame> {
-        self.transmit.pop_front()
-    }
-
-    /// The next event for the engine.
-    pub fn poll_event(&mut self) -> Option<RelayEvent> {
-        self.events.pop_front()
-    }
+    drain_queues!(RelayEvent, "MD");
 
     /// When [`handle_timeout`](Self::handle_timeout) must be called next, if ever.
     pub fn poll_timeout(&self) -> Option<Timestamp> {
