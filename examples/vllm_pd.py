@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 
-from pdd_transport.integrations.vllm_proxy import PdProxy, PdResult, post_json  # noqa: E402
+from pdd_transport.integrations.vllm_proxy import PdProxy, PdResult, post_json, stream_completion  # noqa: E402
 from pdd_transport.wanem import Wanem  # noqa: E402
 
 BLOCK_SIZE = 32
@@ -103,9 +103,11 @@ class Engine:
         kv_config: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
         extra_args: list[str] | None = None,
+        cores: list[int] | None = None,
     ):
         self.name = name
         self.port = port
+        self.cores = cores
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_dir / f"{name}.log"
         self.address_file = log_dir / f"{name}.kvaddr"
@@ -121,6 +123,10 @@ class Engine:
             args += ["--kv-transfer-config", json.dumps(kv_config)]
         args += extra_args or []
         full_env = dict(os.environ, **ENGINE_ENV, **(env or {}))
+        if cores:
+            # One OpenMP thread per listed core, bound there (vLLM's way to run several
+            # CPU instances on one host without their threads meeting on a core).
+            full_env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT / "python"), full_env.get("PYTHONPATH", "")] if p)
         full_env["PDD_VLLM_ADDRESS_FILE"] = str(self.address_file)
         self.address_file.unlink(missing_ok=True)
@@ -187,6 +193,20 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
+def split_cores() -> tuple[list[int] | None, list[int] | None]:
+    """P's and D's cores: the first and the second half of this process's CPUs (the plain
+    instance shares P's: it computes what P computes, and never at the same time). In
+    PDD the two run in different datacenters; here, each on its own cores keeps one
+    engine's threads (vLLM's workers poll for a second after every step) off the other's
+    step. ``None`` for both on a single CPU, or with ``PDD_VLLM_NO_PIN=1`` (vLLM's
+    ``nobind``: every engine's threads float over every core)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2 or os.environ.get("PDD_VLLM_NO_PIN") == "1":
+        return None, None
+    half = len(cpus) // 2
+    return cpus[:half], cpus[half : 2 * half]
+
+
 def pdd_config(role: str, **extra: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "kv_connector": "PddConnector",
@@ -210,20 +230,21 @@ class PdCluster:
         self.log_dir = log_dir
         self.engines: list[Engine] = []
         self.wan: Wanem | None = None
+        p_cores, d_cores = split_cores()
         try:
             # Sessions end after the library's default 5 s of silence. 2 s failed a CI run:
             # three CPU engines on two loaded cores starved both sides' runtimes for 2 s
             # mid-prefill ("peer silent for 2s"), and D recomputed the 2,000-token prompt.
             self.decode = Engine("decode", base_port + 2, self.model, log_dir,
                                  pdd_config(roles[1], pdd_listen="127.0.0.1:0", pdd_dead_after_s=5.0, pdd_allow_debug=True),
-                                 env={"PDD_VLLM_TRACE": "1"})  # fmt: skip
+                                 env={"PDD_VLLM_TRACE": "1"}, cores=d_cores)  # fmt: skip
             self.engines.append(self.decode)
             # P prefills in chunks of 512 tokens: each chunk's pages go out as soon as each
             # layer has computed them (PDD_VLLM_TRACE=1 logs every send).
             self.prefill = Engine("prefill", base_port + 1, self.model, log_dir, pdd_config(roles[0], pdd_listen="127.0.0.1:0", pdd_dead_after_s=5.0),
-                                  env={"PDD_VLLM_TRACE": "1"}, extra_args=["--max-num-batched-tokens", "512"])  # fmt: skip
+                                  env={"PDD_VLLM_TRACE": "1"}, extra_args=["--max-num-batched-tokens", "512"], cores=p_cores)  # fmt: skip
             self.engines.append(self.prefill)
-            self.plain = Engine("plain", base_port, self.model, log_dir) if plain else None
+            self.plain = Engine("plain", base_port, self.model, log_dir, cores=p_cores) if plain else None
             if self.plain is not None:
                 self.engines.append(self.plain)
             for e in self.engines:
@@ -276,30 +297,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # keeps its blocks, then D grants and P pushes), the interval the model describes.
         # Decode first (D and P at once, the default) is timed alternately on other
         # prompts: there D's TTFT holds P's compute, and it is what a client waits for.
-        kv_bytes_total = 0
+        # D's own step for the request once KV is there, measured right after each
+        # prefill-first request and the same way (streamed, request sent -> first token):
+        # the same prompt again, all in D's prefix cache but the block D computes itself.
+        kv_bytes: list[int] = []
+        step: list[float] = []
         e2e_prefill_first: list[float] = []
         ttft_decode_first: list[float] = []
         for r in range(args.repeats):
             wan_before = cluster.wan.stats()
             got = cluster.pd_complete(prompt_ids(2000, 100 + r), 1, order="prefill_first")
-            kv_bytes_total += _wan_bytes(cluster.wan.stats(), wan_before)
+            kv_bytes.append(_wan_bytes(cluster.wan.stats(), wan_before))
             ttft_2000.append(float(got.ttft_s or 0.0))
             e2e_prefill_first.append(float(got.ttft_s or 0.0) + float(got.prefill_s or 0.0))
+            again = stream_completion(cluster.decode.url, {"model": "tiny", "prompt": prompt_ids(2000, 100 + r), "max_tokens": 1,
+                                                           "temperature": 0, "ignore_eos": True})  # fmt: skip
+            step.append(again.token_times_s[0])
             other = cluster.pd_complete(prompt_ids(2000, 200 + r), 1, order="decode_first")
             ttft_decode_first.append(float(other.ttft_s or 0.0))
-        kv_bytes_2000 = kv_bytes_total / max(args.repeats, 1)
-        # D's own step for the request once KV is there: a request whose prompt is all
-        # in D's prefix cache but the last block (the same prompt again, local only).
-        step = []
-        for r in range(args.repeats):
-            p = prompt_ids(2000, 100 + r)
-            t0 = time.perf_counter()
-            post_json(cluster.decode.url, "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": 1, "temperature": 0, "ignore_eos": True})
-            step.append(time.perf_counter() - t0)
+        kv_bytes_2000 = statistics.mean(kv_bytes)
+        line_bytes_per_s = args.rate_gbit * 1e9 / 8
         # P's own compute for the same prompts: a plain instance's time to one token.
         plain_prefill = [cluster.plain_complete(prompt_ids(2000, 100 + r), 1)["elapsed_s"] for r in range(args.repeats)]
         rtt_s = args.rtt_ms / 1000.0
-        model_s = kv_bytes_2000 * 8 / (args.rate_gbit * 1e9) + rtt_s + statistics.median(step)
+        model_s = kv_bytes_2000 / line_bytes_per_s + rtt_s + statistics.median(step)
+        # The same ratio per request, against its own bytes and the step right after it.
+        paired = [t / (b / line_bytes_per_s + rtt_s + st) for t, b, st in zip(ttft_2000, kv_bytes, step)]
         # Negative control: the same prompt with D's received KV zeroed on purpose.
         p = prompt_ids(1000, 7)
         ref = cluster.plain_complete(p, args.tokens)["choices"][0]["token_ids"]
@@ -328,12 +351,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "decode_ttft_s": statistics.median(ttft_2000),
             "decode_ttft_model_s": model_s,
             "ttft_over_model": statistics.median(ttft_2000) / model_s,
+            "ttft_over_model_paired": statistics.median(paired),
             "model_terms": {
                 "kv_bytes": kv_bytes_2000,
                 "line_rate_gbit": args.rate_gbit,
                 "rtt_s": rtt_s,
                 "decode_step_s": statistics.median(step),
             },
+            "decode_step_all_s": step,
+            "cores": {"prefill": cluster.prefill.cores, "decode": cluster.decode.cores},
             # Not a term of the model: a plain instance's request time for one token (P's
             # compute of the prompt), which the client's TTFT holds in either order.
             "plain_prefill_s": statistics.median(plain_prefill),

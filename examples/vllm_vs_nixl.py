@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_pd import Engine, build_tiny_model, pdd_config, prompt_ids  # noqa: E402
+from vllm_pd import Engine, build_tiny_model, pdd_config, prompt_ids, split_cores  # noqa: E402
 
 from pdd_transport.integrations.vllm_proxy import PdProxy, post_json, stream_completion  # noqa: E402
 
@@ -45,10 +45,11 @@ def _tpot(times: list[float]) -> float:
 def run_nixl(log_dir: Path, prompts: list[list[int]], tokens: int, start_timeout: float) -> dict[str, Any]:
     model = build_tiny_model()
     cfg = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
+    p_cores, d_cores = split_cores()  # as for PDD's pair
     p = Engine("nixl-prefill", 18201, model, log_dir, {**cfg, "kv_role": "kv_producer", "engine_id": "nixl-p"},
-               env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "18301"})  # fmt: skip
+               env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "18301"}, cores=p_cores)  # fmt: skip
     d = Engine("nixl-decode", 18202, model, log_dir, {**cfg, "kv_role": "kv_consumer", "engine_id": "nixl-d"},
-               env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "18302"})  # fmt: skip
+               env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "18302"}, cores=d_cores)  # fmt: skip
     try:
         p.wait_ready(start_timeout)
         d.wait_ready(start_timeout)
@@ -71,8 +72,9 @@ def run_nixl(log_dir: Path, prompts: list[list[int]], tokens: int, start_timeout
 
 def run_pdd(log_dir: Path, prompts: list[list[int]], tokens: int, start_timeout: float) -> dict[str, Any]:
     model = build_tiny_model()
-    d = Engine("pdd-decode", 18212, model, log_dir, pdd_config("kv_consumer", pdd_listen="127.0.0.1:0"))
-    p = Engine("pdd-prefill", 18211, model, log_dir, pdd_config("kv_producer"))
+    p_cores, d_cores = split_cores()  # as for NIXL's pair
+    d = Engine("pdd-decode", 18212, model, log_dir, pdd_config("kv_consumer", pdd_listen="127.0.0.1:0"), cores=d_cores)
+    p = Engine("pdd-prefill", 18211, model, log_dir, pdd_config("kv_producer"), cores=p_cores)
     try:
         p.wait_ready(start_timeout)
         d.wait_ready(start_timeout)

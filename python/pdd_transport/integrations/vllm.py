@@ -264,6 +264,12 @@ class PddConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        if _TRACE:  # the scheduler learns that a request's KV landed
+            for req_id in connector_output.finished_recving or ():
+                _trace("d_ready", req_id)
+        super().update_connector_output(connector_output)
+
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         # The load writes the request's own blocks of every group (one group here).
         return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
@@ -377,6 +383,10 @@ class _SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = PddConnectorMetadata(recv=self._pending_recv, idle=scheduler_output.total_num_scheduled_tokens == 0)
+        if _TRACE:  # a step that computes a request whose KV D loaded
+            for rid in scheduler_output.num_scheduled_tokens:
+                if rid in self._recv_started:
+                    _trace("d_scheduled", rid)
         self._pending_recv = []
         if self._send:
             manager = self._conn._kv_cache_manager
