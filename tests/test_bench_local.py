@@ -13,6 +13,8 @@ import pytest
 
 from pdd_transport import local
 from pdd_transport.bench.local import DualConfig, LocalConfig, run_dual, run_local
+from pdd_transport.errors import InvalidArgument
+from pdd_transport.specs import parse_wan
 
 if not local.available():
     if os.environ.get("PDD_REQUIRE_UCX"):
@@ -57,6 +59,22 @@ def test_bench_dual_reports_both_sides() -> None:
     assert r["verified"] is True
     assert r["rld_bytes"] == 8 << 20 and r["wan_bytes"] == 2 << 20
     assert r["rld_seconds_alone"] > 0 and r["rld_seconds_with_wan"] > 0
+    assert r["remote_nice"] == 19 and r["wan"] is None
+
+
+def test_bench_dual_through_the_emulator_in_maindecodes_process() -> None:
+    # The WAN emulator runs in MD's (lower-priority) process, in front of its receiver.
+    r = run_dual(DualConfig(bytes=4 << 20, page_bytes=256 << 10, layers=2, repeat=1, missing=0.5,
+                            wan=parse_wan("10:1"), remote_nice=5))
+    assert r["verified"] is True and r["wan_bytes"] == 2 << 20
+    assert r["wan"]["rtt_ms"] == 10 and r["remote_nice"] == 5
+    # Half the pages at 1 Gbit/s behind a 10 ms line: the WAN side cannot be faster.
+    assert r["wan_seconds"] >= (2 << 20) / 125e6 + 0.005
+
+
+def test_bench_dual_refuses_a_nice_outside_0_to_19() -> None:
+    with pytest.raises(InvalidArgument, match="remote-nice"):
+        run_dual(DualConfig(bytes=4 << 20, layers=2, page_bytes=256 << 10, remote_nice=20))
 
 
 def test_cli_prints_one_json_object() -> None:

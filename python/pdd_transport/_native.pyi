@@ -285,12 +285,15 @@ class KvSender:
         lane_stall_s: float | None = None,
         lane_failover: bool = True,
         sealed_lanes: bool = True,
+        unsent_limit: int = 1048576,
     ) -> KvSender:
         """``lane_stall_s``: a data lane whose bytes stop being acknowledged this
         long is revoked and its blocks move to the other lanes (default: 2 s, or half
         of ``dead_after_s`` where shorter; must be below ``dead_after_s``).
         ``lane_failover=False`` does not offer that (a stalled lane then ends the
-        session after ``dead_after_s``, as with a receiver of an older build)."""
+        session after ``dead_after_s``, as with a receiver of an older build).
+        ``unsent_limit``: bytes a data lane keeps written but not yet sent
+        (TCP_NOTSENT_LOWAT; 0: the whole send buffer), so copies follow the line."""
     @property
     def node_id(self) -> int: ...
     def ensure_connected(self, timeout: float = 10.0) -> None: ...

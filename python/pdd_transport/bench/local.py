@@ -360,8 +360,11 @@ class DualConfig:
     ucx_tls: str | None = None
     seed: int = 0
     timeout: float | None = None
+    remote_nice: int = 19
 
     def check(self) -> None:
+        if not 0 <= self.remote_nice <= 19:
+            raise InvalidArgument(f"--remote-nice must be in 0..19, got {self.remote_nice}", "invalid_argument")
         if not 0 < self.missing <= 1:
             raise InvalidArgument(f"--missing must be in (0, 1], got {self.missing}", "invalid_argument")
         if self.bytes % (self.page_bytes * self.layers):
@@ -377,7 +380,6 @@ def run_dual(cfg: DualConfig, progress: Any = None) -> dict[str, Any]:
     """Run ``bench dual``; the result is what ``--json`` prints."""
     cfg.check()
     from pdd_transport import kv, local
-    from pdd_transport.bench.stream_paths import _via_wan
 
     local.ucx_version()
     timeout = cfg.transfer_timeout()
@@ -395,6 +397,12 @@ def run_dual(cfg: DualConfig, progress: Any = None) -> dict[str, Any]:
         with ExitStack() as stack:
             peer = Peer(timeout)
             stack.callback(peer.close)
+            # MainDecode and the WAN line stand for another datacenter: a process of
+            # their own (the emulator in it, in front of MD's receiver), at a lower CPU
+            # priority, so that on one host they use the CPU that P and RelayDecode
+            # leave. P's own WAN sending stays in P's process at P's priority.
+            md_peer = Peer(timeout, nice=cfg.remote_nice)
+            stack.callback(md_peer.close)
             src = _random_layers(cfg.layers, per_layer, cfg.seed)
             pool = kv.pool_from_buffers(src, cfg.page_bytes)
             order = list(range(pages))
@@ -405,11 +413,11 @@ def run_dual(cfg: DualConfig, progress: Any = None) -> dict[str, Any]:
             stack.callback(to_rld.close)
             peer.request("local_wait_peer", slot=1, timeout=30.0)
             # MainDecode: the WAN path, only the missing pages (its pool holds just those).
-            r = peer.request("pdd_open", slot=2, layers=cfg.layers, pages=missing, page_bytes=cfg.page_bytes)
-            address = stack.enter_context(_via_wan(r["address"], cfg.wan))
-            to_md = kv.KvSender(pool, address, lanes=cfg.lanes)
+            r = md_peer.request("pdd_open", slot=2, layers=cfg.layers, pages=missing, page_bytes=cfg.page_bytes,
+                                wan=None if cfg.wan is None else cfg.wan.wanem_kwargs())
+            to_md = kv.KvSender(pool, r["address"], lanes=cfg.lanes)
             stack.callback(to_md.close)
-            peer.request("pdd_wait_peer", slot=2, timeout=30.0)
+            md_peer.request("pdd_wait_peer", slot=2, timeout=30.0)
             rid = 0
             for rep in range(cfg.repeat):
                 for dual in (False, True) if rep % 2 == 0 else (True, False):
@@ -418,7 +426,7 @@ def run_dual(cfg: DualConfig, progress: Any = None) -> dict[str, Any]:
                     rld_out = to_rld.wait_grant(rid, timeout=timeout)
                     md_out = None
                     if dual:
-                        peer.request("pdd_grant", slot=2, request_id=rid, seed=cfg.seed + rid, timeout=timeout)
+                        md_peer.request("pdd_grant", slot=2, request_id=rid, seed=cfg.seed + rid, timeout=timeout)
                         md_out = to_md.wait_grant(rid, timeout=timeout)
                     sender = local.DualSender(rld_out, md_out, order, timeout=timeout)
                     for layer in range(cfg.layers):
@@ -434,7 +442,7 @@ def run_dual(cfg: DualConfig, progress: Any = None) -> dict[str, Any]:
                     got = peer.request("local_digests", slot=1, timeout=timeout)["digests"]
                     verified &= got == digests
                     if dual:
-                        got = peer.request("pdd_digests", slot=2, timeout=timeout)["digests"]
+                        got = md_peer.request("pdd_digests", slot=2, timeout=timeout)["digests"]
                         want = page_digests(src, cfg.page_bytes, order[pages - missing:])
                         verified &= got == want
                 if progress is not None:
@@ -460,6 +468,7 @@ def run_dual(cfg: DualConfig, progress: Any = None) -> dict[str, Any]:
         "verified": verified,
         "wan": None if cfg.wan is None else cfg.wan.to_json(),
         "ucx_tls": cfg.ucx_tls or os.environ.get("UCX_TLS") or "default",
+        "remote_nice": cfg.remote_nice,
         "runs": {"rld_seconds_alone": [round(x, 6) for x in alone],
                  "rld_seconds_with_wan": [round(x, 6) for x in with_wan]},
     }
@@ -488,6 +497,9 @@ def add_parsers(bench_sub: Any, add_wan: Any, run: Any) -> None:
         else:
             b.add_argument("--missing", type=float, default=0.25, help="share of pages MD lacks (default %(default)s)")
             b.add_argument("--lanes", type=int, default=DEFAULT_LANES, help="WAN data lanes (default %(default)s)")
+            b.add_argument("--remote-nice", type=int, default=19,
+                           help="nice of the process holding MD's receiver and the WAN emulator (another datacenter; "
+                                "0: as P and RLD) (default %(default)s)")
             add_wan(b, "the line to MainDecode", None, 0.0)
         b.set_defaults(run=run)
 
@@ -500,7 +512,7 @@ def run_args(args: Any, wan: Any, progress: Any = None) -> dict[str, Any]:
                   seed=args.seed, timeout=args.timeout)
     if args.bench == "dual":
         return run_dual(DualConfig(page_bytes=parse_size(args.page_bytes), missing=args.missing, lanes=args.lanes,
-                                   wan=wan, **common), progress)
+                                   wan=wan, remote_nice=args.remote_nice, **common), progress)
     return run_local(LocalConfig(page_bytes=[parse_size(p) for p in args.page_bytes.split(",") if p],
                                  baselines=not args.no_baselines, nixl_python=args.nixl_python,
                                  nixl_threads=args.nixl_threads, **common), progress)

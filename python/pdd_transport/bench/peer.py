@@ -9,9 +9,10 @@ requests and replies are plain JSON.
 Requests (``cmd``):
 
 - ``ping``; ``cpu``: this process's CPU seconds so far (every thread) -> ``cpu``
-- ``pdd_open`` (slot, layers, pages, page_bytes, socket_buffer, congestion, tls, secret_hex): a
-  KvReceiver over a
-  fresh pool, on the bind address, port 0 -> ``address``
+- ``pdd_open`` (slot, layers, pages, page_bytes, socket_buffer, congestion, tls, secret_hex,
+  wan): a KvReceiver over a fresh pool, on the bind address, port 0 -> ``address``;
+  with ``wan`` (``Wanem`` keyword arguments) a WAN emulator in this process in front
+  of it, whose address ``address`` then is
 - ``pdd_wait_peer`` (slot) -> ``peer``
 - ``pdd_grant`` (slot, request_id, seed): zero the pool, grant a random permutation
   of its pages on every layer
@@ -56,6 +57,7 @@ class _Slot:
     rx: kv.KvReceiver | local.LocalReceiver
     order: np.ndarray[Any, np.dtype[np.uint32]] | None = None
     transfer: kv.InboundTransfer | local.LocalInbound | None = None
+    wan: Any = None  # the Wanem in front of rx, if any
 
 
 class _Receiver:
@@ -79,6 +81,7 @@ class _Receiver:
         congestion: str | None = None,
         tls: dict[str, Any] | None = None,
         secret_hex: str | None = None,
+        wan: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         arrays = [np.zeros(pages * page_bytes, dtype=np.uint8) for _ in range(layers)]
         pool = kv.pool_from_buffers(arrays, page_bytes)
@@ -93,7 +96,12 @@ class _Receiver:
                            secret=secret)
         self.slots[slot] = _Slot(arrays, page_bytes, pages, rx)
         host, port = rx.address
-        return {"address": f"{host}:{port}"}
+        if wan is None:
+            return {"address": f"{host}:{port}"}
+        from pdd_transport.wanem import Wanem
+
+        self.slots[slot].wan = em = Wanem(f"{host}:{port}", f"{BIND}:0", **wan)
+        return {"address": em.address_str}
 
     def local_open(self, slot: int, layers: int, pages: int, page_bytes: int) -> dict[str, Any]:
         arrays = [np.zeros(pages * page_bytes, dtype=np.uint8) for _ in range(layers)]
@@ -197,6 +205,8 @@ class _Receiver:
     def close(self) -> None:
         for s in self.slots.values():
             s.rx.close()
+            if s.wan is not None:
+                s.wan.close()
         if self.sock_listener is not None:
             self.sock_listener.close()
         if self.zmq_pull is not None:

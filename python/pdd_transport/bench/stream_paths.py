@@ -74,7 +74,9 @@ class PeerError(TransportError):
 class Peer:
     """The receiver child process: one JSON request line in, one JSON reply line out."""
 
-    def __init__(self, timeout: float, packet_end: dict[str, str] | None = None) -> None:
+    def __init__(self, timeout: float, packet_end: dict[str, str] | None = None, nice: int = 0) -> None:
+        """``nice`` > 0 runs the process (and every thread it starts) at that lower
+        CPU priority (``nice -n``)."""
         env = dict(os.environ)
         # The child must print nothing but replies on stdout (UCX logs to stdout
         # unless told otherwise).
@@ -85,6 +87,8 @@ class Peer:
             # In end B's namespace, listening on end B's address.
             prefix = ["ip", "netns", "exec", packet_end["ns_b"]]
             env["PDD_BENCH_BIND"] = packet_end["addr_b"]
+        if nice > 0:
+            prefix = ["nice", "-n", str(nice), *prefix]
         self._proc = subprocess.Popen(
             [*prefix, sys.executable, "-m", "pdd_transport.bench.peer"],
             stdin=subprocess.PIPE,

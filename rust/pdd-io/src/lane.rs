@@ -42,6 +42,13 @@ pub struct SocketTuning {
     /// TCP congestion control (`"bbr"`, `"cubic"`); ignored with a warning counter when
     /// the kernel refuses it.
     pub congestion: Option<String>,
+    /// TCP_NOTSENT_LOWAT: the most bytes a lane keeps written but not yet sent. Without
+    /// it a write fills the whole send buffer at once (here 2 x 4 MiB per lane), so a
+    /// sender behind a slow line copies and checksums (or seals) tens of MiB in one
+    /// burst when a transfer starts, on the cores a local transfer running at the same
+    /// moment needs; with it the copies follow the line's pace. Bytes in flight (sent,
+    /// not yet acknowledged) are not limited by it.
+    pub unsent_limit: Option<usize>,
 }
 
 impl Default for SocketTuning {
@@ -49,9 +56,14 @@ impl Default for SocketTuning {
         SocketTuning {
             buffer_bytes: Some(8 << 20),
             congestion: None,
+            unsent_limit: Some(DEFAULT_UNSENT_LIMIT),
         }
     }
 }
+
+/// The default [`SocketTuning::unsent_limit`]: 1 MiB per lane, 0.3 ms of a 100 Gbit/s
+/// line shared by 4 lanes, far longer than a lane's writer takes to wake.
+pub const DEFAULT_UNSENT_LIMIT: usize = 1 << 20;
 
 /// Apply tuning to a connected stream. Returns whether the congestion control
 /// requested was applied (false if none was requested or the kernel refused).
@@ -63,10 +75,36 @@ pub fn tune(stream: &TcpStream, tuning: &SocketTuning, nodelay: bool) -> bool {
         let _ = sock.set_send_buffer_size(n);
         let _ = sock.set_recv_buffer_size(n);
     }
+    if let Some(n) = tuning.unsent_limit {
+        set_unsent_limit(stream, n);
+    }
     match &tuning.congestion {
         Some(cc) => sock.set_tcp_congestion(cc.as_bytes()).is_ok(),
         None => false,
     }
+}
+
+/// Best effort, as the buffer sizes: a kernel without TCP_NOTSENT_LOWAT (Linux < 3.12)
+/// leaves the whole send buffer writable, which works, only in bursts.
+fn set_unsent_limit(stream: &TcpStream, n: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        let v = libc::c_int::try_from(n).unwrap_or(libc::c_int::MAX);
+        // SAFETY: a socket descriptor this stream owns, and an option value of the
+        // c_int size given.
+        unsafe {
+            libc::setsockopt(
+                stream.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_NOTSENT_LOWAT,
+                std::ptr::addr_of!(v).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (stream, n);
 }
 
 fn lost(e: std::io::Error, what: &str) -> Error {
@@ -754,5 +792,51 @@ mod crc_tests {
             crc32c_append(0, &data[..3 << 20]),
             crc32c::crc32c(&data[..3 << 20])
         );
+    }
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tuning_tests {
+    use super::{tune, SocketTuning};
+    use std::os::fd::AsRawFd;
+
+    fn notsent_lowat(stream: &tokio::net::TcpStream) -> u32 {
+        let mut v: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: a live socket and an out-parameter of the size given.
+        let rc = unsafe {
+            libc::getsockopt(
+                stream.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_NOTSENT_LOWAT,
+                std::ptr::addr_of_mut!(v).cast(),
+                &mut len,
+            )
+        };
+        assert_eq!(rc, 0, "getsockopt: {}", std::io::Error::last_os_error());
+        v as u32
+    }
+
+    #[tokio::test]
+    async fn tune_sets_the_unsent_limit_and_none_leaves_the_kernels() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let a = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let b = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let kernel_default = notsent_lowat(&b);
+        tune(&a, &SocketTuning::default(), true);
+        assert_eq!(notsent_lowat(&a), 1 << 20);
+        let small = SocketTuning {
+            unsent_limit: Some(64 << 10),
+            ..SocketTuning::default()
+        };
+        tune(&a, &small, true);
+        assert_eq!(notsent_lowat(&a), 64 << 10);
+        let off = SocketTuning {
+            unsent_limit: None,
+            ..SocketTuning::default()
+        };
+        tune(&b, &off, true);
+        assert_eq!(notsent_lowat(&b), kernel_default);
     }
 }

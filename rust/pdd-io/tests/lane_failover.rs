@@ -48,7 +48,7 @@ fn zero_pool() -> Arc<PagePool> {
 fn tuning() -> SocketTuning {
     SocketTuning {
         buffer_bytes: Some(BUFFER),
-        congestion: None,
+        ..SocketTuning::default()
     }
 }
 

@@ -55,6 +55,7 @@ pub fn tuning(socket_buffer: usize, congestion: Option<String>) -> SocketTuning 
     SocketTuning {
         buffer_bytes: (socket_buffer > 0).then_some(socket_buffer),
         congestion,
+        ..SocketTuning::default()
     }
 }
 

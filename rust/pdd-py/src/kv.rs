@@ -440,7 +440,7 @@ pub struct KvSender {
 #[pymethods]
 impl KvSender {
     #[new]
-    #[pyo3(signature = (pool, connect, *, lanes = 4, node_id = None, role = "prefill", secret = None, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, block_bytes = 1048576, socket_buffer = 8388608, congestion = None, max_payload = 16777216, lane_stall_s = None, lane_failover = true, sealed_lanes = true))]
+    #[pyo3(signature = (pool, connect, *, lanes = 4, node_id = None, role = "prefill", secret = None, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, block_bytes = 1048576, socket_buffer = 8388608, congestion = None, max_payload = 16777216, lane_stall_s = None, lane_failover = true, sealed_lanes = true, unsent_limit = 1048576))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -461,6 +461,7 @@ impl KvSender {
         lane_stall_s: Option<f64>,
         lane_failover: bool,
         sealed_lanes: bool,
+        unsent_limit: usize,
     ) -> PyResult<Self> {
         let mut hello = LocalHello::new(self::role(role)?, capability::KV_STREAM);
         hello.secret = secret.map(|c| bytes::Bytes::copy_from_slice(&c));
@@ -479,6 +480,7 @@ impl KvSender {
         cfg.connect_timeout = seconds(connect_timeout_s, "connect_timeout_s")?;
         cfg.max_block_bytes = block_bytes;
         cfg.tuning = tuning(socket_buffer, congestion);
+        cfg.tuning.unsent_limit = (unsent_limit > 0).then_some(unsent_limit);
         let pool = pool.pool.clone();
         let tx = block_on(py, sender::KvSender::connect(pool, cfg))?.map_err(PddErr)?;
         Ok(KvSender {

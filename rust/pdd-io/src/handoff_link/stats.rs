@@ -49,6 +49,7 @@ impl Default for LinkConfig {
                 // Control lane: small frames; the kernel default buffers are plenty.
                 buffer_bytes: None,
                 congestion: None,
+                unsent_limit: None,
             },
             secret: None,
             allow_insecure: false,
