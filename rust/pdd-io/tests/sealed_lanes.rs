@@ -76,9 +76,13 @@ fn metric(m: &Metrics, name: &str) -> u64 {
 }
 
 async fn receiver(page: u32, pki: &TestPki, sealed: bool) -> KvReceiver {
+    // The bit set by hand too: `sealed_lanes = false` must clear it, not only not add it.
     let mut cfg = ReceiverConfig::new(
         "127.0.0.1:0".parse().unwrap(),
-        LocalHello::new(Role::MainDecode, capability::KV_STREAM),
+        LocalHello::new(
+            Role::MainDecode,
+            capability::KV_STREAM | capability::SEALED_LANES,
+        ),
     );
     cfg.tls = Some(receiver_tls(pki));
     cfg.sealed_lanes = sealed;
@@ -142,7 +146,8 @@ async fn sealed_lanes_carry_pages_of_every_size() {
 }
 
 /// Either end without sealed lanes (a peer of an older build): the lanes stay in TLS
-/// records and the bytes still land.
+/// records and the bytes still land. Both ends' HELLOs carry the sealed-lanes bit set
+/// by hand: `sealed_lanes = false` clears it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_sealed_lanes_on_either_end_tls_records_carry_the_kv() {
     let pki = pki();
@@ -153,7 +158,10 @@ async fn without_sealed_lanes_on_either_end_tls_records_carry_the_kv() {
         let mut cfg = SenderConfig::new(
             rx.local_addr(),
             SENDER,
-            LocalHello::new(Role::Prefill, capability::KV_STREAM),
+            LocalHello::new(
+                Role::Prefill,
+                capability::KV_STREAM | capability::SEALED_LANES,
+            ),
         );
         cfg.tls = Some(sender_tls(&pki));
         cfg.sealed_lanes = tx_sealed;
