@@ -458,6 +458,8 @@ def run_dual(cfg: DualConfig, progress: Any = None) -> dict[str, Any]:
         "rld_seconds_alone": round(a, 6),
         "rld_seconds_with_wan": round(w, 6),
         "ratio_with_wan_vs_alone": round(w / a, 3),
+        # Each repetition's two transfers ran back to back: their own ratio, median.
+        "ratio_paired_median": round(statistics.median(x / y for x, y in zip(with_wan, alone)), 3),
         "wan_seconds": round(statistics.median(wan_seconds), 6),
         "rld_bytes": cfg.bytes,
         "wan_bytes": missing * cfg.page_bytes * cfg.layers,
