@@ -178,6 +178,9 @@ struct Scripted {
     control: lane::LaneStream,
     data: tokio::net::TcpStream,
     keys: LaneKeys,
+    /// What a further data lane of this session authenticates with.
+    key: LaneKey,
+    hello: LocalHello,
 }
 
 async fn scripted(rx: &KvReceiver, pki: &TestPki) -> Scripted {
@@ -210,6 +213,8 @@ async fn scripted(rx: &KvReceiver, pki: &TestPki) -> Scripted {
         control: c.stream,
         data,
         keys,
+        key,
+        hello: h,
     }
 }
 
@@ -334,4 +339,62 @@ async fn a_forged_head_record_ends_the_lane_and_touches_no_grant() {
     for p in [0, 1] {
         assert!(rx.pool().copy_page(0, p).unwrap().iter().all(|&b| b == 0));
     }
+}
+
+/// A data lane whose sender goes away right after its HELLO (a TCP close, no TLS
+/// close_notify, so the receiver switches to sealed records and then reads the end)
+/// ends alone: no violation, and the session and its other data lane carry transfers
+/// on. (A close_notify that reached rustls before the switch takes the switch's own
+/// quiet path; its timing cannot be forced from here.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_data_lane_closed_right_after_its_hello_ends_alone() {
+    let pki = pki();
+    let page = 4096;
+    let rx = receiver(page, &pki, true).await;
+    let mut s = scripted(&rx, &pki).await;
+    let tls = sender_tls(&pki);
+    let t = SocketTuning::default();
+    for lane_no in [2u16, 3] {
+        let d = lane::connect(
+            rx.local_addr(),
+            &s.hello,
+            SENDER,
+            lane_no,
+            &s.key,
+            &t,
+            Some(&tls),
+            BOUND,
+        )
+        .await
+        .unwrap();
+        drop(d.stream);
+    }
+    for request in 1..=2u64 {
+        // Give the receiver time to see the closes before (and between) the transfers;
+        // correctness does not depend on it, only what the test exercises.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let inbound = rx
+            .grant(request, &[0, 1], Some(1), Some(SENDER), None)
+            .unwrap();
+        let tid = inbound.grant.transfer_id;
+        let pages: Vec<Vec<u8>> = (0..2u8)
+            .map(|p| vec![p ^ request as u8 ^ 0x5a; page as usize])
+            .collect();
+        let wire = sealed_block(&mut s.keys, &block(tid, page), &pages);
+        s.data.write_all(&wire).await.unwrap();
+        let done = Frame::KvDone(KvDone {
+            transfer_id: tid,
+            chunk_count: 1,
+            byte_count: 2 * u64::from(page),
+        });
+        lane::write_frame(&mut s.control, &done, 1 << 20)
+            .await
+            .unwrap();
+        bounded(inbound.wait()).await.unwrap();
+        assert_eq!(rx.pool().copy_page(0, 1).unwrap(), pages[1]);
+    }
+    assert_eq!(metric(rx.metrics(), "violations_total"), 0);
+    assert_eq!(metric(rx.metrics(), "sessions_lost_total"), 0);
+    assert_eq!(metric(rx.metrics(), "checksum_failures_total"), 0);
+    assert_eq!(metric(rx.metrics(), "transfers_completed_total"), 2);
 }
