@@ -239,6 +239,19 @@ fn sealed_block(keys: &mut LaneKeys, block: &KvBlock, pages: &[Vec<u8>]) -> Vec<
     out
 }
 
+/// The KV_DONE, on the scripted sender's control lane, of a transfer sent as one
+/// [`block`] of two pages.
+async fn send_done(s: &mut Scripted, transfer_id: u64, page_bytes: u32) {
+    let done = Frame::KvDone(KvDone {
+        transfer_id,
+        chunk_count: 1,
+        byte_count: 2 * u64::from(page_bytes),
+    });
+    lane::write_frame(&mut s.control, &done, 1 << 20)
+        .await
+        .unwrap();
+}
+
 fn block(transfer_id: u64, page_bytes: u32) -> KvBlock {
     KvBlock {
         transfer_id,
@@ -265,13 +278,6 @@ async fn the_receiver_opens_sealed_records_in_the_pages_and_refuses_forged_ones(
             .map(|p| (0..page as usize).map(|i| (i as u8) ^ fill ^ p).collect())
             .collect()
     };
-    let done = |transfer_id: u64| {
-        Frame::KvDone(KvDone {
-            transfer_id,
-            chunk_count: 1,
-            byte_count: 2 * u64::from(page),
-        })
-    };
 
     // A cancelled transfer's block is drained: read past, not opened.
     let cancelled = rx.grant(1, &[0, 1], Some(1), Some(SENDER), None).unwrap();
@@ -288,9 +294,7 @@ async fn the_receiver_opens_sealed_records_in_the_pages_and_refuses_forged_ones(
     let tid = inbound.grant.transfer_id;
     let wire = sealed_block(&mut s.keys, &block(tid, page), &bytes(0x3c));
     s.data.write_all(&wire).await.unwrap();
-    lane::write_frame(&mut s.control, &done(tid), 1 << 20)
-        .await
-        .unwrap();
+    send_done(&mut s, tid, page).await;
     bounded(inbound.wait()).await.unwrap();
     assert_eq!(rx.pool().copy_page(0, 2).unwrap(), bytes(0x3c)[0]);
     assert_eq!(rx.pool().copy_page(0, 3).unwrap(), bytes(0x3c)[1]);
@@ -382,14 +386,7 @@ async fn a_data_lane_closed_right_after_its_hello_ends_alone() {
             .collect();
         let wire = sealed_block(&mut s.keys, &block(tid, page), &pages);
         s.data.write_all(&wire).await.unwrap();
-        let done = Frame::KvDone(KvDone {
-            transfer_id: tid,
-            chunk_count: 1,
-            byte_count: 2 * u64::from(page),
-        });
-        lane::write_frame(&mut s.control, &done, 1 << 20)
-            .await
-            .unwrap();
+        send_done(&mut s, tid, page).await;
         bounded(inbound.wait()).await.unwrap();
         assert_eq!(rx.pool().copy_page(0, 1).unwrap(), pages[1]);
     }
