@@ -39,6 +39,18 @@ def test_bench_local_reports_verified_figures_with_its_baselines() -> None:
     for c in r["compare"]:
         assert c["baseline_nixl_gbytes_per_s"] is None and c["ratio_vs_nixl"] is None
     assert all("nixl_gbytes_per_s" not in one for one in r["runs"])
+    # RelayDecode's pool is a shared allocation by default: every byte copied directly.
+    assert r["pool"] == "shared" and r["direct_share"] == 1.0
+    assert all(c["direct_share"] == 1.0 for c in r["compare"])
+
+
+def test_bench_local_over_a_registered_pool_puts_every_byte() -> None:
+    r = run_local(LocalConfig(bytes=2 << 20, page_bytes=[1 << 20, 4 << 10], repeat=1, baselines=False,
+                              pool="registered"))
+    assert r["verified"] is True and r["pool"] == "registered"
+    assert all(c["direct_share"] == 0.0 for c in r["compare"])
+    with pytest.raises(InvalidArgument, match="--pool"):
+        run_local(LocalConfig(bytes=2 << 20, pool="heap"))
 
 
 @pytest.mark.skipif(not os.environ.get("PDD_NIXL_PYTHON"), reason="PDD_NIXL_PYTHON (an interpreter with NIXL) not set")
@@ -54,6 +66,13 @@ def test_bench_local_pairs_nixl_at_every_page_size() -> None:
         assert set(one["nixl_gbytes_per_s"]) == {str(p) for p in sizes} and one["nixl_verified"] is True
 
 
+def _ratio_of(w: float, a: float) -> object:
+    """w / a as recomputed from two times the report rounded to the microsecond, within
+    what that rounding (and the ratio's own, to 3 decimals) can move it."""
+    one = w / a
+    return pytest.approx(one, abs=one * (0.5e-6 / a + 0.5e-6 / w) * 1.01 + 5e-4)
+
+
 def test_bench_dual_reports_both_sides() -> None:
     r = run_dual(DualConfig(bytes=8 << 20, page_bytes=256 << 10, layers=2, repeat=1, missing=0.25))
     assert r["verified"] is True
@@ -61,8 +80,16 @@ def test_bench_dual_reports_both_sides() -> None:
     assert r["rld_seconds_alone"] > 0 and r["rld_seconds_with_wan"] > 0
     assert r["remote_nice"] == 19 and r["wan"] is None
     # From the runs as reported (rounded to the microsecond): within the rounding.
-    one = r["runs"]["rld_seconds_with_wan"][0] / r["runs"]["rld_seconds_alone"][0]
-    assert r["ratio_paired_median"] == pytest.approx(one, abs=2e-3)
+    assert r["ratio_paired_median"] == _ratio_of(r["runs"]["rld_seconds_with_wan"][0], r["runs"]["rld_seconds_alone"][0])
+    # The memcpy baseline: the same bytes copied alone and beside the same WAN transfer.
+    assert r["pool"] == "shared"
+    assert r["baseline_memcpy_seconds_alone"] > 0 and r["baseline_memcpy_seconds_with_wan"] > 0
+    copy = _ratio_of(r["runs"]["memcpy_seconds_with_wan"][0], r["runs"]["memcpy_seconds_alone"][0])
+    assert r["baseline_memcpy_ratio_with_wan_vs_alone"] == copy
+    bare = run_dual(DualConfig(bytes=4 << 20, page_bytes=256 << 10, layers=2, repeat=1, baselines=False,
+                               pool="registered"))
+    assert bare["verified"] is True and bare["pool"] == "registered"
+    assert bare["baseline_memcpy_ratio_with_wan_vs_alone"] is None and bare["runs"]["memcpy_seconds_alone"] == []
 
 
 def test_bench_dual_through_the_emulator_in_maindecodes_process() -> None:

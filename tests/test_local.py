@@ -38,8 +38,12 @@ def source_backing() -> np.ndarray:
     return rng.integers(1, 255, (LAYERS, PAGES, PAGE), dtype=np.uint8)
 
 
-def zeros_pool() -> tuple[kv.KvPool, np.ndarray]:
-    backing = np.zeros((LAYERS, PAGES, PAGE), np.uint8)
+def zeros_pool(shared: bool = False) -> tuple[kv.KvPool, np.ndarray]:
+    if shared:
+        backing = local.shared_buffers(1, LAYERS * PAGES * PAGE)[0].reshape(LAYERS, PAGES, PAGE)
+        assert not backing.any()
+    else:
+        backing = np.zeros((LAYERS, PAGES, PAGE), np.uint8)
     return kv.pool_from_buffers(backing, PAGE, num_layers=LAYERS), backing
 
 
@@ -55,18 +59,21 @@ SENDER = textwrap.dedent(
     for layer in range(out.layer_count):
         out.send_layer(layer, %r)
     out.finish()
-    print(out.wait(timeout=20))
+    print(out.wait(timeout=20), tx.metrics()["local_direct_bytes_total"])
     tx.close()
     """
     % SRC
 )
 
 
+@pytest.mark.parametrize("pool_kind", ["registered", "shared"])
 @pytest.mark.parametrize("ucx_tls", ["sm,self", "tcp,self"])
-def test_two_processes_land_exactly_the_granted_pages(ucx_tls: str) -> None:
+def test_two_processes_land_exactly_the_granted_pages(ucx_tls: str, pool_kind: str) -> None:
     # UCX's worker is per process and reads UCX_TLS once: this process leaves it
     # unset (every transport), the sender's is restricted to the one under test.
-    pool, mem = zeros_pool()
+    # A shared pool (memory UCX allocated) is mapped by a sender on shared memory,
+    # which copies every page itself; over TCP it cannot be mapped and gets puts.
+    pool, mem = zeros_pool(shared=pool_kind == "shared")
     rx = local.LocalReceiver(pool)
     addr = "%s:%d" % rx.address
     child = subprocess.Popen([sys.executable, "-c", SENDER, addr, "7"], stdout=subprocess.PIPE,
@@ -77,16 +84,38 @@ def test_two_processes_land_exactly_the_granted_pages(ucx_tls: str) -> None:
         assert inbound.wait(timeout=30) == LAYERS * len(DEST) * PAGE
         out, err = child.communicate(timeout=30)
         assert child.returncode == 0, err
-        assert int(out.strip()) == LAYERS * len(DEST) * PAGE
+        landed, direct = map(int, out.split())
+        assert landed == LAYERS * len(DEST) * PAGE
+        assert direct == (landed if (pool_kind, ucx_tls) == ("shared", "sm,self") else 0)
     finally:
         child.kill()
         rx.close()
     src = source_backing()
     for layer in range(LAYERS):
         for d, s in zip(DEST, SRC):
-            assert np.array_equal(mem[layer, d], src[layer, s]), (ucx_tls, layer, d)
+            assert np.array_equal(mem[layer, d], src[layer, s]), (ucx_tls, pool_kind, layer, d)
         outside = [p for p in range(PAGES) if p not in DEST]
-        assert not mem[layer, outside].any(), f"{ucx_tls}: a page outside the grant was written"
+        assert not mem[layer, outside].any(), f"{ucx_tls} {pool_kind}: a page outside the grant was written"
+
+
+def test_shared_buffers_are_zeroed_views_of_one_allocation_that_lives_with_them() -> None:
+    import gc
+    import weakref
+
+    arrays = local.shared_buffers(2, 12288)
+    assert [a.shape for a in arrays] == [(12288,), (12288,)] and all(a.dtype == np.uint8 for a in arrays)
+    assert not any(a.any() for a in arrays)
+    owner = arrays[0].base
+    assert owner is arrays[1].base and owner.nbytes == 2 * 12288
+    assert arrays[1].ctypes.data - arrays[0].ctypes.data == 12288
+    arrays[1][-1] = 7  # writable, and the last byte is inside the allocation
+    gone = weakref.ref(owner)
+    del owner, arrays
+    gc.collect()
+    assert gone() is None, "the allocation is released with the last array over it"
+    for bad in ((0, 4096), (1, 0)):
+        with pytest.raises(InvalidArgument):
+            local.shared_buffers(*bad)
 
 
 @pytest.fixture
@@ -288,3 +317,31 @@ def test_prefill_role_send_is_the_dual_path_send() -> None:
         to_md.close()
         rld.close()
         md.close()
+
+
+def test_an_engine_pool_in_shared_memory_is_copied_into_directly() -> None:
+    # torch (the engine's) is a hard requirement of the test extra, as in test_engine.
+    from pdd_transport.engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(num_pages=8), shared_pool=True)
+    assert not engine.pool.any()
+    layers, pb = engine.config.num_layers, engine.page_bytes
+    src = np.random.default_rng(3).integers(1, 255, (layers, 8, pb), dtype=np.uint8)
+    rx = local.LocalReceiver(engine.kv_pool())
+    tx = local.LocalSender(kv.pool_from_buffers(src, pb, num_layers=layers), "%s:%d" % rx.address)
+    try:
+        rx.wait_peer(timeout=10)
+        inbound = rx.grant(5, [6, 1], deadline_s=30)
+        out = tx.wait_grant(5, timeout=10)
+        for layer in range(layers):
+            out.send_layer(layer, [2, 4])
+        out.finish()
+        assert inbound.wait(timeout=10) == out.wait(timeout=10) == layers * 2 * pb
+        assert tx.metrics()["local_direct_bytes_total"] == layers * 2 * pb
+    finally:
+        tx.close()
+        rx.close()
+    # The pages landed in the engine's own tensor (direct bytes == all bytes above).
+    backing = engine._backing.numpy().view(np.uint8).reshape(layers, 8, pb)
+    assert np.array_equal(backing[:, [6, 1]], src[:, [2, 4]])
+    assert not backing[:, [0, 2, 3, 4, 5, 7]].any()

@@ -12,7 +12,8 @@ __all__ = [
     "PROTOCOL_VERSIONS", "FRAME_KINDS", "ABORT_REASONS", "ROLES", "CAPABILITIES",
     "SEALED_LANE_CRYPTO", "encode_frame", "decode_frame", "encode_handoff", "negotiate_hello",
     "FrameDecoder", "KvPool", "KvReceiver", "KvSender", "InboundTransfer", "OutboundTransfer",
-    "LocalReceiver", "LocalSender", "LocalInbound", "LocalOutbound", "ucx_version", "KvPoll",
+    "LocalReceiver", "LocalSender", "LocalInbound", "LocalOutbound", "ucx_version", "shared_buffers",
+    "SharedAllocation", "KvPoll",
     "LayerComplete", "TransferComplete", "TransferFailed", "PrefixQueried", "request_id_of",
     "RadixCache", "RadixNode", "RadixMatch", "RadixInsert", "PrefixMirror", "chain_hashes", "Wanem",
     "PacketEmulator", "WanEstimate", "PipelinePolicy", "AnomalyPolicy", "RouteDecision",
@@ -830,6 +831,19 @@ def make_test_pki(directory: str | os.PathLike[str], names: Sequence[str]) -> di
 # The local (UCX) path: pdd_transport.local.
 
 def ucx_version() -> str: ...
+def shared_buffers(layers: int, layer_bytes: int) -> list[npt.NDArray[np.uint8]]:
+    """``layers`` zeroed uint8 arrays of ``layer_bytes`` each, in one allocation UCX
+    made (shared memory on one host; its base object is a :class:`SharedAllocation`):
+    a ``LocalReceiver`` over a pool of them grants pages without registering them,
+    and a local sender on the same host copies into them directly."""
+
+@final
+class SharedAllocation:
+    """Memory UCX allocated (:func:`shared_buffers`), released with the last array over it."""
+
+    @property
+    def nbytes(self) -> int: ...
+
 @final
 class LocalReceiver:
     """The local path's receiver: exposes exactly the pages it grants to UCX puts."""

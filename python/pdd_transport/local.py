@@ -5,9 +5,11 @@ over whatever UCX finds (shared memory / CMA on one host, TCP across hosts, verb
 where an RDMA NIC exists), with the WAN path's grant rules: the receiver exposes
 exactly the pages it granted, and revokes them when the transfer ends. Control
 (grants, completion notices) runs on one authenticated control lane, as on the WAN.
-UCX is loaded when first asked for: where ``libucp.so.0`` is missing,
-:func:`available` is False and the constructors raise ``TransportError``
-(``local_path_unavailable``, naming the library).
+A receiver's pool in memory UCX allocated (:func:`shared_buffers`) takes the KV by one
+copy that a sender on the same host makes itself, with no work on the receiver's side
+(``docs/kv.md``, "Shared pools"). UCX is loaded when first asked for: where
+``libucp.so.0`` is missing, :func:`available` is False and the constructors raise
+``TransportError`` (``local_path_unavailable``, naming the library).
 
 Receiver (RelayDecode)::
 
@@ -42,6 +44,7 @@ from pdd_transport._native import (
     LocalSender,
     TransferComplete,
     TransferFailed,
+    shared_buffers,
     ucx_version,
 )
 from pdd_transport.errors import InvalidArgument, PddError
@@ -56,6 +59,7 @@ __all__ = [
     "PolledLocalReceiver",
     "SideOutcome",
     "available",
+    "shared_buffers",
     "ucx_version",
 ]
 

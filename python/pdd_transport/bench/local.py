@@ -55,6 +55,17 @@ __all__ = ["DualConfig", "LocalConfig", "add_parsers", "run_args", "run_dual", "
 MiB = 1 << 20
 
 
+POOLS = ("shared", "registered")
+"""RelayDecode's pool in ``bench local`` / ``bench dual``: ``shared``, memory UCX
+allocated (``local.shared_buffers``: on one host the sender maps it and copies once);
+``registered``, numpy arrays whose granted pages are registered with UCX per grant."""
+
+
+def _check_pool(pool: str) -> None:
+    if pool not in POOLS:
+        raise InvalidArgument(f"--pool must be one of {', '.join(POOLS)}, got {pool!r}", "invalid_argument")
+
+
 @dataclass
 class LocalConfig:
     """What one ``bench local`` run measures."""
@@ -69,8 +80,10 @@ class LocalConfig:
     timeout: float | None = None
     nixl_python: str | None = None
     nixl_threads: int = 4
+    pool: str = "shared"
 
     def check(self) -> None:
+        _check_pool(self.pool)
         if not self.page_bytes:
             raise InvalidArgument("--page-bytes needs at least one size", "invalid_argument")
         if self.repeat < 1 or self.repeat > 100:
@@ -98,7 +111,8 @@ class LocalPath:
         self.pages = per_layer // page_bytes
         self.src_pages = np.arange(self.pages, dtype=np.uint32)
         self.src_digests = page_digests(src, page_bytes, range(self.pages))
-        r = peer.request("local_open", slot=slot, layers=cfg.layers, pages=self.pages, page_bytes=page_bytes)
+        r = peer.request("local_open", slot=slot, layers=cfg.layers, pages=self.pages, page_bytes=page_bytes,
+                         pool=cfg.pool)
         self.ucx_version = r["ucx_version"]
         self.pool = kv.pool_from_buffers(src, page_bytes)
         self.tx = local.LocalSender(self.pool, r["address"], put_timeout_s=cfg.transfer_timeout())
@@ -117,6 +131,7 @@ class LocalPath:
     def transfer(self, out: Any) -> dict[str, Any]:
         timeout = self.cfg.transfer_timeout()
         child_cpu0 = self.peer.request("cpu")["cpu"]
+        direct0 = self.tx.metrics()["local_direct_bytes_total"]
         cpu0, t0 = time.process_time(), time.perf_counter()
         for layer in range(self.cfg.layers):
             out.send_layer(layer, self.src_pages, timeout=timeout)
@@ -124,8 +139,9 @@ class LocalPath:
         landed: int = out.wait(timeout=timeout)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         cpu += self.peer.request("cpu")["cpu"] - child_cpu0
+        direct = self.tx.metrics()["local_direct_bytes_total"] - direct0
         return {"seconds": seconds, "gbytes_per_s": landed / seconds / 1e9, "bytes": landed,
-                "cpu_s_per_gbyte": cpu / (landed / 1e9)}
+                "cpu_s_per_gbyte": cpu / (landed / 1e9), "direct_share": direct / landed}
 
     def run_once(self, rep: int) -> dict[str, Any]:
         out, grant_seconds = self.prepare(rep)
@@ -257,6 +273,9 @@ def run_local(cfg: LocalConfig, progress: Any = None) -> dict[str, Any]:
             "seconds": _round(med_path(i, "seconds"), 6),
             "grant_seconds": _round(med_path(i, "grant_seconds"), 6),
             "cpu_s_per_gbyte": _round(med_path(i, "cpu_s_per_gbyte")),
+            # Share of the bytes the sender copied into a mapped shared pool itself
+            # (the rest went by UCX puts).
+            "direct_share": _round(med_path(i, "direct_share"), 3),
             "ratio_vs_main": _round(paired_path(i, lambda r: r["paths"][main]["gbytes_per_s"]), 3),
             "ratio_vs_wan": _round(paired_path(i, lambda r: r.get("wan_gbytes_per_s")), 3),
             "baseline_ucx_perftest_gbytes_per_s": _round(
@@ -284,6 +303,8 @@ def run_local(cfg: LocalConfig, progress: Any = None) -> dict[str, Any]:
         "repeat": cfg.repeat,
         "ucx_version": ucx_version,
         "ucx_tls": cfg.ucx_tls or os.environ.get("UCX_TLS") or "default",
+        "pool": cfg.pool,
+        "direct_share": head["direct_share"],
         "grant_seconds": head["grant_seconds"],
         "cpu_s_per_gbyte": head["cpu_s_per_gbyte"],
         "baseline_wan_gbytes_per_s": _round(_median([r.get("wan_gbytes_per_s") for r in runs])),
@@ -361,8 +382,11 @@ class DualConfig:
     seed: int = 0
     timeout: float | None = None
     remote_nice: int = 19
+    pool: str = "shared"
+    baselines: bool = True
 
     def check(self) -> None:
+        _check_pool(self.pool)
         if not 0 <= self.remote_nice <= 19:
             raise InvalidArgument(f"--remote-nice must be in 0..19, got {self.remote_nice}", "invalid_argument")
         if not 0 < self.missing <= 1:
@@ -392,6 +416,8 @@ def run_dual(cfg: DualConfig, progress: Any = None) -> dict[str, Any]:
     alone: list[float] = []
     with_wan: list[float] = []
     wan_seconds: list[float] = []
+    copy_alone: list[float] = []
+    copy_with_wan: list[float] = []
     verified = True
     try:
         with ExitStack() as stack:
@@ -408,7 +434,8 @@ def run_dual(cfg: DualConfig, progress: Any = None) -> dict[str, Any]:
             order = list(range(pages))
             digests = page_digests(src, cfg.page_bytes, order)
             # RelayDecode: the local path, the whole KV.
-            r = peer.request("local_open", slot=1, layers=cfg.layers, pages=pages, page_bytes=cfg.page_bytes)
+            r = peer.request("local_open", slot=1, layers=cfg.layers, pages=pages, page_bytes=cfg.page_bytes,
+                             pool=cfg.pool)
             to_rld = local.LocalSender(pool, r["address"], put_timeout_s=timeout)
             stack.callback(to_rld.close)
             peer.request("local_wait_peer", slot=1, timeout=30.0)
@@ -419,15 +446,26 @@ def run_dual(cfg: DualConfig, progress: Any = None) -> dict[str, Any]:
             stack.callback(to_md.close)
             md_peer.request("pdd_wait_peer", slot=2, timeout=30.0)
             rid = 0
+
+            def wan_grant() -> Any:
+                md_peer.request("pdd_grant", slot=2, request_id=rid, seed=cfg.seed + rid, timeout=timeout)
+                return to_md.wait_grant(rid, timeout=timeout)
+
+            def check_md() -> bool:
+                got = md_peer.request("pdd_digests", slot=2, timeout=timeout)["digests"]
+                return bool(got == page_digests(src, cfg.page_bytes, order[pages - missing:]))
+
+            # The baseline: one thread of this process copying the same bytes into
+            # memory of its own (what the shared pool's sender does, without UCX),
+            # alone and beside the same WAN transfer: what the WAN side costs a copy
+            # on this host, measured in the same run.
+            copy_dst = [np.ones_like(layer) for layer in src]
             for rep in range(cfg.repeat):
                 for dual in (False, True) if rep % 2 == 0 else (True, False):
                     rid += 1
                     peer.request("local_grant", slot=1, request_id=rid, seed=cfg.seed + rid, timeout=timeout)
                     rld_out = to_rld.wait_grant(rid, timeout=timeout)
-                    md_out = None
-                    if dual:
-                        md_peer.request("pdd_grant", slot=2, request_id=rid, seed=cfg.seed + rid, timeout=timeout)
-                        md_out = to_md.wait_grant(rid, timeout=timeout)
+                    md_out = wan_grant() if dual else None
                     sender = local.DualSender(rld_out, md_out, order, timeout=timeout)
                     for layer in range(cfg.layers):
                         sender.send_layer(layer)
@@ -442,9 +480,26 @@ def run_dual(cfg: DualConfig, progress: Any = None) -> dict[str, Any]:
                     got = peer.request("local_digests", slot=1, timeout=timeout)["digests"]
                     verified &= got == digests
                     if dual:
-                        got = md_peer.request("pdd_digests", slot=2, timeout=timeout)["digests"]
-                        want = page_digests(src, cfg.page_bytes, order[pages - missing:])
-                        verified &= got == want
+                        verified &= check_md()
+                if cfg.baselines:
+                    for dual in (True, False) if rep % 2 == 0 else (False, True):
+                        rid += 1
+                        wan_side = local.DualSender(None, wan_grant(), order, timeout=timeout) if dual else None
+                        if wan_side is not None:
+                            for layer in range(cfg.layers):
+                                wan_side.send_layer(layer)
+                            wan_side.finish()
+                        t0 = time.perf_counter()
+                        for d, s_ in zip(copy_dst, src):
+                            np.copyto(d, s_)
+                        (copy_with_wan if dual else copy_alone).append(time.perf_counter() - t0)
+                        if wan_side is not None:
+                            w_out = wan_side.wait().wan
+                            if w_out is None or not w_out.ok:
+                                raise InvalidArgument(f"bench dual: the baseline's WAN side failed: {w_out}",
+                                                      "internal")
+                            verified &= check_md()
+                    verified &= all(np.array_equal(d, s_) for d, s_ in zip(copy_dst, src))
                 if progress is not None:
                     progress(f"bench dual: repeat {rep + 1}/{cfg.repeat} done")
     finally:
@@ -470,9 +525,26 @@ def run_dual(cfg: DualConfig, progress: Any = None) -> dict[str, Any]:
         "verified": verified,
         "wan": None if cfg.wan is None else cfg.wan.to_json(),
         "ucx_tls": cfg.ucx_tls or os.environ.get("UCX_TLS") or "default",
+        "pool": cfg.pool,
         "remote_nice": cfg.remote_nice,
+        **_copy_baseline(copy_alone, copy_with_wan),
         "runs": {"rld_seconds_alone": [round(x, 6) for x in alone],
-                 "rld_seconds_with_wan": [round(x, 6) for x in with_wan]},
+                 "rld_seconds_with_wan": [round(x, 6) for x in with_wan],
+                 "memcpy_seconds_alone": [round(x, 6) for x in copy_alone],
+                 "memcpy_seconds_with_wan": [round(x, 6) for x in copy_with_wan]},
+    }
+
+
+def _copy_baseline(alone: list[float], with_wan: list[float]) -> dict[str, Any]:
+    """``bench dual``'s memcpy baseline fields (None without baselines)."""
+    if not alone or not with_wan:
+        return {"baseline_memcpy_seconds_alone": None, "baseline_memcpy_seconds_with_wan": None,
+                "baseline_memcpy_ratio_with_wan_vs_alone": None}
+    return {
+        "baseline_memcpy_seconds_alone": round(statistics.median(alone), 6),
+        "baseline_memcpy_seconds_with_wan": round(statistics.median(with_wan), 6),
+        # Paired, as ratio_paired_median: each repetition's two copies back to back.
+        "baseline_memcpy_ratio_with_wan_vs_alone": round(statistics.median(w / a for w, a in zip(with_wan, alone)), 3),
     }
 
 
@@ -489,8 +561,12 @@ def add_parsers(bench_sub: Any, add_wan: Any, run: Any) -> None:
             b.add_argument(flag, type=type(default), default=default, help="(default %(default)s)")
         b.add_argument("--ucx-tls", help="UCX_TLS for both processes (e.g. sm,self, tcp,self); default: UCX's choice")
         b.add_argument("--timeout", type=float, help="bound per transfer in seconds (default from --bytes)")
+        b.add_argument("--pool", choices=POOLS, default="shared",
+                       help="RelayDecode's pool: memory UCX allocated, which a sender on this host maps and copies "
+                            "into once (shared), or numpy arrays registered per grant (registered) (default %(default)s)")
+        b.add_argument("--no-baselines", action="store_true", help="measure only the local path" if name == "local"
+                       else "skip the memcpy baseline (a copy of the same bytes alone and beside the WAN transfer)")
         if name == "local":
-            b.add_argument("--no-baselines", action="store_true", help="measure only the local path")
             b.add_argument("--nixl-python", metavar="PATH", default=os.environ.get("PDD_NIXL_PYTHON") or None,
                            help="interpreter of a venv with NIXL, for the NIXL baseline (default: $PDD_NIXL_PYTHON;"
                                 " unset: NIXL is not run)")
@@ -511,10 +587,11 @@ def run_args(args: Any, wan: Any, progress: Any = None) -> dict[str, Any]:
     from pdd_transport.specs import parse_size
 
     common = dict(bytes=parse_size(args.bytes), layers=args.layers, repeat=args.repeat, ucx_tls=args.ucx_tls,
-                  seed=args.seed, timeout=args.timeout)
+                  seed=args.seed, timeout=args.timeout, pool=args.pool)
     if args.bench == "dual":
         return run_dual(DualConfig(page_bytes=parse_size(args.page_bytes), missing=args.missing, lanes=args.lanes,
-                                   wan=wan, remote_nice=args.remote_nice, **common), progress)
+                                   wan=wan, remote_nice=args.remote_nice, baselines=not args.no_baselines, **common),
+                        progress)
     return run_local(LocalConfig(page_bytes=[parse_size(p) for p in args.page_bytes.split(",") if p],
                                  baselines=not args.no_baselines, nixl_python=args.nixl_python,
                                  nixl_threads=args.nixl_threads, **common), progress)

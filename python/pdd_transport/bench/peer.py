@@ -18,8 +18,10 @@ Requests (``cmd``):
   of its pages on every layer
 - ``pdd_digests`` (slot): wait for the transfer, then the digest of every granted
   page in grant order -> ``bytes``, ``digests``
-- ``local_open`` (slot, layers, pages, page_bytes): a local-path ``LocalReceiver``
-  (UCX) over a fresh pool -> ``address``; ``local_wait_peer``, ``local_grant``,
+- ``local_open`` (slot, layers, pages, page_bytes, pool): a local-path ``LocalReceiver``
+  (UCX) over a fresh pool (``pool``: ``shared``, memory UCX allocated, see
+  ``local.shared_buffers``; ``registered``, numpy arrays whose granted pages are
+  registered per grant) -> ``address``; ``local_wait_peer``, ``local_grant``,
   ``local_digests``: as the ``pdd_*`` commands, for that slot
 - ``sock_listen`` (bytes) -> ``address``; ``sock_recv``: accept one connection and
   ``recv_into`` a buffer until ``bytes`` arrived -> ``bytes``, ``cpu``
@@ -103,8 +105,13 @@ class _Receiver:
         self.slots[slot].wan = em = Wanem(f"{host}:{port}", f"{BIND}:0", **wan)
         return {"address": em.address_str}
 
-    def local_open(self, slot: int, layers: int, pages: int, page_bytes: int) -> dict[str, Any]:
-        arrays = [np.zeros(pages * page_bytes, dtype=np.uint8) for _ in range(layers)]
+    def local_open(self, slot: int, layers: int, pages: int, page_bytes: int, pool: str = "shared") -> dict[str, Any]:
+        if pool == "shared":
+            arrays = local.shared_buffers(layers, pages * page_bytes)
+        elif pool == "registered":
+            arrays = [np.zeros(pages * page_bytes, dtype=np.uint8) for _ in range(layers)]
+        else:
+            raise ValueError(f"pool must be 'shared' or 'registered', got {pool!r}")
         rx = local.LocalReceiver(kv.pool_from_buffers(arrays, page_bytes), "127.0.0.1:0")
         self.slots[slot] = _Slot(arrays, page_bytes, pages, rx)
         host, port = rx.address

@@ -43,9 +43,9 @@ def emit(event: str, **fields: Any) -> None:
         sys.stdout.flush()
 
 
-def make_engine(cfg: dict[str, Any]) -> Engine:
+def make_engine(cfg: dict[str, Any], shared_pool: bool = False) -> Engine:
     ec = EngineConfig(num_pages=int(cfg["pages"]), page_tokens=int(cfg["page_tokens"]))
-    return Engine(ec, wire_page_bytes=int(cfg["wire_page_bytes"]))
+    return Engine(ec, wire_page_bytes=int(cfg["wire_page_bytes"]), shared_pool=shared_pool)
 
 
 def security(cfg: dict[str, Any]) -> Security:
@@ -125,7 +125,9 @@ def run_prefill(cfg: dict[str, Any]) -> None:
 
 
 def run_decoder(cfg: dict[str, Any], name: str) -> None:
-    engine = make_engine(cfg)
+    # RelayDecode on the local path keeps its KV in memory UCX allocated: Prefill's
+    # process maps it and copies each page in once (docs/kv.md, "Shared pools").
+    engine = make_engine(cfg, shared_pool=name == "relay" and bool(cfg.get("local_path")))
     role: RelayDecodeRole | MainDecodeRole
     if name == "relay":
         from pdd_transport.handoff import HandoffPolicy

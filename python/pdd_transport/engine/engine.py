@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from pdd_transport.engine.model import EngineConfig, Weights, init_weights
@@ -69,6 +70,10 @@ class Engine:
     KV volume on an emulated WAN. The padding stays zero; ``pool`` is then a strided
     view of the padded backing tensor that :meth:`kv_pool` registers.
 
+    ``shared_pool``: allocate the pool through UCX (:func:`pdd_transport.local.shared_buffers`)
+    instead of the heap: a RelayDecode on the local path then receives every page by
+    one copy that Prefill's process makes straight into it (``docs/kv.md``).
+
     ``num_threads``: torch intra-op threads during a forward pass (the process's
     setting is restored after it). The default, 1, suits a model this small: handing
     its tiny ops to a second thread costs more than it saves, and on a busy 2-core
@@ -82,6 +87,7 @@ class Engine:
         *,
         num_threads: int = 1,
         wire_page_bytes: int | None = None,
+        shared_pool: bool = False,
     ) -> None:
         if not isinstance(num_threads, int) or num_threads < 1:
             raise _invalid(f"num_threads must be an int >= 1, got {num_threads!r}")
@@ -93,7 +99,14 @@ class Engine:
         if padded < real or padded % 4:
             raise _invalid(f"wire_page_bytes must be a multiple of 4 and >= {real}, got {wire_page_bytes!r}")
         cfg = self.config
-        self._backing = torch.zeros((cfg.num_layers, cfg.num_pages, padded // 4), dtype=torch.float32)
+        shape = (cfg.num_layers, cfg.num_pages, padded // 4)
+        if shared_pool:
+            from pdd_transport.local import shared_buffers
+
+            flat = shared_buffers(1, cfg.num_layers * cfg.num_pages * padded)[0]
+            self._backing = torch.from_numpy(flat.view(np.float32).reshape(shape))
+        else:
+            self._backing = torch.zeros(shape, dtype=torch.float32)
         self._page_bytes = padded
         view = self._backing[:, :, : real // 4]
         self.pool: torch.Tensor = view.unflatten(2, cfg.pool_shape[2:])  # type: ignore[no-untyped-call]

@@ -45,6 +45,9 @@ counters! {
     /// Data lanes that left TLS's record layer for sealed records (capability
     /// `sealed_lanes`): their KV is decrypted inside the pages.
     lanes_sealed_total: "counter", "TLS data lanes switched to sealed page-aligned records";
+    /// Local sender: page bytes copied straight into a receiver's shared pool
+    /// (one copy; the rest of `bytes_sent_total` went by UCX puts).
+    local_direct_bytes_total: "counter", "local path: page bytes copied straight into the receiver's mapped pool";
     /// Blocks of ended transfers read and discarded.
     blocks_drained_total: "counter", "late KV blocks of ended transfers, discarded";
     /// Sender: data lanes given up for a stall and revoked (their blocks moved to

@@ -15,6 +15,7 @@ use pdd_core::Error;
 use pdd_io::lane::{self, LaneKey, SocketTuning};
 use pdd_io::local::receiver::{LocalReceiver, LocalReceiverConfig};
 use pdd_io::local::sender::{LocalSender, LocalSenderConfig};
+use pdd_io::local::shared::SharedAllocation;
 use pdd_io::local::LocalStatus;
 use pdd_io::pool::{MemoryRegion, PagePool};
 
@@ -42,6 +43,24 @@ fn ucx_here() -> bool {
 fn pool(fill: impl Fn(u16, usize) -> u8) -> Arc<PagePool> {
     let layers = (0..LAYERS)
         .map(|l| MemoryRegion::from_vec((0..(PAGES * PB) as usize).map(|i| fill(l, i)).collect()))
+        .collect();
+    Arc::new(PagePool::new(layers, PB).unwrap())
+}
+
+/// A zeroed pool inside memory UCX allocated (`SharedAllocation`): granted without
+/// registration, and a sender on this host copies into it directly.
+fn shared_pool() -> Arc<PagePool> {
+    let len = (PAGES * PB) as usize;
+    let alloc = Arc::new(SharedAllocation::new(usize::from(LAYERS) * len).unwrap());
+    let layers = (0..usize::from(LAYERS))
+        .map(|l| {
+            // SAFETY: layer l lies inside the allocation, which the region's owner
+            // (a clone of the Arc) keeps mapped.
+            unsafe {
+                MemoryRegion::from_raw(alloc.as_ptr().add(l * len), len, Box::new(alloc.clone()))
+            }
+            .unwrap()
+        })
         .collect();
     Arc::new(PagePool::new(layers, PB).unwrap())
 }
@@ -76,6 +95,8 @@ async fn pair() -> (LocalReceiver, LocalSender) {
 const DEST: [u32; 9] = [5, 6, 7, 30, 2, 19, 20, 11, 0];
 const SRC: [u32; 9] = [9, 10, 11, 3, 31, 1, 2, 25, 16];
 const CHILD_ENV: &str = "PDD_TEST_LOCAL_CHILD_ADDR";
+/// "1": the child sender must have copied every byte directly; "0": none.
+const CHILD_DIRECT_ENV: &str = "PDD_TEST_LOCAL_CHILD_DIRECT";
 
 /// The sender's half of the round trip: grant for request 7, every layer from the
 /// shuffled SRC pages.
@@ -107,6 +128,15 @@ async fn send_all(addr: std::net::SocketAddr) {
             .unwrap(),
         want
     );
+    let direct = tx
+        .metrics()
+        .local_direct_bytes_total
+        .load(std::sync::atomic::Ordering::Relaxed);
+    match std::env::var(CHILD_DIRECT_ENV).as_deref() {
+        Ok("1") => assert_eq!(direct, want, "every byte copied into the mapped pool"),
+        Ok("0") => assert_eq!(direct, 0, "no mapped pool: every byte by UCX puts"),
+        _ => {}
+    }
     // The keys are revoked with the grant: the handle refuses to put again.
     let again = out.send_layer(0, 0, &SRC).await.unwrap_err();
     assert!(
@@ -130,13 +160,17 @@ async fn child_sender_process() {
 
 /// Receiver here, sender in a second process restricted to the transports `tls`
 /// allows (shared memory and CMA only reach another process).
-async fn roundtrip(tls: &str) {
+async fn roundtrip(tls: &str, shared: bool, direct: bool) {
     let _g = ENV.lock().await;
     if !ucx_here() {
         return;
     }
     let rx = LocalReceiver::start(
-        pool(|_, _| 0),
+        if shared {
+            shared_pool()
+        } else {
+            pool(|_, _| 0)
+        },
         LocalReceiverConfig::new(
             "127.0.0.1:0".parse().unwrap(),
             LocalHello::new(Role::RelayDecode, capability::KV_STREAM),
@@ -153,6 +187,7 @@ async fn roundtrip(tls: &str) {
             "--test-threads=1",
         ])
         .env(CHILD_ENV, addr.to_string())
+        .env(CHILD_DIRECT_ENV, if direct { "1" } else { "0" })
         .env("UCX_TLS", tls)
         .kill_on_drop(true)
         .output();
@@ -209,12 +244,28 @@ async fn roundtrip(tls: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_memory_roundtrip_between_two_processes() {
-    roundtrip("sm,self").await;
+    roundtrip("sm,self", false, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_roundtrip_between_two_processes() {
-    roundtrip("tcp,self").await;
+    roundtrip("tcp,self", false, false).await;
+}
+
+/// A pool in memory UCX allocated: the sender process maps it and copies every page
+/// itself (one copy), the receiver registers nothing and does not poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_pool_is_copied_into_directly_by_the_sender_process() {
+    roundtrip("sm,self", true, true).await;
+}
+
+/// The same pool, the sender restricted to TCP (`UCX_TLS=tcp,self` leaves out the
+/// shared-memory components, so the key cannot be mapped there): the sender falls
+/// back to UCX puts over TCP, which land while the receiver's worker keeps spinning
+/// after each event (a shared pool's grant holds no busy guard).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_pool_with_a_tcp_only_sender() {
+    roundtrip("tcp,self", true, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -484,5 +535,66 @@ async fn connections_past_the_bound_are_closed_unanswered() {
         tokio::time::timeout(Duration::from_millis(500), fourth.read(&mut byte))
             .await
             .is_err()
+    );
+}
+
+/// A key the sender maps is used only inside the mapping its unpack attached: a
+/// region address (from the receiver) that points past it is refused before any
+/// byte is copied, so a receiver cannot aim the copies at the sender's own memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mapped_key_never_copies_outside_its_mapping() {
+    use pdd_io::local::shared::shared_key;
+    use pdd_io::local::ucx::{PutOp, UcxEndpoint};
+    let _g = ENV.lock().await;
+    if !ucx_here() {
+        return;
+    }
+    let len = 1 << 16;
+    let alloc = SharedAllocation::new(len).unwrap();
+    let base = alloc.as_ptr() as u64;
+    let key = shared_key(base as usize, len).unwrap().to_vec();
+    assert!(shared_key(base as usize, len + 1).is_none());
+    let ep = UcxEndpoint::start().unwrap();
+    ep.connect(ep.worker_address().to_vec()).await.unwrap();
+    let ids = ep.unpack(vec![(key.clone(), base)]).await.unwrap();
+    assert!(
+        ids[0].1,
+        "a key of memory UCX allocated on this host is mapped and kept"
+    );
+    // Unpacked again (the next grant): the kept key, not a second mapping.
+    assert_eq!(ep.unpack(vec![(key, base)]).await.unwrap(), ids);
+    let src = vec![0xabu8; 4096];
+    let op = |remote: u64, len: usize| PutOp {
+        src: src.as_ptr() as usize,
+        len,
+        remote,
+        rkey: ids[0].0,
+    };
+    let inside = op(base + 4096, 4096);
+    // SAFETY: `src` outlives the calls.
+    let direct = unsafe { ep.put_all(vec![inside], Duration::from_secs(5)) }
+        .await
+        .unwrap();
+    assert_eq!(direct, 4096);
+    // SAFETY: the allocation is alive; the copy above completed.
+    let landed = unsafe { std::slice::from_raw_parts(alloc.as_ptr().add(4096), 4096) };
+    assert!(landed.iter().all(|&b| b == 0xab));
+    let here = src.as_ptr() as u64;
+    for bad in [
+        op(base + len as u64 - 8, 16),
+        op(base + (1 << 40), 8),
+        op(here, 8),
+    ] {
+        // SAFETY: as above.
+        let e = unsafe { ep.put_all(vec![bad], Duration::from_secs(5)) }
+            .await
+            .unwrap_err();
+        assert_eq!(e.reason(), "grant_violation", "{e}");
+    }
+    // SAFETY: as above.
+    let tail = unsafe { std::slice::from_raw_parts(alloc.as_ptr().add(len - 8), 8) };
+    assert!(
+        tail.iter().all(|&b| b == 0),
+        "nothing copied by a refused op"
     );
 }

@@ -25,7 +25,64 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<LocalInbound>()?;
     m.add_class::<LocalOutbound>()?;
     m.add_function(wrap_pyfunction!(ucx_version, m)?)?;
+    m.add_function(wrap_pyfunction!(shared_buffers, m)?)?;
+    m.add_class::<SharedAllocation>()?;
     Ok(())
+}
+
+/// Memory UCX allocated for a receiver's pool (`shared_buffers`): the base object of
+/// the arrays over it, released when the last of them is gone.
+#[pyclass(frozen, weakref, module = "pdd_transport._native")]
+pub struct SharedAllocation {
+    inner: pdd_io::local::shared::SharedAllocation,
+}
+
+#[pymethods]
+impl SharedAllocation {
+    /// Bytes allocated.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.len()
+    }
+}
+
+/// `layers` zeroed uint8 arrays of `layer_bytes` each, in one allocation UCX made
+/// (shared memory on one host): a `LocalReceiver` over a pool of them grants pages
+/// without registering them, and a local sender on the same host copies into them
+/// directly (one copy, nothing for the receiver to do). See docs/kv.md.
+#[pyfunction]
+#[pyo3(signature = (layers, layer_bytes))]
+fn shared_buffers(py: Python<'_>, layers: usize, layer_bytes: usize) -> PyResult<Vec<Py<PyAny>>> {
+    if layers == 0 || layer_bytes == 0 {
+        return Err(crate::errors::invalid(format!(
+            "shared_buffers needs layers >= 1 and layer_bytes >= 1, got {layers} and {layer_bytes}"
+        )));
+    }
+    let total = layers.checked_mul(layer_bytes).ok_or_else(|| {
+        crate::errors::invalid(format!("{layers} x {layer_bytes} bytes overflows"))
+    })?;
+    let inner = py
+        .detach(|| pdd_io::local::shared::SharedAllocation::new(total))
+        .map_err(PddErr)?;
+    let base = inner.as_ptr();
+    let owner = Bound::new(py, SharedAllocation { inner })?;
+    (0..layers)
+        .map(|i| {
+            // SAFETY: layer i is `layer_bytes` bytes at base + i * layer_bytes,
+            // inside the allocation (total = layers x layer_bytes), which `owner`
+            // keeps mapped for as long as an array over it lives (it is their base
+            // object).
+            let view = unsafe {
+                numpy::ndarray::ArrayView1::from_shape_ptr(layer_bytes, base.add(i * layer_bytes))
+            };
+            // SAFETY: as above: the memory stays valid and in place while `owner`
+            // (the array's base) lives.
+            let arr = unsafe {
+                numpy::PyArray1::<u8>::borrow_from_array(&view, owner.clone().into_any())
+            };
+            Ok(arr.into_any().unbind())
+        })
+        .collect()
 }
 
 /// UCX's version (`"1.13.1"`), loading libucp if needed; raises `TransportError`

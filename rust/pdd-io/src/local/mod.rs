@@ -23,6 +23,7 @@
 
 pub mod receiver;
 pub mod sender;
+pub mod shared;
 pub mod ucx;
 pub mod ucx_ffi;
 

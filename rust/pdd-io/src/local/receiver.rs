@@ -79,8 +79,8 @@ fn control_max(shared: &Shared, peer: u64) -> u32 {
 }
 
 struct Entry {
-    /// Keeps the UCX thread progressing while the transfer lives.
-    _busy: super::ucx::BusyGuard,
+    /// Keeps the UCX thread progressing while the transfer lives (registered pages).
+    _busy: Option<super::ucx::BusyGuard>,
     session: u64,
     grant: KvGrant,
     memory: Vec<u64>,
@@ -281,36 +281,55 @@ impl LocalReceiver {
             st.grant_to(peer, id, request_id, pages, layers, deadline_ms)?
         };
         // Register exactly the granted pages: one region per run of consecutive
-        // pool pages, per layer.
+        // pool pages, per layer. Pages inside memory the receiver had UCX allocate
+        // (`SharedAllocation`) are not registered: their region carries the
+        // allocation's key, which a sender on this host maps and copies into.
         let pb = shared.pool.page_bytes() as usize;
         let mut regions = Vec::new();
+        let mut keys: Vec<Option<Arc<[u8]>>> = Vec::new();
         let mut spans = Vec::new();
+        let mut to_map = Vec::new();
         for layer in 0..layers {
             for r in runs(pages) {
                 let addr = shared.pool.page_addr(layer, r.pool_start)?;
-                spans.push((addr, r.count as usize * pb));
+                let len = r.count as usize * pb;
+                let key = super::shared::shared_key(addr, len);
+                if key.is_none() {
+                    to_map.push((addr, len));
+                }
+                keys.push(key);
+                spans.push(addr);
                 regions.push((layer, r));
             }
         }
-        let mapped = match shared.ucx.map(spans.clone()).await {
-            Ok(m) => m,
-            Err(e) => {
-                lock(&shared.state).fail(grant.transfer_id, e.clone());
-                return Err(e);
+        let registered = !to_map.is_empty();
+        let mapped = if registered {
+            match shared.ucx.map(to_map).await {
+                Ok(m) => m,
+                Err(e) => {
+                    lock(&shared.state).fail(grant.transfer_id, e.clone());
+                    return Err(e);
+                }
             }
+        } else {
+            Vec::new()
         };
+        let mut fresh = mapped.iter();
         let local = LocalGrant {
             transfer_id: grant.transfer_id,
             regions: regions
                 .iter()
-                .zip(&mapped)
+                .zip(&keys)
                 .zip(&spans)
-                .map(|(((layer, r), (_, key)), (addr, _))| LocalRegion {
+                .map(|(((layer, r), key), addr)| LocalRegion {
                     layer: *layer,
                     page_start: r.grant_start,
                     page_count: r.count,
                     remote_addr: *addr as u64,
-                    rkey: Bytes::copy_from_slice(key),
+                    rkey: match key {
+                        Some(k) => Bytes::copy_from_slice(k),
+                        None => Bytes::copy_from_slice(fresh.next().map_or(&[][..], |m| &m.1)),
+                    },
                 })
                 .collect(),
         };
@@ -319,7 +338,11 @@ impl LocalReceiver {
         lock(&shared.transfers).insert(
             grant.transfer_id,
             Entry {
-                _busy: shared.ucx.busy(),
+                // Registered pages take UCX puts, which land only while this side's
+                // worker progresses (emulated puts); into a shared allocation the
+                // sender copies itself, and the worker's spin after any event covers
+                // a sender that cannot map it and puts instead.
+                _busy: registered.then(|| shared.ucx.busy()),
                 session: peer,
                 grant: grant.clone(),
                 memory,

@@ -363,9 +363,14 @@ async fn read_loop(shared: Arc<Shared>, mut control: Control) {
                     control.end(&e);
                     break e;
                 }
-                let keys = match shared
+                let unpacked = match shared
                     .ucx
-                    .unpack(l.regions.iter().map(|r| r.rkey.to_vec()).collect())
+                    .unpack(
+                        l.regions
+                            .iter()
+                            .map(|r| (r.rkey.to_vec(), r.remote_addr))
+                            .collect(),
+                    )
                     .await
                 {
                     Ok(k) => k,
@@ -381,8 +386,8 @@ async fn read_loop(shared: Arc<Shared>, mut control: Control) {
                 let regions = l
                     .regions
                     .iter()
-                    .zip(&keys)
-                    .map(|(r, &k)| Region {
+                    .zip(&unpacked)
+                    .map(|(r, &(k, _))| Region {
                         layer: r.layer,
                         page_start: r.page_start,
                         page_count: r.page_count,
@@ -390,6 +395,9 @@ async fn read_loop(shared: Arc<Shared>, mut control: Control) {
                         rkey: k,
                     })
                     .collect();
+                // Keys of mapped memory stay for the session (UcxEndpoint::unpack);
+                // the others are this grant's, destroyed when it ends.
+                let keys = unpacked.iter().filter(|k| !k.1).map(|k| k.0).collect();
                 lock(&shared.ready)
                     .entry(grant.request_id)
                     .or_default()
@@ -550,6 +558,9 @@ impl LocalOutbound {
         // across the call; the engine may not modify source pages until the
         // transfer completes (the documented contract of send_layer).
         let put = unsafe { self.shared.ucx.put_all(ops, self.shared.cfg.put_timeout) }.await;
+        if let Ok(direct) = put {
+            Metrics::add(&self.shared.metrics.local_direct_bytes_total, direct);
+        }
         if let Err(e) = put {
             let _ = self.shared.control.send(Frame::Abort(Abort {
                 request_id: g.request_id,

@@ -33,6 +33,7 @@ use pdd_core::Error;
 use tokio::sync::oneshot;
 
 use super::lock;
+use super::shared::{attached_mapping, check_distance, populate, shared_mappings, Mapped};
 use super::ucx_ffi::{self as ffi, Api, Handle, Nbx};
 
 /// Longest sleep of an idle worker thread between two progress calls.
@@ -41,6 +42,9 @@ pub const IDLE_WAIT: Duration = Duration::from_millis(1);
 pub const SPIN: Duration = Duration::from_millis(2);
 /// Bound on closing an endpoint (a peer that went away answers nothing).
 const CLOSE_BOUND: Duration = Duration::from_secs(1);
+/// Keys of mapped memory one endpoint keeps unpacked (one per receiver pool
+/// allocation in practice); past this, such keys are unpacked per grant.
+pub const MAX_SESSION_KEYS: usize = 1024;
 
 /// One put: `len` bytes at local `src` to `remote` under the unpacked key `rkey`.
 #[derive(Debug, Clone, Copy)]
@@ -56,17 +60,21 @@ pub struct PutOp {
     pub rkey: u64,
 }
 
-type Command = Box<dyn FnOnce(&mut State) + Send>;
+pub(super) type Command = Box<dyn FnOnce(&mut State) + Send>;
 
 /// The worker thread's UCX objects.
-struct State {
-    api: &'static Api,
-    context: Handle,
-    worker: Handle,
-    eps: HashMap<u64, Handle>,
-    memhs: HashMap<u64, Handle>,
-    rkeys: HashMap<u64, Handle>,
-    next_id: u64,
+pub(super) struct State {
+    pub(super) api: &'static Api,
+    pub(super) context: Handle,
+    pub(super) worker: Handle,
+    pub(super) eps: HashMap<u64, Handle>,
+    pub(super) memhs: HashMap<u64, Handle>,
+    pub(super) rkeys: HashMap<u64, Handle>,
+    /// Keys whose memory UCX mapped into this process (`ucp_rkey_ptr`): the one
+    /// mapping each key's unpack attached. Ops under these keys are copied straight
+    /// into it; an op outside it is refused.
+    pub(super) direct: HashMap<u64, Mapped>,
+    pub(super) next_id: u64,
 }
 
 impl State {
@@ -75,7 +83,7 @@ impl State {
         unsafe { (self.api.worker_progress)(self.worker) }
     }
 
-    fn id(&mut self) -> u64 {
+    pub(super) fn id(&mut self) -> u64 {
         self.next_id += 1;
         self.next_id
     }
@@ -144,16 +152,16 @@ impl State {
 }
 
 /// The process's worker: its thread's queue, busy count and address.
-struct Worker {
+pub(super) struct Worker {
     api: &'static Api,
-    commands: Mutex<mpsc::Sender<Command>>,
+    pub(super) commands: Mutex<mpsc::Sender<Command>>,
     busy: Arc<AtomicUsize>,
     address: Vec<u8>,
 }
 
 static WORKER: OnceLock<Result<Arc<Worker>, Error>> = OnceLock::new();
 
-fn worker() -> Result<Arc<Worker>, Error> {
+pub(super) fn worker() -> Result<Arc<Worker>, Error> {
     // A library given by PDD_UCX_LIBRARY is checked afresh each time (tests point
     // it at a missing one); the worker itself uses the process's libucp.
     if std::env::var_os(ffi::ENV_UCP_LIBRARY).is_some() {
@@ -209,6 +217,9 @@ pub struct UcxEndpoint {
     ep: Mutex<Option<u64>>,
     memory: Arc<Mutex<HashSet<u64>>>,
     keys: Arc<Mutex<HashSet<u64>>>,
+    /// Packed keys of mapped (shared) memory, unpacked once for the endpoint's life
+    /// (see [`UcxEndpoint::unpack`]).
+    session_keys: Arc<Mutex<HashMap<Vec<u8>, u64>>>,
 }
 
 impl std::fmt::Debug for UcxEndpoint {
@@ -229,6 +240,7 @@ impl UcxEndpoint {
             ep: Mutex::new(None),
             memory: Default::default(),
             keys: Default::default(),
+            session_keys: Default::default(),
         })
     }
 
@@ -334,28 +346,59 @@ impl UcxEndpoint {
         Ok(())
     }
 
-    /// Unpack packed keys on the endpoint: ids for [`PutOp::rkey`]. All or nothing.
-    pub async fn unpack(&self, keys: Vec<Vec<u8>>) -> Result<Vec<u64>, Error> {
+    /// Unpack packed keys on the endpoint: per key `(id for PutOp::rkey, kept)`.
+    /// `probe` is an address the key covers (a region's first page).
+    ///
+    /// Where UCX can map the key's memory into this process (`ucp_rkey_ptr`: memory
+    /// the receiver had UCX allocate, shared memory on one host), ops under it are
+    /// copied straight into that mapping by [`UcxEndpoint::put_all`] (one copy, no
+    /// work for the receiver) and the mapping is populated at once, so the first
+    /// transfer does not pay its page faults. Such a key is `kept`: unpacked once for
+    /// the endpoint's life (at most [`MAX_SESSION_KEYS`]), since unmapping and mapping
+    /// it again per grant would pay the page faults every time; a kept key must not
+    /// be passed to [`UcxEndpoint::destroy`]. All or nothing.
+    pub async fn unpack(&self, keys: Vec<(Vec<u8>, u64)>) -> Result<Vec<(u64, bool)>, Error> {
         let ep_id = *lock(&self.ep);
         let mine = self.keys.clone();
+        let cache = self.session_keys.clone();
         self.call(move |s| {
             let ep = s.ep(ep_id)?;
-            let mut ids = Vec::with_capacity(keys.len());
-            for key in keys {
+            let mut out: Vec<(u64, bool)> = Vec::with_capacity(keys.len());
+            for (key, probe) in keys {
+                if let Some(&id) = lock(&cache).get(&key) {
+                    out.push((id, true));
+                    continue;
+                }
+                let before = shared_mappings();
                 let mut rkey: Handle = std::ptr::null_mut();
                 // SAFETY: `key` is a buffer the peer's ucp_rkey_pack produced (UCX
                 // parses it, bounded by its own format); ep is live.
                 let st = unsafe { (s.api.ep_rkey_unpack)(ep, key.as_ptr().cast(), &mut rkey) };
                 if let Err(e) = s.api.check("ucp_ep_rkey_unpack", st) {
-                    destroy_rkeys(s, &ids);
+                    let fresh: Vec<u64> = out.iter().filter(|k| !k.1).map(|k| k.0).collect();
+                    destroy_rkeys(s, &fresh);
                     return Err(e);
                 }
                 let id = s.id();
                 s.rkeys.insert(id, rkey);
-                ids.push(id);
+                let kept = match attached_mapping(s, rkey, probe, &before) {
+                    Some(mapped) => {
+                        populate(mapped.range);
+                        s.direct.insert(id, mapped);
+                        let mut cache = lock(&cache);
+                        if cache.len() < MAX_SESSION_KEYS {
+                            cache.insert(key, id);
+                            true
+                        } else {
+                            false
+                        }
+                    }
+                    None => false,
+                };
+                out.push((id, kept));
             }
-            lock(&mine).extend(ids.iter().copied());
-            Ok(ids)
+            lock(&mine).extend(out.iter().map(|k| k.0));
+            Ok(out)
         })
         .await
     }
@@ -364,36 +407,83 @@ impl UcxEndpoint {
     /// already submitted, which has flushed by then.
     pub fn destroy(&self, ids: Vec<u64>) {
         let mine = self.keys.clone();
+        let kept: HashSet<u64> = lock(&self.session_keys).values().copied().collect();
         let _ = self.submit(Box::new(move |s| {
             let mut mine = lock(&mine);
-            let ids: Vec<u64> = ids.into_iter().filter(|id| mine.remove(id)).collect();
+            let ids: Vec<u64> = ids
+                .into_iter()
+                .filter(|id| !kept.contains(id) && mine.remove(id))
+                .collect();
             destroy_rkeys(s, &ids);
         }));
     }
 
     /// Put every op, then flush the endpoint: returns once every byte is in the
-    /// peer's memory (or an error), within `timeout`. A failed or late flush closes
-    /// the endpoint (cancelling what it still holds, so that no put outlives the
-    /// caller's memory or its key): later calls fail.
+    /// peer's memory (or an error), within `timeout`, with the bytes that went by
+    /// direct copy (ops under a key mapped into this process, see
+    /// [`UcxEndpoint::unpack`]; each checked to lie inside that key's mapping). A
+    /// failed or late flush closes the endpoint (cancelling what it still holds, so
+    /// that no put outlives the caller's memory or its key): later calls fail.
     ///
     /// # Safety
     /// Every op's `src..src + len` must be readable host memory that stays alive and
     /// unmodified until this returns.
-    pub async unsafe fn put_all(&self, ops: Vec<PutOp>, timeout: Duration) -> Result<(), Error> {
+    pub async unsafe fn put_all(&self, ops: Vec<PutOp>, timeout: Duration) -> Result<u64, Error> {
         let ep_id = *lock(&self.ep);
         self.call(move |s| {
             let deadline = Instant::now() + timeout;
             let ep = s.ep(ep_id)?;
             let param = ffi::RequestParam::zeroed();
             let mut failed = None;
-            for (i, op) in ops.iter().enumerate() {
-                let Some(&rkey) = s.rkeys.get(&op.rkey) else {
-                    failed = Some(Error::GrantViolation {
-                        transfer_id: 0,
-                        detail: "remote key revoked or never unpacked".into(),
-                    });
-                    break;
+            let (mut direct, mut puts) = (0u64, 0usize);
+            // The key of the previous op (ops come in long runs under one key: the
+            // per-op cost matters at 4 KiB pages), and the mapped keys whose distance
+            // was checked against ucp_rkey_ptr in this call.
+            let mut last: Option<(u64, Handle, Option<Mapped>)> = None;
+            let mut checked: Vec<u64> = Vec::new();
+            for op in &ops {
+                let (rkey, mapped) = match last {
+                    Some((id, h, m)) if id == op.rkey => (h, m),
+                    _ => {
+                        let Some(&h) = s.rkeys.get(&op.rkey) else {
+                            failed = Some(Error::GrantViolation {
+                                transfer_id: 0,
+                                detail: "remote key revoked or never unpacked".into(),
+                            });
+                            break;
+                        };
+                        let m = s.direct.get(&op.rkey).copied();
+                        last = Some((op.rkey, h, m));
+                        (h, m)
+                    }
                 };
+                if let Some(m) = mapped {
+                    if !checked.contains(&op.rkey) {
+                        if let Err(e) = check_distance(s, rkey, op.remote, m) {
+                            failed = Some(e);
+                            break;
+                        }
+                        checked.push(op.rkey);
+                    }
+                    let Some(dst) = m.target(op.remote, op.len) else {
+                        failed = Some(Error::GrantViolation {
+                            transfer_id: 0,
+                            detail: format!(
+                                "a region at {:#x} (+{} bytes) lies outside the memory its key maps",
+                                op.remote, op.len
+                            ),
+                        });
+                        break;
+                    };
+                    // SAFETY: src..src+len is readable and alive (the caller's
+                    // contract); dst..dst+len lies inside the mapping this key's
+                    // unpack attached (Mapped::target checked it), which stays mapped
+                    // while the key lives, and nothing else in this process writes
+                    // it. The two cannot overlap: the mapping is not the caller's pool.
+                    unsafe { std::ptr::copy_nonoverlapping(op.src as *const u8, dst as *mut u8, op.len) };
+                    direct += op.len as u64;
+                    continue;
+                }
                 // SAFETY: src..src+len is readable and alive (the caller's
                 // contract); rkey and ep are live objects of this worker; `param`
                 // (no callback) outlives the call.
@@ -410,9 +500,16 @@ impl UcxEndpoint {
                     // own (the flush below waits for it).
                     Nbx::Pending(req) => unsafe { (s.api.request_free)(req) },
                 }
-                if i % 64 == 63 {
+                puts += 1;
+                if puts % 64 == 0 {
                     s.progress();
                 }
+            }
+            // The copies are visible to the receiver before the completion notice the
+            // caller sends next (on x86 the socket write orders them anyway).
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if puts == 0 {
+                return failed.map_or(Ok(direct), Err);
             }
             let param = ffi::RequestParam::zeroed();
             // SAFETY: live endpoint, `param` outlives the call.
@@ -427,7 +524,7 @@ impl UcxEndpoint {
             }
             match failed {
                 Some(e) => Err(e),
-                None => flushed,
+                None => flushed.map(|()| direct),
             }
         })
         .await
@@ -473,25 +570,34 @@ fn map_one(s: &mut State, addr: usize, len: usize) -> Result<(u64, Vec<u8>), Err
     // which stays alive until it unmaps them; `p` outlives the call.
     let st = unsafe { (s.api.mem_map)(s.context, &p, &mut memh) };
     s.api.check("ucp_mem_map", st)?;
-    let mut buf: Handle = std::ptr::null_mut();
-    let mut size = 0usize;
-    // SAFETY: memh was just mapped on this context; out-pointers are valid.
-    let st = unsafe { (s.api.rkey_pack)(s.context, memh, &mut buf, &mut size) };
-    if let Err(e) = s.api.check("ucp_rkey_pack", st) {
-        // SAFETY: mapped above, unmapped once.
-        unsafe { (s.api.mem_unmap)(s.context, memh) };
-        return Err(e);
-    }
-    // SAFETY: UCX returned `size` bytes at `buf`; copied before release.
-    let key = unsafe { std::slice::from_raw_parts(buf as *const u8, size) }.to_vec();
-    // SAFETY: released once, after the copy.
-    unsafe { (s.api.rkey_buffer_release)(buf) };
+    let key = match pack(s, memh) {
+        Ok(k) => k,
+        Err(e) => {
+            // SAFETY: mapped above, unmapped once.
+            unsafe { (s.api.mem_unmap)(s.context, memh) };
+            return Err(e);
+        }
+    };
     let id = s.id();
     s.memhs.insert(id, memh);
     Ok((id, key))
 }
 
-fn unmap_one(s: &mut State, id: u64) {
+/// The packed remote key of a registration.
+pub(super) fn pack(s: &State, memh: Handle) -> Result<Vec<u8>, Error> {
+    let mut buf: Handle = std::ptr::null_mut();
+    let mut size = 0usize;
+    // SAFETY: memh is mapped on this context; out-pointers are valid.
+    let st = unsafe { (s.api.rkey_pack)(s.context, memh, &mut buf, &mut size) };
+    s.api.check("ucp_rkey_pack", st)?;
+    // SAFETY: UCX returned `size` bytes at `buf`; copied before release.
+    let key = unsafe { std::slice::from_raw_parts(buf as *const u8, size) }.to_vec();
+    // SAFETY: released once, after the copy.
+    unsafe { (s.api.rkey_buffer_release)(buf) };
+    Ok(key)
+}
+
+pub(super) fn unmap_one(s: &mut State, id: u64) {
     if let Some(memh) = s.memhs.remove(&id) {
         // SAFETY: mapped on this context; removed from the table, so unmapped once.
         unsafe { (s.api.mem_unmap)(s.context, memh) };
@@ -500,6 +606,7 @@ fn unmap_one(s: &mut State, id: u64) {
 
 fn destroy_rkeys(s: &mut State, ids: &[u64]) {
     for id in ids {
+        s.direct.remove(id);
         if let Some(rkey) = s.rkeys.remove(id) {
             // SAFETY: unpacked here, removed from the table, so destroyed once.
             unsafe { (s.api.rkey_destroy)(rkey) };
@@ -542,6 +649,7 @@ fn create(api: &'static Api) -> Result<State, Error> {
         eps: HashMap::new(),
         memhs: HashMap::new(),
         rkeys: HashMap::new(),
+        direct: HashMap::new(),
         next_id: 0,
     })
 }

@@ -45,6 +45,14 @@ pub const EP_PARAM_FIELD_REMOTE_ADDRESS: u64 = 1 << 0;
 pub const MEM_MAP_FIELD_ADDRESS: u64 = 1 << 0;
 /// `UCP_MEM_MAP_PARAM_FIELD_LENGTH`.
 pub const MEM_MAP_FIELD_LENGTH: u64 = 1 << 1;
+/// `UCP_MEM_MAP_PARAM_FIELD_FLAGS`.
+pub const MEM_MAP_FIELD_FLAGS: u64 = 1 << 2;
+/// `UCP_MEM_MAP_ALLOCATE`: UCX allocates the memory (shared memory where it can).
+pub const MEM_MAP_ALLOCATE: c_uint = 1 << 1;
+/// `UCP_MEM_ATTR_FIELD_ADDRESS`.
+pub const MEM_ATTR_FIELD_ADDRESS: u64 = 1 << 0;
+/// `UCP_MEM_ATTR_FIELD_LENGTH`.
+pub const MEM_ATTR_FIELD_LENGTH: u64 = 1 << 1;
 /// `UCP_OP_ATTR_FIELD_FLAGS`.
 pub const OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
 /// `UCP_EP_CLOSE_FLAG_FORCE`.
@@ -92,9 +100,19 @@ pub struct MemMapParams {
     pub field_mask: u64,
     pub address: *mut c_void,
     pub length: usize,
-    _flags: c_uint,
+    pub flags: c_uint,
     _prot: c_uint,
     _memory_type: c_int,
+    _rest: [u8; 4 + 128],
+}
+
+/// `ucp_mem_attr_t` (32 bytes in 1.13), padded.
+#[repr(C)]
+pub struct MemAttr {
+    pub field_mask: u64,
+    pub address: *mut c_void,
+    pub length: usize,
+    _mem_type: c_int,
     _rest: [u8; 4 + 128],
 }
 
@@ -123,6 +141,7 @@ zeroed_new!(
     WorkerParams,
     EpParams,
     MemMapParams,
+    MemAttr,
     RequestParam
 );
 
@@ -145,6 +164,8 @@ pub struct Api {
     pub ep_flush_nbx: unsafe extern "C" fn(Handle, *const RequestParam) -> Handle,
     pub mem_map: unsafe extern "C" fn(Handle, *const MemMapParams, *mut Handle) -> Status,
     pub mem_unmap: unsafe extern "C" fn(Handle, Handle) -> Status,
+    pub mem_query: unsafe extern "C" fn(Handle, *mut MemAttr) -> Status,
+    pub rkey_ptr: unsafe extern "C" fn(Handle, u64, *mut Handle) -> Status,
     pub rkey_pack: unsafe extern "C" fn(Handle, Handle, *mut Handle, *mut usize) -> Status,
     pub rkey_buffer_release: unsafe extern "C" fn(Handle),
     pub ep_rkey_unpack: unsafe extern "C" fn(Handle, *const c_void, *mut Handle) -> Status,
@@ -247,6 +268,8 @@ fn open(ucp_name: &str) -> Result<Api, Error> {
         ep_flush_nbx: sym!(ucp, "ucp_ep_flush_nbx"),
         mem_map: sym!(ucp, "ucp_mem_map"),
         mem_unmap: sym!(ucp, "ucp_mem_unmap"),
+        mem_query: sym!(ucp, "ucp_mem_query"),
+        rkey_ptr: sym!(ucp, "ucp_rkey_ptr"),
         rkey_pack: sym!(ucp, "ucp_rkey_pack"),
         rkey_buffer_release: sym!(ucp, "ucp_rkey_buffer_release"),
         ep_rkey_unpack: sym!(ucp, "ucp_ep_rkey_unpack"),
