@@ -5,6 +5,7 @@ monolithic engine's. (Latency figures are reported, not asserted: see the README
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -34,6 +35,16 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
         assert 0 < run["ttft_p50_s"] <= run["ttft_p90_s"] <= run["ttft_p99_s"]
     assert summary["baseline"]["tokens_by_rld"] == 0
     assert set(summary["pdd"]["pipelines"]) <= {"p_md", "p_rld_md", "p_rld"}
+    # P -> RLD: the local path where UCX is (CI requires it), into RLD's shared pool,
+    # every byte copied by P itself; else TCP lanes.
+    pdd = summary["pdd"]
+    if os.environ.get("PDD_REQUIRE_UCX"):
+        assert pdd["relay_path"] == "ucx"
+    if pdd["relay_path"] == "ucx":
+        assert pdd["local_direct_bytes"] == pdd["local_bytes"]
+        assert pdd["local_bytes"] > 0 or not {"p_rld_md", "p_rld"} & set(pdd["pipelines"])
+    else:
+        assert pdd["local_direct_bytes"] == 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # One run, both files: the figures are the summary plus the TTFT samples, and the
     # PNG records that run and those figures (pdd_transport.demo.figures).
@@ -48,8 +59,6 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
 def test_demo_over_the_packet_line(tmp_path: Path) -> None:
     """`demo --packet`: MD in one network namespace, P and RLD in the other, the line
     emulated packet by packet (root; CI runs as root, so there it must run)."""
-    import os
-
     if os.geteuid() != 0:
         if os.environ.get("CI"):
             pytest.fail("demo --packet needs root (network namespaces): CI must provide it")
@@ -79,7 +88,8 @@ def test_demo_table_keeps_long_cells_apart(capsys: pytest.CaptureFixture[str]) -
         return {
             "ttft_p50_s": 0.1, "ttft_p90_s": 0.5, "ttft_p99_s": 0.9, "wan_bytes": 10**9,
             "pipelines": pipelines, "handoffs_by_mode": modes, "tokens_by_rld": 2316,
-            "tokens_by_md": 7947, "completed": 120, "errors": 0, "local_bytes": 0, "relay_path": "tcp",
+            "tokens_by_md": 7947, "completed": 120, "errors": 0, "local_bytes": 0, "local_direct_bytes": 0,
+            "relay_path": "tcp",
         }
 
     summary = {

@@ -117,8 +117,9 @@ def run_prefill(cfg: dict[str, Any]) -> None:
         elif cmd["op"] == "release":
             role.release(cmd["prefilled"])
     m = to_md.metrics()
+    rm = to_rld.metrics() if to_rld else {}
     emit("metrics", wan_bytes=m["bytes_sent_total"], prefix_mismatches=m["prefix_mismatches_total"],
-         local_bytes=to_rld.metrics()["bytes_sent_total"] if to_rld else 0)
+         local_bytes=rm.get("bytes_sent_total", 0), local_direct_bytes=rm.get("local_direct_bytes_total", 0))
     to_md.close()
     if to_rld:
         to_rld.close()

@@ -320,6 +320,8 @@ def _run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: boo
         "ttft_s": ttft,
         "wan_bytes": int(metrics.get("prefill", {}).get("wan_bytes", 0)),
         "local_bytes": int(metrics.get("prefill", {}).get("local_bytes", 0)),
+        # Of those, copied by P straight into RelayDecode's shared pool (docs/kv.md).
+        "local_direct_bytes": int(metrics.get("prefill", {}).get("local_direct_bytes", 0)),
         "relay_path": None if rld is None else ("ucx" if local_path else "tcp"),
         "full_kv_bytes": full_kv,
         "pipelines": {k: list(plans.values()).count(k) for k in sorted(set(plans.values()))},
@@ -366,7 +368,8 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
     for mode, r in runs.items():
         r["greedy_equal"] = all(r["outputs"].get(rid) == toks for rid, toks in reference.items())
         r["greedy_mismatches"] = sum(1 for rid, toks in reference.items() if r["outputs"].get(rid) != toks)
-    keep = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "wan_bytes", "local_bytes", "relay_path", "completed", "errors",
+    keep = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "wan_bytes", "local_bytes", "local_direct_bytes", "relay_path",
+            "completed", "errors",
             "pipelines", "handoffs_by_mode", "tokens_by_rld", "tokens_by_md", "greedy_mismatches", "error_samples",
             "packet_line")
     for mode, r in runs.items():
@@ -407,6 +410,8 @@ def print_table(summary: dict[str, Any]) -> None:
     for name, fb, fp in rows:
         print(f"  {name:<24}{fb:>{wb}}{fp:>{wp}}")
     path = {"ucx": "local path (UCX)", "tcp": "TCP lanes (UCX not installed)"}.get(p["relay_path"], "-")
+    if p["relay_path"] == "ucx" and p["local_bytes"]:
+        path += f", {p['local_direct_bytes'] / p['local_bytes']:.0%} of it copied by P into RLD's shared pool"
     print(f"\n  P -> RLD KV path: {path}")
     print(f"  full prompt KV of the workload: {full / 1e6:.1f} MB")
     print(f"  greedy output equals one monolithic engine's: {summary['greedy_equal']}")

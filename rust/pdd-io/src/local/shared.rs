@@ -18,8 +18,8 @@ use super::ucx_ffi::{self as ffi, Handle};
 /// Where a mapped key's memory is in this process: the mapping its unpack attached,
 /// `(start, end)`, and the distance from a remote address to its local one (one
 /// attachment maps the remote memory contiguously, so the distance is the same for
-/// every address; [`UcxEndpoint::put_all`] checks it against `ucp_rkey_ptr` once
-/// per call and key).
+/// every address; [`super::ucx::UcxEndpoint::put_all`] checks it against
+/// `ucp_rkey_ptr` once per call and key).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Mapped {
     /// The attached mapping, `(start, end)`.
@@ -92,10 +92,19 @@ pub(super) fn attached_mapping(
         })
 }
 
+/// Mappings up to this size are populated when attached ([`populate`]); a larger one
+/// fills its page tables as copies first touch it (populating costs page-table memory,
+/// about 0.2% of the mapping, and time, tens of ms per GiB, at the first grant).
+pub const POPULATE_MAX: usize = 8 << 30;
+
 /// Populate a fresh mapping's page tables (writable) now, not on the first copy's
-/// page faults. Best effort: kernels before 5.14 lack MADV_POPULATE_WRITE.
+/// page faults (a 256 MiB first transfer otherwise spends most of its time in them).
+/// Best effort: kernels before 5.14 lack MADV_POPULATE_WRITE.
 pub(super) fn populate((start, end): (usize, usize)) {
     const MADV_POPULATE_WRITE: libc::c_int = 23;
+    if end - start > POPULATE_MAX {
+        return;
+    }
     // SAFETY: the range is a whole mapping of this process (from /proc/self/maps);
     // populating changes no contents, only when pages are faulted in.
     unsafe { libc::madvise(start as *mut libc::c_void, end - start, MADV_POPULATE_WRITE) };
