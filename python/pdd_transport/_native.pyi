@@ -846,7 +846,9 @@ class SharedAllocation:
 
 @final
 class LocalReceiver:
-    """The local path's receiver: exposes exactly the pages it grants to UCX puts."""
+    """The local path's receiver: exposes exactly the pages it grants to UCX puts (a pool
+    in :func:`shared_buffers` memory: the allocation, which a sender on the same host
+    maps and copies into; docs/kv.md "Shared pools")."""
 
     def __new__(
         cls,

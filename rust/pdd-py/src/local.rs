@@ -110,7 +110,8 @@ fn status_dict<'py>(py: Python<'py>, s: &LocalStatus) -> PyResult<Bound<'py, PyD
 }
 
 /// The local path's receiver (RelayDecode): senders connect its control lane; KV
-/// arrives by UCX puts into exactly the pages it grants.
+/// arrives by UCX puts into exactly the pages it grants, or, for a pool in
+/// `shared_buffers` memory, by a same-host sender's own copies into them.
 #[pyclass(frozen, module = "pdd_transport._native")]
 pub struct LocalReceiver {
     inner: Arc<receiver::LocalReceiver>,

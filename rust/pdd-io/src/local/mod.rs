@@ -11,7 +11,9 @@
 //!    kind); the sender creates its endpoint from it.
 //! 2. per transfer, receiver -> sender KV_GRANT then LOCAL_GRANT: the receiver
 //!    registers exactly the granted pages (one region per run of consecutive pool
-//!    pages of a layer) and sends each region's address and packed remote key.
+//!    pages of a layer) and sends each region's address and packed remote key; pages
+//!    of a pool in memory UCX allocated go under that allocation's key instead
+//!    ([`shared`]: a sender on the same host maps it and copies into it itself).
 //! 3. sender: puts each layer's pages into the regions, flushes, then LOCAL_DONE
 //!    naming the layers and the page and byte counts; the receiver checks them
 //!    against the grant (`pdd_core::kv::ReceiverState`, as for KV_PAGES blocks).

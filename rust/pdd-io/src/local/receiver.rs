@@ -235,7 +235,8 @@ impl LocalReceiver {
 
     /// Grant pool pages `pages` (in grant order) on every pool layer to `peer` (the
     /// only connected sender with `None`) for `request_id`: registers exactly those
-    /// pages with UCX and sends KV_GRANT and LOCAL_GRANT. With a deadline, the
+    /// pages with UCX (pages inside a [`super::shared::SharedAllocation`] go under its
+    /// key, unregistered) and sends KV_GRANT and LOCAL_GRANT. With a deadline, the
     /// transfer fails `deadline_exceeded` if it is not complete in time.
     pub async fn grant(
         &self,

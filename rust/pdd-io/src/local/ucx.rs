@@ -8,8 +8,9 @@
 //! commands the thread progresses the worker (a receiver's worker must progress for
 //! puts to land wherever UCX emulates them with active messages: on TCP, and with
 //! UCX 1.13 on one host too, where puts into memory UCX did not allocate go through
-//! the shared-memory FIFO, never CMA). While a [`BusyGuard`] lives (a receiver holds one per live transfer) it
-//! never sleeps; otherwise, after [`SPIN`] without any event it waits on its command
+//! the shared-memory FIFO, never CMA). While a [`BusyGuard`] lives (a receiver
+//! holds one per live transfer into registered pages; into a shared pool the sender
+//! copies itself, [`super::shared`]) it never sleeps; otherwise, after [`SPIN`] without any event it waits on its command
 //! queue for at most [`IDLE_WAIT`] between two progress calls: a command wakes it at
 //! once, and an idle process costs a thousand wake-ups a second, not a core. (UCX's
 //! wakeup feature is not used: it leaves out transports without event support, CMA
@@ -245,7 +246,8 @@ impl UcxEndpoint {
     }
 
     /// Keep the worker progressing without sleeping while the guard lives: a
-    /// receiver holds one per live transfer, since on transports that emulate puts
+    /// receiver holds one per live transfer into registered pages, since on
+    /// transports that emulate puts
     /// (shared-memory FIFOs, TCP) the bytes only land when the target progresses.
     pub fn busy(&self) -> BusyGuard {
         self.worker.busy.fetch_add(1, Ordering::AcqRel);
