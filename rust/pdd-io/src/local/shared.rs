@@ -333,6 +333,34 @@ garbage line
         assert_eq!(low.target(0x8fff, 1), None);
     }
 
+    proptest::proptest! {
+        /// Whatever the receiver's addresses and the mapping's distance, a target is
+        /// only ever given inside the mapping, whole.
+        #[test]
+        fn a_target_is_always_inside_the_mapping(
+            a in proptest::prelude::any::<usize>(),
+            span in 0usize..1 << 40,
+            delta in proptest::prelude::any::<usize>(),
+            remote in proptest::prelude::any::<u64>(),
+            len in 0usize..1 << 32,
+        ) {
+            let m = Mapped { range: (a, a.saturating_add(span)), delta };
+            if let Some(dst) = m.target(remote, len) {
+                proptest::prop_assert!(dst >= m.range.0);
+                proptest::prop_assert!(dst.checked_add(len).is_some_and(|e| e <= m.range.1));
+            }
+        }
+
+        /// The maps parser takes any text without panicking, and returns only
+        /// non-empty ranges.
+        #[test]
+        fn any_maps_text_parses_without_panicking(text in "[0-9a-f\\-rwxsp \n/]{0,400}") {
+            for (a, b) in parse_shared_mappings(&text) {
+                proptest::prop_assert!(a < b);
+            }
+        }
+    }
+
     #[test]
     fn this_process_maps_are_readable() {
         // The mappings come from /proc/self/maps: a shared mapping made here shows.
