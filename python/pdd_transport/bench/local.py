@@ -451,9 +451,10 @@ def run_dual(cfg: DualConfig, progress: Any = None) -> dict[str, Any]:
                 md_peer.request("pdd_grant", slot=2, request_id=rid, seed=cfg.seed + rid, timeout=timeout)
                 return to_md.wait_grant(rid, timeout=timeout)
 
+            md_digests = page_digests(src, cfg.page_bytes, order[pages - missing:])
+
             def check_md() -> bool:
-                got = md_peer.request("pdd_digests", slot=2, timeout=timeout)["digests"]
-                return bool(got == page_digests(src, cfg.page_bytes, order[pages - missing:]))
+                return bool(md_peer.request("pdd_digests", slot=2, timeout=timeout)["digests"] == md_digests)
 
             # The baseline: one thread of this process copying the same bytes into
             # memory of its own (what the shared pool's sender does, without UCX),
@@ -513,8 +514,7 @@ def run_dual(cfg: DualConfig, progress: Any = None) -> dict[str, Any]:
         "rld_seconds_alone": round(a, 6),
         "rld_seconds_with_wan": round(w, 6),
         "ratio_with_wan_vs_alone": round(w / a, 3),
-        # Each repetition's two transfers ran back to back: their own ratio, median.
-        "ratio_paired_median": round(statistics.median(x / y for x, y in zip(with_wan, alone)), 3),
+        "ratio_paired_median": _paired_ratio(with_wan, alone),
         "wan_seconds": round(statistics.median(wan_seconds), 6),
         "rld_bytes": cfg.bytes,
         "wan_bytes": missing * cfg.page_bytes * cfg.layers,
@@ -535,6 +535,12 @@ def run_dual(cfg: DualConfig, progress: Any = None) -> dict[str, Any]:
     }
 
 
+def _paired_ratio(with_wan: list[float], alone: list[float]) -> float:
+    """Each repetition's two measurements ran back to back: the median of their own
+    ratios."""
+    return round(statistics.median(w / a for w, a in zip(with_wan, alone)), 3)
+
+
 def _copy_baseline(alone: list[float], with_wan: list[float]) -> dict[str, Any]:
     """``bench dual``'s memcpy baseline fields (None without baselines)."""
     if not alone or not with_wan:
@@ -543,8 +549,7 @@ def _copy_baseline(alone: list[float], with_wan: list[float]) -> dict[str, Any]:
     return {
         "baseline_memcpy_seconds_alone": round(statistics.median(alone), 6),
         "baseline_memcpy_seconds_with_wan": round(statistics.median(with_wan), 6),
-        # Paired, as ratio_paired_median: each repetition's two copies back to back.
-        "baseline_memcpy_ratio_with_wan_vs_alone": round(statistics.median(w / a for w, a in zip(with_wan, alone)), 3),
+        "baseline_memcpy_ratio_with_wan_vs_alone": _paired_ratio(with_wan, alone),
     }
 
 

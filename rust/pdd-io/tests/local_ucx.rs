@@ -557,10 +557,6 @@ async fn a_mapped_key_never_copies_outside_its_mapping() {
     let ep = UcxEndpoint::start().unwrap();
     ep.connect(ep.worker_address().to_vec()).await.unwrap();
     let ids = ep.unpack(vec![(key.clone(), base)]).await.unwrap();
-    assert!(
-        ids[0].1,
-        "a key of memory UCX allocated on this host is mapped and kept"
-    );
     // Unpacked again (the next grant): the kept key, not a second mapping.
     assert_eq!(ep.unpack(vec![(key, base)]).await.unwrap(), ids);
     let src = vec![0xabu8; 4096];
@@ -568,7 +564,7 @@ async fn a_mapped_key_never_copies_outside_its_mapping() {
         src: src.as_ptr() as usize,
         len,
         remote,
-        rkey: ids[0].0,
+        rkey: ids[0],
     };
     let inside = op(base + 4096, 4096);
     // SAFETY: `src` outlives the calls.
@@ -579,6 +575,11 @@ async fn a_mapped_key_never_copies_outside_its_mapping() {
     // SAFETY: the allocation is alive; the copy above completed.
     let landed = unsafe { std::slice::from_raw_parts(alloc.as_ptr().add(4096), 4096) };
     assert!(landed.iter().all(|&b| b == 0xab));
+    // The grant ends: its keys are destroyed, but a kept key stays for the session.
+    ep.destroy(ids.clone());
+    // SAFETY: as above.
+    let again = unsafe { ep.put_all(vec![op(base, 4096)], Duration::from_secs(5)) }.await;
+    assert_eq!(again.unwrap(), 4096, "a kept key survives the grant's end");
     let here = src.as_ptr() as u64;
     for bad in [
         op(base + len as u64 - 8, 16),
@@ -596,5 +597,40 @@ async fn a_mapped_key_never_copies_outside_its_mapping() {
     assert!(
         tail.iter().all(|&b| b == 0),
         "nothing copied by a refused op"
+    );
+}
+
+/// An endpoint keeps at most MAX_SESSION_KEYS mapped keys for its life; past that a
+/// mapped key is unpacked per grant (a new id each time) and destroyed with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_keys_are_bounded_per_endpoint() {
+    use pdd_io::local::shared::shared_key;
+    use pdd_io::local::ucx::{UcxEndpoint, MAX_SESSION_KEYS};
+    let _g = ENV.lock().await;
+    if !ucx_here() {
+        return;
+    }
+    let allocs: Vec<SharedAllocation> = (0..=MAX_SESSION_KEYS)
+        .map(|_| SharedAllocation::new(4096).unwrap())
+        .collect();
+    let keys: Vec<(Vec<u8>, u64)> = allocs
+        .iter()
+        .map(|a| {
+            let base = a.as_ptr() as usize;
+            (shared_key(base, 4096).unwrap().to_vec(), base as u64)
+        })
+        .collect();
+    let ep = UcxEndpoint::start().unwrap();
+    ep.connect(ep.worker_address().to_vec()).await.unwrap();
+    let first = ep.unpack(keys.clone()).await.unwrap();
+    let again = ep.unpack(keys).await.unwrap();
+    assert_eq!(
+        again[..MAX_SESSION_KEYS],
+        first[..MAX_SESSION_KEYS],
+        "kept: the same ids"
+    );
+    assert_ne!(
+        again[MAX_SESSION_KEYS], first[MAX_SESSION_KEYS],
+        "past the bound: unpacked anew"
     );
 }

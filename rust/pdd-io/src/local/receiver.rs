@@ -286,21 +286,18 @@ impl LocalReceiver {
         // (`SharedAllocation`) are not registered: their region carries the
         // allocation's key, which a sender on this host maps and copies into.
         let pb = shared.pool.page_bytes() as usize;
-        let mut regions = Vec::new();
-        let mut keys: Vec<Option<Arc<[u8]>>> = Vec::new();
-        let mut spans = Vec::new();
+        let page_runs = runs(pages);
+        let mut regions = Vec::with_capacity(page_runs.len() * usize::from(layers));
         let mut to_map = Vec::new();
         for layer in 0..layers {
-            for r in runs(pages) {
+            for &r in &page_runs {
                 let addr = shared.pool.page_addr(layer, r.pool_start)?;
                 let len = r.count as usize * pb;
                 let key = super::shared::shared_key(addr, len);
                 if key.is_none() {
                     to_map.push((addr, len));
                 }
-                keys.push(key);
-                spans.push(addr);
-                regions.push((layer, r));
+                regions.push((layer, r, addr, key));
             }
         }
         let registered = !to_map.is_empty();
@@ -315,22 +312,21 @@ impl LocalReceiver {
         } else {
             Vec::new()
         };
-        let mut fresh = mapped.iter();
+        // The registrations' keys, in the order of the regions that have none.
+        let mut fresh = mapped.iter().map(|(_, key)| key.as_slice());
         let local = LocalGrant {
             transfer_id: grant.transfer_id,
             regions: regions
                 .iter()
-                .zip(&keys)
-                .zip(&spans)
-                .map(|(((layer, r), key), addr)| LocalRegion {
+                .map(|(layer, r, addr, key)| LocalRegion {
                     layer: *layer,
                     page_start: r.grant_start,
                     page_count: r.count,
                     remote_addr: *addr as u64,
-                    rkey: match key {
-                        Some(k) => Bytes::copy_from_slice(k),
-                        None => Bytes::copy_from_slice(fresh.next().map_or(&[][..], |m| &m.1)),
-                    },
+                    rkey: Bytes::copy_from_slice(match key {
+                        Some(k) => k,
+                        None => fresh.next().unwrap_or_default(),
+                    }),
                 })
                 .collect(),
         };

@@ -363,7 +363,7 @@ async fn read_loop(shared: Arc<Shared>, mut control: Control) {
                     control.end(&e);
                     break e;
                 }
-                let unpacked = match shared
+                let keys = match shared
                     .ucx
                     .unpack(
                         l.regions
@@ -386,8 +386,8 @@ async fn read_loop(shared: Arc<Shared>, mut control: Control) {
                 let regions = l
                     .regions
                     .iter()
-                    .zip(&unpacked)
-                    .map(|(r, &(k, _))| Region {
+                    .zip(&keys)
+                    .map(|(r, &k)| Region {
                         layer: r.layer,
                         page_start: r.page_start,
                         page_count: r.page_count,
@@ -395,9 +395,6 @@ async fn read_loop(shared: Arc<Shared>, mut control: Control) {
                         rkey: k,
                     })
                     .collect();
-                // Keys of mapped memory stay for the session (UcxEndpoint::unpack);
-                // the others are this grant's, destroyed when it ends.
-                let keys = unpacked.iter().filter(|k| !k.1).map(|k| k.0).collect();
                 lock(&shared.ready)
                     .entry(grant.request_id)
                     .or_default()
@@ -558,19 +555,20 @@ impl LocalOutbound {
         // across the call; the engine may not modify source pages until the
         // transfer completes (the documented contract of send_layer).
         let put = unsafe { self.shared.ucx.put_all(ops, self.shared.cfg.put_timeout) }.await;
-        if let Ok(direct) = put {
-            Metrics::add(&self.shared.metrics.local_direct_bytes_total, direct);
-        }
-        if let Err(e) = put {
-            let _ = self.shared.control.send(Frame::Abort(Abort {
-                request_id: g.request_id,
-                reason: e.abort_reason(),
-                message: e.to_string(),
-            }));
-            Metrics::add(&self.shared.metrics.transfers_failed_total, 1);
-            end_transfer(&self.shared, g.transfer_id, LocalStatus::Failed(e.clone()));
-            return Err(e);
-        }
+        let direct = match put {
+            Ok(direct) => direct,
+            Err(e) => {
+                let _ = self.shared.control.send(Frame::Abort(Abort {
+                    request_id: g.request_id,
+                    reason: e.abort_reason(),
+                    message: e.to_string(),
+                }));
+                Metrics::add(&self.shared.metrics.transfers_failed_total, 1);
+                end_transfer(&self.shared, g.transfer_id, LocalStatus::Failed(e.clone()));
+                return Err(e);
+            }
+        };
+        Metrics::add(&self.shared.metrics.local_direct_bytes_total, direct);
         let pages = u64::from(g.page_count);
         Metrics::add(&self.shared.metrics.bytes_sent_total, pages * pb);
         sent[usize::from(layer)] = true;

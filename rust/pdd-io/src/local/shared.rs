@@ -8,6 +8,7 @@
 
 use std::collections::HashSet;
 use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
 
 use pdd_core::Error;
 
@@ -17,9 +18,10 @@ use super::ucx_ffi::{self as ffi, Handle};
 
 /// Where a mapped key's memory is in this process: the mapping its unpack attached,
 /// `(start, end)`, and the distance from a remote address to its local one (one
-/// attachment maps the remote memory contiguously, so the distance is the same for
-/// every address; [`super::ucx::UcxEndpoint::put_all`] checks it against
-/// `ucp_rkey_ptr` once per call and key).
+/// attachment maps the remote memory contiguously, and UCX's `ucp_rkey_ptr` for such
+/// a key is the remote address plus a fixed offset, so one distance serves every
+/// address; [`super::ucx::UcxEndpoint::put_all`] places each op by it, inside the
+/// mapping or not at all).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Mapped {
     /// The attached mapping, `(start, end)`.
@@ -29,11 +31,28 @@ pub struct Mapped {
 }
 
 impl Mapped {
+    /// The local address of `remote` by the mapping's distance (not bounds-checked).
+    fn local(&self, remote: u64) -> usize {
+        (remote as usize).wrapping_add(self.delta)
+    }
+
     /// Where op's bytes go in this process, if they lie whole inside the mapping.
     pub fn target(&self, remote: u64, len: usize) -> Option<usize> {
-        let dst = (remote as usize).wrapping_add(self.delta);
+        let dst = self.local(remote);
         inside(dst, len, self.range).then_some(dst)
     }
+}
+
+/// Of the shared mappings `after` an unpack, the one holding `p` that was not there
+/// `before` it (what the unpack attached), if any.
+fn pick_attached(
+    after: HashSet<(usize, usize)>,
+    before: &HashSet<(usize, usize)>,
+    p: usize,
+) -> Option<(usize, usize)> {
+    after
+        .into_iter()
+        .find(|&(a, b)| a <= p && p < b && !before.contains(&(a, b)))
 }
 
 /// The shared mappings of this process, `(start, end)`, from `/proc/self/maps`
@@ -83,13 +102,10 @@ pub(super) fn attached_mapping(
         return None;
     }
     let p = p as usize;
-    shared_mappings()
-        .into_iter()
-        .find(|&(a, b)| a <= p && p < b && !before.contains(&(a, b)))
-        .map(|range| Mapped {
-            range,
-            delta: p.wrapping_sub(probe as usize),
-        })
+    pick_attached(shared_mappings(), before, p).map(|range| Mapped {
+        range,
+        delta: p.wrapping_sub(probe as usize),
+    })
 }
 
 /// Mappings up to this size are populated when attached ([`populate`]); a larger one
@@ -108,23 +124,6 @@ pub(super) fn populate((start, end): (usize, usize)) {
     // SAFETY: the range is a whole mapping of this process (from /proc/self/maps);
     // populating changes no contents, only when pages are faulted in.
     unsafe { libc::madvise(start as *mut libc::c_void, end - start, MADV_POPULATE_WRITE) };
-}
-
-/// Check that UCX maps `remote` where `m`'s distance says (it always does for one
-/// contiguous attachment; a mismatch fails the copy rather than misplace it).
-pub(super) fn check_distance(s: &State, rkey: Handle, remote: u64, m: Mapped) -> Result<(), Error> {
-    let mut p: Handle = std::ptr::null_mut();
-    // SAFETY: a live key of this worker; out-pointer valid.
-    let st = unsafe { (s.api.rkey_ptr)(rkey, remote, &mut p) };
-    s.api.check("ucp_rkey_ptr", st)?;
-    if p as usize == (remote as usize).wrapping_add(m.delta) {
-        Ok(())
-    } else {
-        Err(Error::LocalTransport {
-            op: "ucp_rkey_ptr",
-            detail: "UCX maps the key's memory non-contiguously".into(),
-        })
-    }
 }
 
 /// Whether `start..start + len` lies inside `range` (no overflow).
@@ -166,6 +165,10 @@ struct Exposed {
 /// Live allocations.
 static ALLOCATIONS: Mutex<Vec<Exposed>> = Mutex::new(Vec::new());
 
+/// Bound on waiting for the UCX thread to make an allocation (it may be in the middle
+/// of another endpoint's puts, each bounded by its own timeout).
+pub const ALLOCATE_BOUND: Duration = Duration::from_secs(60);
+
 impl SharedAllocation {
     /// Allocate `len` bytes (zeroed) through the process's UCX worker and populate
     /// them, so the first transfer into them pays no page faults.
@@ -179,16 +182,30 @@ impl SharedAllocation {
         let (tx, rx) = mpsc::channel();
         lock(&worker.commands)
             .send(Box::new(move |s: &mut State| {
-                let _ = tx.send(allocate_one(s, len));
+                let made = allocate_one(s, len);
+                if let Err(mpsc::SendError(Ok((id, ..)))) = tx.send(made) {
+                    // The caller gave up waiting (ALLOCATE_BOUND): nobody owns it.
+                    unmap_one(s, id);
+                }
             }))
             .map_err(|_| Error::LocalTransport {
                 op: "thread",
                 detail: "the UCX thread ended".into(),
             })?;
-        let (id, addr, mapped_len, key) = rx.recv().map_err(|_| Error::LocalTransport {
-            op: "thread",
-            detail: "the UCX thread ended".into(),
-        })??;
+        let (id, addr, mapped_len, key) = match rx.recv_timeout(ALLOCATE_BOUND) {
+            Ok(made) => made?,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                return Err(Error::DeadlineExceeded {
+                    what: format!("a UCX allocation of {len} bytes within {ALLOCATE_BOUND:?}"),
+                })
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(Error::LocalTransport {
+                    op: "thread",
+                    detail: "the UCX thread ended".into(),
+                })
+            }
+        };
         populate((addr, addr + mapped_len));
         lock(&ALLOCATIONS).push(Exposed {
             id,
@@ -331,6 +348,20 @@ garbage line
         };
         assert_eq!(low.target(0x9800, 0x800), Some(0x1800));
         assert_eq!(low.target(0x8fff, 1), None);
+    }
+
+    #[test]
+    fn only_a_mapping_the_unpack_attached_is_taken() {
+        let before: HashSet<(usize, usize)> = [(0x1000, 0x3000)].into_iter().collect();
+        let after: HashSet<(usize, usize)> =
+            [(0x1000, 0x3000), (0x8000, 0x9000)].into_iter().collect();
+        // The address lies in a mapping that was there before: not the key's.
+        assert_eq!(pick_attached(after.clone(), &before, 0x2000), None);
+        assert_eq!(
+            pick_attached(after.clone(), &before, 0x8fff),
+            Some((0x8000, 0x9000))
+        );
+        assert_eq!(pick_attached(after, &before, 0x9000), None);
     }
 
     proptest::proptest! {

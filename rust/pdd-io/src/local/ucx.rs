@@ -34,7 +34,7 @@ use pdd_core::Error;
 use tokio::sync::oneshot;
 
 use super::lock;
-use super::shared::{attached_mapping, check_distance, populate, shared_mappings, Mapped};
+use super::shared::{attached_mapping, populate, shared_mappings, Mapped};
 use super::ucx_ffi::{self as ffi, Api, Handle, Nbx};
 
 /// Longest sleep of an idle worker thread between two progress calls.
@@ -218,9 +218,17 @@ pub struct UcxEndpoint {
     ep: Mutex<Option<u64>>,
     memory: Arc<Mutex<HashSet<u64>>>,
     keys: Arc<Mutex<HashSet<u64>>>,
-    /// Packed keys of mapped (shared) memory, unpacked once for the endpoint's life
-    /// (see [`UcxEndpoint::unpack`]).
-    session_keys: Arc<Mutex<HashMap<Vec<u8>, u64>>>,
+    /// Keys of mapped (shared) memory, unpacked once for the endpoint's life (see
+    /// [`UcxEndpoint::unpack`]).
+    session_keys: Arc<Mutex<SessionKeys>>,
+}
+
+/// An endpoint's kept keys: by packed bytes (to find them again) and by id (so that
+/// [`UcxEndpoint::destroy`] leaves them alone).
+#[derive(Default)]
+struct SessionKeys {
+    by_key: HashMap<Vec<u8>, u64>,
+    ids: HashSet<u64>,
 }
 
 impl std::fmt::Debug for UcxEndpoint {
@@ -348,27 +356,30 @@ impl UcxEndpoint {
         Ok(())
     }
 
-    /// Unpack packed keys on the endpoint: per key `(id for PutOp::rkey, kept)`.
-    /// `probe` is an address the key covers (a region's first page).
+    /// Unpack packed keys on the endpoint: ids for [`PutOp::rkey`]. `probe` is an
+    /// address the key covers (a region's first page).
     ///
     /// Where UCX can map the key's memory into this process (`ucp_rkey_ptr`: memory
     /// the receiver had UCX allocate, shared memory on one host), ops under it are
     /// copied straight into that mapping by [`UcxEndpoint::put_all`] (one copy, no
     /// work for the receiver) and the mapping is populated at once, so the first
-    /// transfer does not pay its page faults. Such a key is `kept`: unpacked once for
-    /// the endpoint's life (at most [`MAX_SESSION_KEYS`]), since unmapping and mapping
-    /// it again per grant would pay the page faults every time; a kept key must not
-    /// be passed to [`UcxEndpoint::destroy`]. All or nothing.
-    pub async fn unpack(&self, keys: Vec<(Vec<u8>, u64)>) -> Result<Vec<(u64, bool)>, Error> {
+    /// transfer does not pay its page faults. Such a key is kept: unpacked once for
+    /// the endpoint's life (at most [`MAX_SESSION_KEYS`]; the same packed key gets the
+    /// same id again), since unmapping and mapping it again per grant would pay the
+    /// page faults every time; [`UcxEndpoint::destroy`] leaves it alone. All or
+    /// nothing.
+    pub async fn unpack(&self, keys: Vec<(Vec<u8>, u64)>) -> Result<Vec<u64>, Error> {
         let ep_id = *lock(&self.ep);
         let mine = self.keys.clone();
-        let cache = self.session_keys.clone();
+        let kept = self.session_keys.clone();
         self.call(move |s| {
             let ep = s.ep(ep_id)?;
-            let mut out: Vec<(u64, bool)> = Vec::with_capacity(keys.len());
+            let mut ids = Vec::with_capacity(keys.len());
+            // Unpacked by this call and not kept: what a failure must undo.
+            let mut fresh = Vec::new();
             for (key, probe) in keys {
-                if let Some(&id) = lock(&cache).get(&key) {
-                    out.push((id, true));
+                if let Some(&id) = lock(&kept).by_key.get(&key) {
+                    ids.push(id);
                     continue;
                 }
                 let before = shared_mappings();
@@ -377,44 +388,44 @@ impl UcxEndpoint {
                 // parses it, bounded by its own format); ep is live.
                 let st = unsafe { (s.api.ep_rkey_unpack)(ep, key.as_ptr().cast(), &mut rkey) };
                 if let Err(e) = s.api.check("ucp_ep_rkey_unpack", st) {
-                    let fresh: Vec<u64> = out.iter().filter(|k| !k.1).map(|k| k.0).collect();
                     destroy_rkeys(s, &fresh);
                     return Err(e);
                 }
                 let id = s.id();
                 s.rkeys.insert(id, rkey);
-                let kept = match attached_mapping(s, rkey, probe, &before) {
-                    Some(mapped) => {
-                        populate(mapped.range);
-                        s.direct.insert(id, mapped);
-                        let mut cache = lock(&cache);
-                        if cache.len() < MAX_SESSION_KEYS {
-                            cache.insert(key, id);
-                            true
-                        } else {
-                            false
-                        }
+                ids.push(id);
+                if let Some(mapped) = attached_mapping(s, rkey, probe, &before) {
+                    populate(mapped.range);
+                    s.direct.insert(id, mapped);
+                    let mut kept = lock(&kept);
+                    if kept.ids.len() < MAX_SESSION_KEYS {
+                        kept.by_key.insert(key, id);
+                        kept.ids.insert(id);
+                        // Released with the endpoint (Drop destroys every key of it).
+                        lock(&mine).insert(id);
+                        continue;
                     }
-                    None => false,
-                };
-                out.push((id, kept));
+                }
+                fresh.push(id);
             }
-            lock(&mine).extend(out.iter().map(|k| k.0));
-            Ok(out)
+            lock(&mine).extend(fresh.iter().copied());
+            Ok(ids)
         })
         .await
     }
 
-    /// Destroy unpacked keys (the grant ended). Fire and forget; runs after any put
-    /// already submitted, which has flushed by then.
+    /// Destroy unpacked keys (the grant ended); kept keys (see
+    /// [`UcxEndpoint::unpack`]) stay until the endpoint goes. Fire and forget; runs
+    /// after any put already submitted, which has flushed by then.
     pub fn destroy(&self, ids: Vec<u64>) {
         let mine = self.keys.clone();
-        let kept: HashSet<u64> = lock(&self.session_keys).values().copied().collect();
+        let kept = self.session_keys.clone();
         let _ = self.submit(Box::new(move |s| {
+            let kept = lock(&kept);
             let mut mine = lock(&mine);
             let ids: Vec<u64> = ids
                 .into_iter()
-                .filter(|id| !kept.contains(id) && mine.remove(id))
+                .filter(|id| !kept.ids.contains(id) && mine.remove(id))
                 .collect();
             destroy_rkeys(s, &ids);
         }));
@@ -438,11 +449,9 @@ impl UcxEndpoint {
             let param = ffi::RequestParam::zeroed();
             let mut failed = None;
             let (mut direct, mut puts) = (0u64, 0usize);
-            // The key of the previous op (ops come in long runs under one key: the
-            // per-op cost matters at 4 KiB pages), and the mapped keys whose distance
-            // was checked against ucp_rkey_ptr in this call.
+            // The key of the previous op: ops come in long runs under one key, and the
+            // per-op cost matters at 4 KiB pages.
             let mut last: Option<(u64, Handle, Option<Mapped>)> = None;
-            let mut checked: Vec<u64> = Vec::new();
             for op in &ops {
                 let (rkey, mapped) = match last {
                     Some((id, h, m)) if id == op.rkey => (h, m),
@@ -460,13 +469,6 @@ impl UcxEndpoint {
                     }
                 };
                 if let Some(m) = mapped {
-                    if !checked.contains(&op.rkey) {
-                        if let Err(e) = check_distance(s, rkey, op.remote, m) {
-                            failed = Some(e);
-                            break;
-                        }
-                        checked.push(op.rkey);
-                    }
                     let Some(dst) = m.target(op.remote, op.len) else {
                         failed = Some(Error::GrantViolation {
                             transfer_id: 0,
