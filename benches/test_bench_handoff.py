@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
 from pdd_transport import HandoffFinished, HandoffPair, HandoffPolicy, MainLink, RelayLink
 
 PROMPT = 65_536

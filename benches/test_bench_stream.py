@@ -16,7 +16,6 @@ from contextlib import ExitStack
 from typing import Any
 
 import pytest
-
 from pdd_transport.bench import stream, stream_paths
 
 BYTES = 16 << 20

@@ -13,7 +13,6 @@ import struct
 from typing import Any
 
 import numpy as np
-
 from pdd_transport import wire
 
 IDS = np.random.default_rng(0).integers(0, 129280, size=100, dtype=np.int64)

@@ -33,9 +33,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_pd import Engine, build_tiny_model, pdd_config, prompt_ids, split_cores  # noqa: E402
-
-from pdd_transport.integrations.vllm_proxy import PdProxy, post_json, stream_completion  # noqa: E402
+from pdd_transport.integrations.vllm_proxy import PdProxy, post_json, stream_completion
+from vllm_pd import Engine, build_tiny_model, pdd_config, prompt_ids, split_cores
 
 
 def _tpot(times: list[float]) -> float:

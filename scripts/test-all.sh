@@ -117,6 +117,9 @@ fuzz_dir=$([ "$fuzz_profile" = dev ] && echo debug || echo "$fuzz_profile")
 "${CARGO_TARGET_DIR:-target}/$fuzz_dir/pdd-fuzz" --seconds "${PDD_FUZZ_SECONDS:-30}" >"$fuzz_log" 2>&1 &
 fuzz_pid=$!
 
+step "ruff (Python lint: pyproject.toml [tool.ruff])"
+python -m ruff check --no-cache
+
 step "mypy --strict and stubtest"
 python -m mypy
 python -m mypy.stubtest pdd_transport._native

@@ -28,7 +28,6 @@ from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
-
 from pdd_transport import kv
 from pdd_transport.wanem import Wanem
 
@@ -61,7 +60,7 @@ def burst(limit: int, rounds: int = 2) -> list[list[float]]:
             outbound = tx.wait_grant(rid, timeout=10)
             before = tx.metrics()["bytes_sent_total"]
 
-            def send() -> None:
+            def send(outbound: Any = outbound) -> None:
                 for layer in range(layers):
                     outbound.send_layer(layer, list(range(pages)), timeout=60)
                 outbound.finish()

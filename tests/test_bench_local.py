@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from pdd_transport import local
 from pdd_transport.bench.local import DualConfig, LocalConfig, run_dual, run_local
 from pdd_transport.errors import InvalidArgument

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from pdd_transport import InvalidArgument
 from pdd_transport.bench import soak
 

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from pdd_transport.bench import stream
 from pdd_transport.cli import main
 from pdd_transport.errors import InvalidArgument

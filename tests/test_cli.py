@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from pdd_transport import __version__
 from pdd_transport.cli import main
 from pdd_transport.model_shapes import PRESETS, ModelShape

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from pdd_transport import PddError, ProtocolError, wire
 
 CORPUS = Path(__file__).parent / "corpus" / "malformed"

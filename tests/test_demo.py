@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from pdd_transport.demo.figures import PNG_KEY, png_record
 from pdd_transport.plotting import png_text
 

@@ -10,7 +10,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from _demo_summary import samples, summary
 from pdd_transport.demo.figures import BEGIN, END, check, main, record, render_docs, render_readme
 from pdd_transport.demo.plot import ttft_plot

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from _demo_summary import samples, summary
 from _matplotlib import hide_matplotlib
 from pdd_transport.demo.figures import PNG_KEY, png_record, record

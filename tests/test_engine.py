@@ -14,7 +14,6 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from pdd_transport import InvalidArgument
 from pdd_transport.engine import Engine, EngineConfig, PageTable, generate, greedy
 from pdd_transport.kv import KvPool, as_bytes_view

@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from pdd_transport import HandoffPair, HandoffTimers, InvalidArgument, PddError, wire
 from pdd_transport.radix import RadixCache
 from pdd_transport.wanem import Wanem

@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from pdd_transport import (
     Handoff,
     HandoffFailed,

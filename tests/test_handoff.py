@@ -13,7 +13,6 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-
 from pdd_transport import (
     DeadlineExceeded,
     Handoff,

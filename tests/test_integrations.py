@@ -15,7 +15,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-
 from pdd_transport.integrations.vllm_proxy import PdProxy, route
 
 
@@ -63,7 +62,7 @@ class _Fake:
             def log_message(self, *_: object) -> None:
                 pass
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 params = body.get("kv_transfer_params") or {}
                 role = "prefill" if params.get("do_remote_decode") else "decode"

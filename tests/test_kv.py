@@ -9,7 +9,6 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-
 from pdd_transport import DeadlineExceeded, InvalidArgument, TransportError, kv
 from pdd_transport.wanem import Wanem
 
@@ -234,7 +233,7 @@ def test_reset_then_next_transfer_reconnects() -> None:
                 break
             threading.Event().wait(0.02)
         tx.ensure_connected(timeout=10)
-        for attempt in range(50):
+        for _attempt in range(50):
             rx.wait_peer(99, timeout=10)
             try:
                 inbound = rx.grant(2, [1])

@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-
 from pdd_transport import InvalidArgument, PddError, kv
 
 LAYERS, PAGES, PAGE = 3, 16, 512

@@ -9,18 +9,15 @@ PDD_REQUIRE_UCX=1, which turns the skip below into a failure."""
 from __future__ import annotations
 
 import asyncio
-
 import os
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-
 from pdd_transport import InvalidArgument, PddError, TransportError, kv, local
 
 if not local.available():
@@ -284,7 +281,7 @@ def test_prefill_role_send_is_the_dual_path_send() -> None:
     and MD over the WAN path; MD failing leaves RLD's transfer complete."""
     from types import SimpleNamespace
 
-    from pdd_transport.roles import Plan, PrefillRole, Prefilled
+    from pdd_transport.roles import Plan, Prefilled, PrefillRole
 
     rld, to_rld, md, to_md, rld_mem, md_mem = _dual_fixture()
     try:
@@ -307,7 +304,6 @@ def test_prefill_role_send_is_the_dual_path_send() -> None:
         # never comes, or comes cancelled); RLD's transfer completes meanwhile.
         polled.grant(22, DEST, deadline_s=30)
         md.cancel(md.grant(22, [20, 21, 22], deadline_s=30).transfer_id)
-        t0 = time.monotonic()
         failures = role.send(Prefilled(Plan(22, "p_rld_md", 0), SRC, [], None), timeout=3)
         assert [f.where for f in failures] == ["send to main"], failures
         assert failures[0].reason in ("peer_aborted", "deadline_exceeded"), failures

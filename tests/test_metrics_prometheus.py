@@ -6,11 +6,10 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-
 from pdd_transport import HandoffFinished, HandoffTimers, MainLink, RelayLink, kv
 from pdd_transport.metrics import PddCollector
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 LAYERS, PAGES, PAGE = 2, 8, 256
 

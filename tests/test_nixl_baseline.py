@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from pdd_transport.bench import nixl_baseline as nb
 from pdd_transport.cli import build_parser
 

@@ -15,9 +15,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
-import pytest
-
 import pdd_transport
+import pytest
 
 CARGO_TOML = Path(__file__).resolve().parent.parent / "Cargo.toml"
 

@@ -8,9 +8,8 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-
 import pdd_transport
+import pytest
 from pdd_transport import InvalidArgument, _native, policy
 from pdd_transport.policy import (
     AnomalyPolicy,

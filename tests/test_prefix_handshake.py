@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from pdd_transport import InvalidArgument, kv
 from pdd_transport.radix import RadixCache
 

@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 from _crc32c import crc32c
-
 from pdd_transport import wire
 
 DOC = (Path(__file__).parent.parent / "docs" / "protocol.md").read_text()

@@ -8,7 +8,6 @@ import random
 import numpy as np
 import pytest
 from _gil import count_while_running
-
 from pdd_transport import InvalidArgument, ProtocolError
 from pdd_transport.radix import PrefixMirror, RadixCache, chain_hashes
 

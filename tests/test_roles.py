@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from pdd_transport import local
 from pdd_transport.engine import Engine, EngineConfig, generate
 from pdd_transport.policy import AnomalyPolicy, PipelinePolicy, WanEstimate

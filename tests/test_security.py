@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from pdd_transport import DeadlineExceeded, InvalidArgument, MainLink, RelayLink, TransportError, kv
 from pdd_transport.security import SEALED_LANE_CRYPTO, Security, TlsConfig, test_pki
 

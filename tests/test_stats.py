@@ -6,7 +6,6 @@ import math
 import random
 
 import pytest
-
 from pdd_transport.errors import InvalidArgument
 from pdd_transport.stats import percentile
 

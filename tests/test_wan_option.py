@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 
 import pytest
-
 from pdd_transport.cli import build_parser, main
 from pdd_transport.errors import InvalidArgument
 from pdd_transport.specs import WAN_SYNTAX, WanSpec, parse_wan

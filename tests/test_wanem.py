@@ -20,9 +20,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import pdd_transport
+import pytest
 from pdd_transport import _native
 from pdd_transport.errors import InvalidArgument, PddError, TransportError
 from pdd_transport.wanem import DIRECTIONS, LinkProfile, Wanem
@@ -442,7 +441,7 @@ def test_many_threads_share_one_emulator(wan: Wanem) -> None:
             with connect(wan) as s:
                 for i in range(20):
                     ping(s, f"{n}:{i}".encode())
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=client, args=(n,)) for n in range(4)]

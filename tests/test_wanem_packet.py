@@ -20,7 +20,6 @@ import time
 from typing import Any
 
 import pytest
-
 from pdd_transport.errors import InvalidArgument, TransportError
 from pdd_transport.wanem_packet import PacketLine, PacketWan, default_queue_bytes, netem_args
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 from _gil import count_while_running
-
 from pdd_transport import InvalidArgument, PddError, ProtocolError, wire
 
 

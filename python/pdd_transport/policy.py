@@ -27,7 +27,6 @@ Every tunable is checked when the policy is built; a bad one, or a bad count, ra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal, Protocol, cast
 
 from pdd_transport import _native

@@ -20,14 +20,13 @@ own thread, except where a method says otherwise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pdd_transport import kv
-from pdd_transport.errors import PddError
 from pdd_transport.local import DualSender, LocalSender, PolledLocalReceiver
 from pdd_transport.policy import AnomalyPolicy, PipelinePolicy, WanEstimate, route
 from pdd_transport.radix import RadixCache

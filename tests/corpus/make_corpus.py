@@ -19,7 +19,6 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
 
 from _crc32c import seal  # noqa: E402
-
 from pdd_transport import wire  # noqa: E402
 
 

@@ -6,9 +6,8 @@ import time
 
 import pytest
 import vllm_pd
-from vllm_pd import BLOCK_SIZE, prompt_ids
-
 from pdd_transport.integrations.vllm_proxy import PdProxy
+from vllm_pd import BLOCK_SIZE, prompt_ids
 
 TOKENS = 16
 # The first test also starts the engines (bounded by PDD_VLLM_START_TIMEOUT, 240 s).

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from pdd_transport.bench.stream_config import DEFAULT_LANES, StreamConfig, _median, _ratio, _round
-from pdd_transport.bench.stream_paths import Peer, PddPath, _free_port, _random_layers, page_digests
+from pdd_transport.bench.stream_paths import PddPath, Peer, _free_port, _random_layers, page_digests
 from pdd_transport.errors import InvalidArgument
 
 __all__ = ["DualConfig", "LocalConfig", "add_parsers", "run_args", "run_dual", "run_local"]

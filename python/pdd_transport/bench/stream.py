@@ -131,6 +131,10 @@ def _baseline_step(into: dict[str, Any], name: str, figure: Figure | None) -> No
     into[f"{name}_cpu_s_per_gbyte"] = None if figure is None else figure[1]
 
 
+def _run_into(one: dict[str, Any], main: Any, rep: int) -> None:
+    one.update(main.run_once(rep))
+
+
 def _compare_step(into: dict[str, Any], path: PddPath, rep: int) -> None:
     into.update(page_bytes=path.page_bytes, **path.run_once(rep))
 
@@ -181,7 +185,7 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
             cold = main.run_once(cfg.repeat)  # its own grant order, unlike any repetition's
         for rep in range(cfg.repeat):
             one: dict[str, Any] = {"compare": [{} for _ in others]}
-            steps: list[Callable[[], None]] = [lambda: one.update(main.run_once(rep))]
+            steps: list[Callable[[], None]] = [functools.partial(_run_into, one, main, rep)]
             for i, o in enumerate(others):
                 steps.append(functools.partial(_compare_step, one["compare"][i], o, rep))
             if plain is not None:
@@ -189,18 +193,20 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
             if cfg.baselines:
                 pw, end = cfg.proxy_wan, cfg.packet_end
                 cc = cfg.congestion if cfg.packet else None
+                # Each step binds this repetition's values now (default arguments):
+                # the steps run in this iteration, and the binding says so.
                 steps += [
-                    lambda: _baseline_step(
+                    lambda one=one, pw=pw, end=end, cc=cc: _baseline_step(
                         one, "iperf3", iperf3_baseline(cfg.bytes, cfg.lanes, pw, timeout, end, cc)
                     ),
-                    lambda: _baseline_step(one, "pyzmq", pyzmq_baseline(peer, flat, pw, timeout)),
-                    lambda: _baseline_step(one, "socket", socket_baseline(peer, flat, pw, timeout)),
+                    lambda one=one, pw=pw: _baseline_step(one, "pyzmq", pyzmq_baseline(peer, flat, pw, timeout)),
+                    lambda one=one, pw=pw: _baseline_step(one, "socket", socket_baseline(peer, flat, pw, timeout)),
                 ]
                 if cfg.packet:
                     # What a cross-datacenter user compares against first: one plain
                     # CUBIC stream through the same line.
                     steps.append(
-                        lambda: _baseline_step(
+                        lambda one=one, pw=pw, end=end: _baseline_step(
                             one, "iperf3_1stream", iperf3_baseline(cfg.bytes, 1, pw, timeout, end, "cubic")
                         )
                     )

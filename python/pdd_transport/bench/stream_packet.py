@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pdd_transport.bench.stream_config import MiB, LossSpec, StreamConfig, _ratio, _round, parse_loss
+from pdd_transport.bench.stream_config import LossSpec, MiB, StreamConfig, _ratio, _round, parse_loss
 from pdd_transport.errors import DeadlineExceeded, InvalidArgument, PddError, TransportError
 
 __all__ = ["PACKET_SWEEP_SECONDS", "sweep", "sweep_cli"]

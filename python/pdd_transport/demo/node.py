@@ -19,7 +19,6 @@ import traceback
 from typing import Any
 
 from pdd_transport import kv, local
-from pdd_transport.security import Security
 from pdd_transport.engine import Engine, EngineConfig
 from pdd_transport.roles import (
     Event,
@@ -31,6 +30,7 @@ from pdd_transport.roles import (
     PrefillRole,
     RelayDecodeRole,
 )
+from pdd_transport.security import Security
 
 _out_lock = threading.Lock()
 

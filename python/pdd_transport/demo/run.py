@@ -29,9 +29,9 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pdd_transport import local
 from pdd_transport.demo.figures import new_source, record
 from pdd_transport.demo.workload import Request, WorkloadConfig, generate
-from pdd_transport import local
 from pdd_transport.errors import InvalidArgument
 from pdd_transport.plotting import PLOT_HINT
 from pdd_transport.specs import WanSpec
@@ -217,7 +217,6 @@ def _run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: boo
     errors: list[dict[str, Any]] = []
     tokens_by = {"relay": 0, "main": 0}
     metrics: dict[str, dict[str, Any]] = {}
-    by_id = {r.request_id: r for r in requests}
 
     def handle(role: str, at: float, ev: dict[str, Any]) -> None:
         kind = ev["event"]
@@ -365,7 +364,7 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
             print(f"running {mode} ({len(requests)} requests)...", file=sys.stderr, flush=True)
         runs[mode] = run_mode(mode, cfg, requests, progress)
     reference = greedy_reference(requests, cfg)
-    for mode, r in runs.items():
+    for r in runs.values():
         r["greedy_equal"] = all(r["outputs"].get(rid) == toks for rid, toks in reference.items())
         r["greedy_mismatches"] = sum(1 for rid, toks in reference.items() if r["outputs"].get(rid) != toks)
     keep = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "wan_bytes", "local_bytes", "local_direct_bytes", "relay_path",

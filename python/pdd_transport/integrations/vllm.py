@@ -56,7 +56,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
-
 from vllm.logger import init_logger
 
 from pdd_transport import kv
@@ -611,7 +610,7 @@ class _WorkerSide:
             from vllm.model_executor.models.utils import extract_layer_index
 
             names.sort(key=extract_layer_index)
-        except Exception:  # noqa: BLE001 - keep vLLM's order where names carry no index
+        except Exception:
             pass
         tensors = [kv_caches[n] for n in names]
         first = tensors[0]
