@@ -274,24 +274,8 @@ impl KvSender {
         let conn = self.conn().await?;
         let mut changed = self.shared.grants_changed.subscribe();
         loop {
-            if let Some(grant) = lock(&self.shared.grants).remove(&request_id) {
-                let (status, rx) = watch::channel(OutboundStatus::InProgress);
-                lock(&self.shared.outbound).insert(
-                    grant.transfer_id,
-                    OutboundEntry {
-                        request_id,
-                        started: Instant::now(),
-                        status,
-                    },
-                );
-                return Ok(OutboundTransfer {
-                    shared: self.shared.clone(),
-                    conn,
-                    started: AtomicBool::new(false),
-                    state: tokio::sync::Mutex::new(SenderTransfer::new(grant.clone())),
-                    grant,
-                    status: rx,
-                });
+            if let Some(t) = self.take_grant(&conn, request_id) {
+                return Ok(t);
             }
             tokio::select! {
                 _ = conn.cancel.cancelled() => return Err(conn.dead_error()),
@@ -300,6 +284,60 @@ impl KvSender {
                 },
             }
         }
+    }
+
+    /// The grant for `request_id` if it has arrived, without waiting: what an engine
+    /// that polls its transfers from its own step loop calls, instead of one waiting
+    /// thread per request. `Ok(None)`: no such grant yet, or no live session right now
+    /// (`is_connected` tells which; [`KvSender::ensure_connected`] reconnects). `Err`:
+    /// the sender was closed.
+    pub fn try_grant(&self, request_id: u64) -> Result<Option<OutboundTransfer>, Error> {
+        if self.shared.cancel.is_cancelled() {
+            return Err(Error::Cancelled {
+                detail: "sender closed".into(),
+            });
+        }
+        // A connect in progress holds the slot: no grant can be waiting then.
+        let Ok(slot) = self.shared.conn.try_lock() else {
+            return Ok(None);
+        };
+        let Some(conn) = slot.as_ref().filter(|c| !c.cancel.is_cancelled()).cloned() else {
+            return Ok(None);
+        };
+        drop(slot);
+        Ok(self.take_grant(&conn, request_id))
+    }
+
+    /// Whether a session is up now (false while one is being opened or after it was
+    /// lost, until a reconnect).
+    pub fn is_connected(&self) -> bool {
+        self.shared
+            .conn
+            .try_lock()
+            .is_ok_and(|slot| slot.as_ref().is_some_and(|c| !c.cancel.is_cancelled()))
+    }
+
+    /// Takes `request_id`'s grant out of the arrived ones, as an outbound transfer on
+    /// `conn`.
+    fn take_grant(&self, conn: &Arc<Conn>, request_id: u64) -> Option<OutboundTransfer> {
+        let grant = lock(&self.shared.grants).remove(&request_id)?;
+        let (status, rx) = watch::channel(OutboundStatus::InProgress);
+        lock(&self.shared.outbound).insert(
+            grant.transfer_id,
+            OutboundEntry {
+                request_id,
+                started: Instant::now(),
+                status,
+            },
+        );
+        Some(OutboundTransfer {
+            shared: self.shared.clone(),
+            conn: conn.clone(),
+            started: AtomicBool::new(false),
+            state: tokio::sync::Mutex::new(SenderTransfer::new(grant.clone())),
+            grant,
+            status: rx,
+        })
     }
 
     /// Ask the receiver how much of `tokens` its radix cache holds (pages of

@@ -435,6 +435,9 @@ impl InboundTransfer {
 #[pyclass(frozen, module = "pdd_transport._native")]
 pub struct KvSender {
     inner: Arc<sender::KvSender>,
+    /// A background reconnect started by `try_grant` is running: polling callers
+    /// start at most one at a time.
+    reconnecting: Arc<std::sync::atomic::AtomicBool>,
 }
 
 #[pymethods]
@@ -485,6 +488,7 @@ impl KvSender {
         let tx = block_on(py, sender::KvSender::connect(pool, cfg))?.map_err(PddErr)?;
         Ok(KvSender {
             inner: Arc::new(tx),
+            reconnecting: Arc::default(),
         })
     }
 
@@ -522,6 +526,41 @@ impl KvSender {
             inner: Arc::new(t),
             key,
         })
+    }
+
+    /// The grant for `request_id` if it has arrived, else None, without waiting or
+    /// blocking: for an engine that drives its transfers from its own step loop (one
+    /// call per pending request and step, no thread per request). With no live
+    /// session it starts one reconnect in the background (bounded by
+    /// `connect_timeout_s`) and returns None; a closed sender raises.
+    fn try_grant(&self, request_id: RequestKey) -> PyResult<Option<OutboundTransfer>> {
+        use std::sync::atomic::Ordering;
+        let key = request_id.key;
+        match self.inner.try_grant(request_id.id).map_err(PddErr)? {
+            Some(t) => Ok(Some(OutboundTransfer {
+                inner: Arc::new(t),
+                key,
+            })),
+            None => {
+                if !self.inner.is_connected() && !self.reconnecting.swap(true, Ordering::AcqRel) {
+                    let tx = self.inner.clone();
+                    let flag = self.reconnecting.clone();
+                    runtime()?.spawn(async move {
+                        // Its error is the next call's to see: a grant never
+                        // arrives, and the caller's own grant timeout ends it.
+                        let _ = tx.ensure_connected().await;
+                        flag.store(false, Ordering::Release);
+                    });
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// Whether a session is up now.
+    #[getter]
+    fn connected(&self) -> bool {
+        self.inner.is_connected()
     }
 
     /// Ask the receiver how much of `tokens` it caches (and pin it for `lease_s`).

@@ -326,6 +326,18 @@ impl LocalSender {
         })
     }
 
+    /// The grant for `request_id` if it has arrived, else None, without waiting (see
+    /// `KvSender.try_grant`); raises once the session died.
+    fn try_grant(&self, request_id: RequestKey) -> PyResult<Option<LocalOutbound>> {
+        Ok(self
+            .inner
+            .try_grant(request_id.id)
+            .map_err(PddErr)?
+            .map(|out| LocalOutbound {
+                inner: Arc::new(out),
+            }))
+    }
+
     /// Counters.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         metrics_dict(py, self.inner.metrics())

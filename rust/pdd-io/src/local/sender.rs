@@ -206,46 +206,55 @@ impl LocalSender {
     pub async fn wait_grant(&self, request_id: u64) -> Result<LocalOutbound, Error> {
         loop {
             let notified = self.shared.ready_changed.notified();
-            if let Some(e) = lock(&self.shared.death).clone() {
-                return Err(e);
-            }
-            let ready = {
-                let mut ready = lock(&self.shared.ready);
-                let r = ready.get_mut(&request_id).and_then(|v| {
-                    if v.is_empty() {
-                        None
-                    } else {
-                        Some(v.remove(0))
-                    }
-                });
-                if ready.get(&request_id).is_some_and(Vec::is_empty) {
-                    ready.remove(&request_id);
-                }
-                r
-            };
-            if let Some(r) = ready {
-                let (status, rx) = watch::channel(LocalStatus::InProgress);
-                let keys = Arc::new(Mutex::new(Some(r.keys)));
-                lock(&self.shared.transfers).insert(
-                    r.grant.transfer_id,
-                    Transfer {
-                        request_id,
-                        status,
-                        keys: keys.clone(),
-                    },
-                );
-                let layers = usize::from(r.grant.layer_count);
-                return Ok(LocalOutbound {
-                    shared: self.shared.clone(),
-                    grant: r.grant,
-                    regions: r.regions,
-                    keys,
-                    sent: tokio::sync::Mutex::new(vec![false; layers]),
-                    status: rx,
-                });
+            if let Some(t) = self.try_grant(request_id)? {
+                return Ok(t);
             }
             notified.await;
         }
+    }
+
+    /// The grant for `request_id` if it has arrived (KV_GRANT and its LOCAL_GRANT),
+    /// without waiting; `Err` once the session died.
+    pub fn try_grant(&self, request_id: u64) -> Result<Option<LocalOutbound>, Error> {
+        if let Some(e) = lock(&self.shared.death).clone() {
+            return Err(e);
+        }
+        let ready = {
+            let mut ready = lock(&self.shared.ready);
+            let r = ready.get_mut(&request_id).and_then(|v| {
+                if v.is_empty() {
+                    None
+                } else {
+                    Some(v.remove(0))
+                }
+            });
+            if ready.get(&request_id).is_some_and(Vec::is_empty) {
+                ready.remove(&request_id);
+            }
+            r
+        };
+        let Some(r) = ready else {
+            return Ok(None);
+        };
+        let (status, rx) = watch::channel(LocalStatus::InProgress);
+        let keys = Arc::new(Mutex::new(Some(r.keys)));
+        lock(&self.shared.transfers).insert(
+            r.grant.transfer_id,
+            Transfer {
+                request_id,
+                status,
+                keys: keys.clone(),
+            },
+        );
+        let layers = usize::from(r.grant.layer_count);
+        Ok(Some(LocalOutbound {
+            shared: self.shared.clone(),
+            grant: r.grant,
+            regions: r.regions,
+            keys,
+            sent: tokio::sync::Mutex::new(vec![false; layers]),
+            status: rx,
+        }))
     }
 
     /// End the session (live transfers fail) and release UCX.
