@@ -8,6 +8,7 @@
 //! (UCX, one-sided put) path to a receiver in the same datacenter. [`wanem`] is the user-space WAN
 //! emulator (a delaying, shaping TCP proxy) the tests run the lanes through.
 
+pub mod activity;
 pub mod codec;
 pub mod config;
 pub mod event_queue;

@@ -424,6 +424,7 @@ fn fail_outbound(shared: &Shared, error: &Error, request: Option<u64>) {
         if let Some(e) = outbound.remove(&id) {
             Metrics::add(&shared.metrics.transfers_failed_total, 1);
             e.status.send_replace(OutboundStatus::Failed(error.clone()));
+            crate::activity::bump();
         }
     }
     Metrics::set(&shared.metrics.transfers_in_flight, outbound.len() as u64);
@@ -437,6 +438,7 @@ fn fail_transfer(shared: &Shared, transfer_id: u64, error: &Error) -> bool {
     };
     Metrics::add(&shared.metrics.transfers_failed_total, 1);
     e.status.send_replace(OutboundStatus::Failed(error.clone()));
+    crate::activity::bump();
     Metrics::set(&shared.metrics.transfers_in_flight, outbound.len() as u64);
     true
 }
@@ -631,6 +633,7 @@ async fn control_loop(
             Frame::KvGrant(g) => {
                 lock(&shared.grants).insert(g.request_id, g);
                 shared.grants_changed.send_modify(|n| *n += 1);
+                crate::activity::bump();
             }
             Frame::KvDone(done) => {
                 // The receiver confirms a transfer landed and verified.
@@ -641,6 +644,7 @@ async fn control_loop(
                     e.status.send_replace(OutboundStatus::Complete {
                         bytes: done.byte_count,
                     });
+                    crate::activity::bump();
                 }
                 Metrics::set(&shared.metrics.transfers_in_flight, outbound.len() as u64);
                 drop(outbound);

@@ -29,7 +29,31 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<KvSender>()?;
     m.add_class::<InboundTransfer>()?;
     m.add_class::<OutboundTransfer>()?;
+    m.add_function(wrap_pyfunction!(transfer_activity, m)?)?;
+    m.add_function(wrap_pyfunction!(wait_transfer_activity, m)?)?;
     Ok(())
+}
+
+/// The process's transfer doorbell: a counter every KV sender (WAN or local path)
+/// bumps when a grant arrives or a transfer settles. Read it, poll your transfers, and
+/// with nothing to do wait in `wait_transfer_activity(seen, timeout)`.
+#[pyfunction]
+fn transfer_activity() -> u64 {
+    pdd_io::activity::current()
+}
+
+/// Wait, with the GIL released, until the doorbell differs from `seen` or `timeout`
+/// seconds pass; returns the counter then (equal to `seen` on a timeout, which is not
+/// an error here: an idle step loop just polls again).
+#[pyfunction]
+#[pyo3(signature = (seen, timeout))]
+fn wait_transfer_activity(py: Python<'_>, seen: u64, timeout: f64) -> PyResult<u64> {
+    let bound = seconds_or_zero("timeout", timeout)?;
+    block_on(py, async move {
+        tokio::time::timeout(bound, pdd_io::activity::changed_since(seen))
+            .await
+            .unwrap_or(seen)
+    })
 }
 
 /// Run `fut` on the shared runtime with the GIL released, bounded by `timeout`.

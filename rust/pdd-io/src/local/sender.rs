@@ -279,6 +279,7 @@ fn end_transfer(shared: &Shared, tid: u64, status: LocalStatus) {
             shared.ucx.destroy(keys);
         }
         let _ = t.status.send(status);
+        crate::activity::bump();
     }
 }
 
@@ -413,6 +414,7 @@ async fn read_loop(shared: Arc<Shared>, mut control: Control) {
                         keys,
                     });
                 shared.ready_changed.notify_waiters();
+                crate::activity::bump();
             }
             Frame::KvDone(d) => {
                 Metrics::add(&shared.metrics.transfers_completed_total, 1);
