@@ -103,6 +103,14 @@ class KvPool:
 
 _RequestKey: TypeAlias = int | str | bytes
 
+def transfer_activity() -> int:
+    """The process's transfer doorbell: bumped when a grant arrives or a transfer
+    settles, on either path."""
+
+def wait_transfer_activity(seen: int, timeout: float) -> int:
+    """Wait (GIL released) until the doorbell differs from ``seen`` or ``timeout``
+    seconds pass; returns the counter then."""
+
 def request_id_of(key: _RequestKey) -> int:
     """The 64-bit wire id of a request key (int: itself; str: its UTF-8 bytes; bytes:
     the first 8 bytes, little-endian, of SHA-256 over a domain prefix and the key)."""
@@ -299,6 +307,9 @@ class KvSender:
     def node_id(self) -> int: ...
     def ensure_connected(self, timeout: float = 10.0) -> None: ...
     def wait_grant(self, request_id: _RequestKey, timeout: float = 10.0) -> OutboundTransfer: ...
+    def try_grant(self, request_id: _RequestKey) -> OutboundTransfer | None:
+        """The grant if it has arrived, else None, without waiting; with no live
+        session it starts one background reconnect."""
     def query_prefix(
         self,
         request_id: _RequestKey,
@@ -905,6 +916,7 @@ class LocalSender:
         put_timeout_s: float = 30.0,
     ) -> LocalSender: ...
     def wait_grant(self, request_id: _RequestKey, timeout: float = 10.0) -> LocalOutbound: ...
+    def try_grant(self, request_id: _RequestKey) -> LocalOutbound | None: ...
     def metrics(self) -> dict[str, int]: ...
     def close(self) -> None: ...
 

@@ -56,6 +56,8 @@ from pdd_transport._native import (
     TransferComplete,
     TransferFailed,
     request_id_of,
+    transfer_activity,
+    wait_transfer_activity,
 )
 from pdd_transport.errors import InvalidArgument
 from pdd_transport.local import DualSender
@@ -77,6 +79,8 @@ __all__ = [
     "as_bytes_view",
     "pool_from_buffers",
     "request_id_of",
+    "transfer_activity",
+    "wait_transfer_activity",
 ]
 
 #: What ``KvReceiver.poll_events()`` returns, one of these per event.

@@ -131,6 +131,10 @@ def _baseline_step(into: dict[str, Any], name: str, figure: Figure | None) -> No
     into[f"{name}_cpu_s_per_gbyte"] = None if figure is None else figure[1]
 
 
+def _measure_baseline(into: dict[str, Any], name: str, measure: Callable[[], Figure | None]) -> None:
+    _baseline_step(into, name, measure())
+
+
 def _run_into(one: dict[str, Any], main: Any, rep: int) -> None:
     one.update(main.run_once(rep))
 
@@ -193,22 +197,21 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
             if cfg.baselines:
                 pw, end = cfg.proxy_wan, cfg.packet_end
                 cc = cfg.congestion if cfg.packet else None
-                # Each step binds this repetition's values now (default arguments):
-                # the steps run in this iteration, and the binding says so.
+                # Each step binds this repetition's values now (partial): the steps
+                # run in this iteration, and the binding says so.
+                part = functools.partial
                 steps += [
-                    lambda one=one, pw=pw, end=end, cc=cc: _baseline_step(
-                        one, "iperf3", iperf3_baseline(cfg.bytes, cfg.lanes, pw, timeout, end, cc)
-                    ),
-                    lambda one=one, pw=pw: _baseline_step(one, "pyzmq", pyzmq_baseline(peer, flat, pw, timeout)),
-                    lambda one=one, pw=pw: _baseline_step(one, "socket", socket_baseline(peer, flat, pw, timeout)),
+                    part(_measure_baseline, one, "iperf3",
+                         part(iperf3_baseline, cfg.bytes, cfg.lanes, pw, timeout, end, cc)),
+                    part(_measure_baseline, one, "pyzmq", part(pyzmq_baseline, peer, flat, pw, timeout)),
+                    part(_measure_baseline, one, "socket", part(socket_baseline, peer, flat, pw, timeout)),
                 ]
                 if cfg.packet:
                     # What a cross-datacenter user compares against first: one plain
                     # CUBIC stream through the same line.
                     steps.append(
-                        lambda one=one, pw=pw, end=end: _baseline_step(
-                            one, "iperf3_1stream", iperf3_baseline(cfg.bytes, 1, pw, timeout, end, "cubic")
-                        )
+                        part(_measure_baseline, one, "iperf3_1stream",
+                             part(iperf3_baseline, cfg.bytes, 1, pw, timeout, end, "cubic"))
                     )
             order_rng.shuffle(steps)
             for step in steps:
