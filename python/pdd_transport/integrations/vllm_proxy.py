@@ -37,6 +37,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+from pdd_transport.integrations.vllm_params import decode_params, prefill_params
+
 __all__ = ["ORDERS", "PdProxy", "PdResult", "Stream", "post_json", "route", "serve", "stream_completion"]
 
 
@@ -48,13 +50,11 @@ def route(body: dict[str, Any], key: str, decode_kv_address: str, prefill_node: 
     prefills) plus the key and where D's receiver listens, as P reaches it.
     """
     to_decode = dict(body)
-    to_decode["kv_transfer_params"] = {"do_remote_prefill": True, "pdd_key": key}
-    if prefill_node is not None:
-        to_decode["kv_transfer_params"]["pdd_prefill_node"] = int(prefill_node)
+    to_decode["kv_transfer_params"] = decode_params(key, prefill_node)
     to_prefill = dict(body)
     to_prefill.update(max_tokens=1, stream=False)
     to_prefill.pop("stream_options", None)
-    to_prefill["kv_transfer_params"] = {"do_remote_decode": True, "pdd_key": key, "pdd_decode_address": decode_kv_address}
+    to_prefill["kv_transfer_params"] = prefill_params(key, decode_kv_address)
     return to_decode, to_prefill
 
 

@@ -1,0 +1,50 @@
+"""The ``kv_transfer_params`` contract between a PDD proxy or router and vLLM engines
+running ``PddConnector`` (docs/vllm.md). Standard library only, so that a proxy that
+imports neither vLLM nor torch speaks it too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdd_transport.errors import InvalidArgument
+
+__all__ = ["DEBUG_CORRUPT", "DECODE_ADDRESS", "DO_REMOTE_DECODE", "DO_REMOTE_PREFILL", "KEY", "PREFILL_NODE",
+           "decode_params", "key_of", "prefill_params"]
+
+KEY = "pdd_key"  # str: the transfer key both sides derive the wire request id from
+DO_REMOTE_PREFILL = "do_remote_prefill"  # D: load the prompt's KV from a prefill instance
+DO_REMOTE_DECODE = "do_remote_decode"  # P: push the prompt's KV to a decode instance
+DECODE_ADDRESS = "pdd_decode_address"  # P: "host:port" of D's receiver, as P reaches it
+PREFILL_NODE = "pdd_prefill_node"  # D (optional): P's sender node id, to grant to it only
+DEBUG_CORRUPT = "pdd_debug_corrupt"  # D: zero the received KV (negative control; needs pdd_allow_debug)
+MAX_KEY_CHARS = 256
+
+
+def decode_params(key: str, prefill_node: int | None = None) -> dict[str, Any]:
+    """``kv_transfer_params`` for the decode instance's copy of a request."""
+    params: dict[str, Any] = {DO_REMOTE_PREFILL: True, KEY: key}
+    if prefill_node is not None:
+        params[PREFILL_NODE] = int(prefill_node)
+    return params
+
+
+def prefill_params(key: str, decode_address: str) -> dict[str, Any]:
+    """``kv_transfer_params`` for the prefill instance's copy (send it with
+    ``max_tokens=1``): where D's receiver listens, as P reaches it."""
+    return {DO_REMOTE_DECODE: True, KEY: key, DECODE_ADDRESS: decode_address}
+
+
+def key_of(params: dict[str, Any] | None, flag: str, strict: bool = False) -> str | None:
+    """The transfer key when ``params`` asks for ``flag``, else None; a request that
+    asks but names no usable key raises InvalidArgument when ``strict``, else None."""
+    if not params or not params.get(flag):
+        return None
+    key = params.get(KEY)
+    if isinstance(key, str) and 0 < len(key) <= MAX_KEY_CHARS:
+        return key
+    if strict:
+        raise InvalidArgument(
+            f"kv_transfer_params[{KEY!r}] must be a non-empty string of at most {MAX_KEY_CHARS} characters",
+            "invalid_argument",
+        )
+    return None

@@ -1,0 +1,757 @@
+"""Engine-neutral KV transfers: what a connector needs on each side, driven from the
+engine's own step loop.
+
+A KV connector for any engine (vLLM's ``KVConnectorBase_V1``, SGLang's KV manager,
+the reference engine) has the same two jobs, and they are here once:
+
+- **Prefill side**: :class:`Pusher` and its :class:`Push`, one request's outgoing KV to
+  one or more destinations (a decode instance on the WAN path, a RelayDecode on the
+  local path, both for a dual-path send). The engine says which source blocks hold the
+  request (:meth:`Push.blocks`) and which of them each layer has computed
+  (:meth:`Push.computed`); every destination's pages are queued as soon as both its
+  grant and the computed block are there. Grants are taken without waiting
+  (``try_grant``), so there is no thread per request: :meth:`Pusher.poll`, called from
+  the engine's step, advances every push, and :meth:`Pusher.wait` blocks an idle
+  engine on the process's transfer doorbell (a grant arrived, a transfer ended)
+  instead of spinning.
+- **Decode side**: :class:`Puller` and its :class:`Pull`: claim a request's blocks
+  (grant them to the prefill side, retried while the prefill instance has not
+  connected yet, within a bound), cancel one the engine aborted, and report each load
+  once no write can still land in its pages.
+
+A destination is chosen by its address alone: ``"host:port"`` is the WAN path
+(:class:`~pdd_transport.kv.KvSender`), ``"local://host:port"`` the local path
+(:class:`~pdd_transport.local.LocalSender`). Every wait is bounded: a grant that does
+not come within ``grant_timeout_s``, and a transfer that does not end within
+``deadline_s`` of its grant, fail with a reason; the peer is told (ABORT) where the
+path allows it.
+
+Nothing here knows an engine: ``pdd_transport.integrations.vllm`` is vLLM's glue over
+these objects, and tests drive them with plain numpy pools (tests/test_transfers.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdd_transport import _native
+from pdd_transport.errors import InvalidArgument, PddError
+
+__all__ = [
+    "LOCAL_SCHEME",
+    "Pull",
+    "Puller",
+    "Push",
+    "PushLeg",
+    "Pusher",
+    "Settings",
+    "is_local_address",
+    "pool_from_block_tensors",
+    "publish_address",
+]
+
+#: The address prefix that selects the local path (UCX) for a destination.
+LOCAL_SCHEME = "local://"
+
+# Where one destination of a push stands.
+_WAITING_GRANT = "waiting_grant"
+_SENDING = "sending"
+_FINISHING = "finishing"
+_DONE = "done"
+_FAILED = "failed"
+_ENDED = (_DONE, _FAILED)
+
+
+@dataclass
+class Settings:
+    """A connector's transport settings, read from its engine's config mapping by the
+    same ``pdd_*`` names in every engine (vLLM's ``kv_connector_extra_config``;
+    docs/vllm.md lists them). The secret is never in the mapping itself: it names the
+    environment variable holding it (``pdd_secret_env``, default ``PDD_SECRET``)."""
+
+    listen: str = "127.0.0.1:0"
+    node_id: int | None = None
+    lanes: int = 2
+    secret: bytes | None = None
+    insecure: bool = False
+    deadline_s: float = 30.0
+    grant_timeout_s: float = 10.0
+    dead_after_s: float = 5.0
+    heartbeat_s: float = 1.0
+    connect: list[str] = field(default_factory=list)
+    allow_debug: bool = False
+    idle_wait_s: float = 0.02
+
+    @classmethod
+    def from_config(cls, extra: Mapping[str, Any]) -> Settings:
+        """Parse ``extra``; a value of the wrong kind raises :class:`InvalidArgument`
+        naming the key."""
+        def get(name: str, kind: Callable[[Any], Any], default: Any) -> Any:
+            value = extra.get(f"pdd_{name}")
+            if value is None:
+                return default
+            try:
+                return kind(value)
+            except (TypeError, ValueError) as e:
+                raise InvalidArgument(f"pdd_{name}={value!r}: {e}", "invalid_argument") from None
+
+        secret_env = extra.get("pdd_secret_env", "PDD_SECRET")
+        secret_text = os.environ.get(str(secret_env)) if secret_env else None
+        connect = extra.get("pdd_connect") or []
+        if isinstance(connect, str):
+            connect = [connect]
+        d = cls()
+        return cls(
+            listen=get("listen", str, d.listen),
+            node_id=get("node_id", int, None),
+            lanes=get("lanes", int, d.lanes),
+            secret=secret_text.encode() if secret_text else None,
+            insecure=get("insecure", bool, d.insecure),
+            deadline_s=get("deadline_s", float, d.deadline_s),
+            grant_timeout_s=get("grant_timeout_s", float, d.grant_timeout_s),
+            dead_after_s=get("dead_after_s", float, d.dead_after_s),
+            heartbeat_s=get("heartbeat_s", float, d.heartbeat_s),
+            connect=[str(a) for a in connect],
+            allow_debug=get("allow_debug", bool, d.allow_debug),
+            idle_wait_s=get("idle_wait_s", float, d.idle_wait_s),
+        )
+
+    def decode_side(self, pool: Any) -> Puller:
+        """A decode instance's end: a :class:`~pdd_transport.kv.KvReceiver` over
+        ``pool`` listening on ``listen`` (its address published, see
+        :func:`publish_address`) and a :class:`Puller` that owns it."""
+        receiver = _native.KvReceiver(pool, self.listen, secret=self.secret, insecure=self.insecure,
+                                      heartbeat_s=self.heartbeat_s, dead_after_s=self.dead_after_s)
+        host, port = receiver.address
+        publish_address(f"{host}:{port}")
+        return Puller(receiver, grant_timeout_s=self.grant_timeout_s, deadline_s=self.deadline_s, owns_receiver=True)
+
+    def prefill_side(self, pool: Any, on_send: Callable[[Push, str, int, int, int], None] | None = None) -> Pusher:
+        """A prefill instance's end: a :class:`Pusher` over ``pool``, already
+        connecting to each ``connect`` address (one that cannot be reached yet is
+        retried by the first push to it)."""
+        pusher = Pusher(pool, grant_timeout_s=self.grant_timeout_s, deadline_s=self.deadline_s,
+                        wan_options=self.wan_options(), on_send=on_send)
+        for address in self.connect:
+            try:
+                pusher.sender_for(address)
+            except PddError:
+                pass  # the first push to it tries again, and fails with the reason
+        return pusher
+
+    def wan_options(self) -> dict[str, Any]:
+        """What each WAN :class:`~pdd_transport.kv.KvSender` of a :class:`Pusher` gets."""
+        return {"lanes": self.lanes, "node_id": self.node_id, "secret": self.secret,
+                "heartbeat_s": self.heartbeat_s, "dead_after_s": self.dead_after_s}
+
+
+def pool_from_block_tensors(tensors: Sequence[Any], names: Sequence[str] | None = None) -> Any:
+    """An engine's KV cache as a pool, without a copy: one tensor (torch or numpy) per
+    layer, each ``[num_blocks, ...]`` in CPU memory, contiguous, all of one shape and
+    dtype, so that one block of one layer is one page. Anything else raises
+    :class:`InvalidArgument` naming the layer."""
+    from pdd_transport.kv import pool_from_buffers
+
+    if not tensors:
+        raise InvalidArgument("no KV cache tensors to register", "invalid_argument")
+    labels = list(names) if names is not None else [f"layer {i}" for i in range(len(tensors))]
+    first = tensors[0]
+    for name, t in zip(labels, tensors):
+        device = getattr(getattr(t, "device", None), "type", "cpu")
+        if device != "cpu":
+            raise InvalidArgument(f"{name}: KV cache on {t.device}; only CPU memory is registered", "invalid_argument")
+        contiguous = t.is_contiguous() if hasattr(t, "is_contiguous") else bool(t.flags["C_CONTIGUOUS"])
+        if t.shape != first.shape or t.dtype != first.dtype or not contiguous or len(t.shape) < 1:
+            raise InvalidArgument(
+                f"{name}: KV cache {tuple(t.shape)} {t.dtype} (contiguous={contiguous}); every layer must be "
+                f"one contiguous [num_blocks, ...] tensor like {tuple(first.shape)} {first.dtype}",
+                "invalid_argument",
+            )
+    blocks = int(first.shape[0])
+    total = first.numel() * first.element_size() if hasattr(first, "numel") else int(first.nbytes)
+    if blocks == 0 or total % blocks:
+        raise InvalidArgument(f"KV cache {tuple(first.shape)} has no whole blocks", "invalid_argument")
+    return pool_from_buffers(list(tensors), total // blocks)
+
+
+def publish_address(address: str, env: str = "PDD_VLLM_ADDRESS_FILE") -> None:
+    """Where the environment variable ``env`` names a file, write ``address`` to it
+    atomically: a launcher that asked for port 0 learns the port this way."""
+    path = os.environ.get(env)
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(address)
+    os.replace(tmp, path)
+
+
+def is_local_address(address: str) -> bool:
+    """Whether ``address`` names the local path (``local://host:port``)."""
+    return address.startswith(LOCAL_SCHEME)
+
+
+def _poll(out: Any) -> str:
+    """"in_progress", "complete" or "failed", from a transfer handle of either path."""
+    if hasattr(out, "poll"):
+        state = out.poll()
+        if state == _native.KvPoll.DONE:
+            return "complete"
+        return "failed" if state == _native.KvPoll.FAILED else "in_progress"
+    return str(out.status()["state"])
+
+
+def _reason_of(out: Any) -> str:
+    status = out.status()
+    return f"{status.get('reason')}: {status.get('message')}"
+
+
+def _abort(out: Any, reason: str) -> None:
+    """Tell the peer, where the handle can (the WAN path's ABORT carries the reason)."""
+    try:
+        try:
+            out.abort(reason)
+        except TypeError:  # a handle whose abort takes no reason
+            out.abort()
+    except PddError:
+        pass  # already ended: nothing to tell
+
+
+@dataclass
+class PushLeg:
+    """One destination of a :class:`Push`."""
+
+    address: str
+    state: str = _WAITING_GRANT
+    #: Why it failed (None while live or once done).
+    reason: str | None = None
+    #: The transfer handle once granted.
+    out: Any = None
+    #: The grant covers the request's blocks ``[first, push.block_count)`` (a decoder
+    #: that holds a prefix grants only the suffix it lacks).
+    first: int = 0
+    #: Per layer, how many of the grant's pages are queued.
+    sent: list[int] = field(default_factory=list)
+    granted_at: float | None = None
+    finished_at: float | None = None
+    #: Bytes the destination confirmed, once done.
+    bytes: int = 0
+
+    @property
+    def pages(self) -> int:
+        return int(self.out.page_count) if self.out is not None else 0
+
+    @property
+    def ended(self) -> bool:
+        return self.state in _ENDED
+
+
+class Push:
+    """One request's outgoing KV (made by :meth:`Pusher.start`).
+
+    Block positions are the request's own: position ``i`` is the ``i``-th block of its
+    prompt, held in source pool page ``block_ids[i]``. A destination's grant of ``n``
+    pages covers the last ``n`` of the push's ``block_count`` positions.
+    """
+
+    def __init__(self, pusher: Pusher, key: str, destinations: Sequence[str], block_count: int, started: float,
+                 tag: Any = None):
+        self.key = key
+        #: The engine's own name for the request (whatever :meth:`Pusher.start` got).
+        self.tag = tag
+        self.block_count = block_count
+        self.started = started
+        self.legs = [PushLeg(address=a, sent=[0] * pusher.layers) for a in destinations]
+        self._pusher = pusher
+        self._block_ids: list[int] = []
+        self._ready = [0] * pusher.layers  # positions [0, ready[l]) of layer l are computed
+        self._ended_by_engine = False
+        self._step_upto: int | None = None
+
+    # -- what the engine tells
+
+    def blocks(self, block_ids: Sequence[int], *, ready: int = 0) -> None:
+        """The source pool pages of the request's first block positions, as far as the
+        engine has allocated them (a chunked prefill learns them chunk by chunk; extra
+        ones past ``block_count`` are ignored); positions ``[0, ready)`` are already
+        computed in every layer (a local prefix-cache hit, an earlier chunk)."""
+        ids = [int(b) for b in block_ids[: self.block_count]]
+        if len(ids) < len(self._block_ids):
+            raise InvalidArgument(
+                f"push {self.key!r}: {len(ids)} source blocks, fewer than the {len(self._block_ids)} given before",
+                "invalid_argument",
+            )
+        self._block_ids = ids
+        upto = max(0, min(int(ready), self.block_count))
+        for layer, have in enumerate(self._ready):
+            self._ready[layer] = max(have, upto)
+        self._flush()
+
+    def computed(self, layer: int, upto: int) -> None:
+        """Positions ``[0, upto)`` of ``layer`` are computed: queue them to every granted
+        destination now."""
+        if not 0 <= layer < len(self._ready):
+            raise InvalidArgument(f"push {self.key!r}: layer {layer} outside 0..{len(self._ready) - 1}",
+                                  "invalid_argument")
+        self._ready[layer] = max(self._ready[layer], min(int(upto), self.block_count))
+        self._flush()
+
+    def step(self, block_ids: Sequence[int], *, computed: int, upto: int) -> None:
+        """An engine step that computes block positions ``[computed, upto)`` layer by
+        layer begins: ``block_ids`` as in :meth:`blocks`, positions before ``computed``
+        are complete in every layer; each :meth:`layer_done` then marks the step's
+        positions computed in that layer."""
+        self.blocks(block_ids, ready=computed)
+        self._step_upto = max(0, min(int(upto), self.block_count))
+
+    def layer_done(self, layer: int) -> None:
+        """This step's positions are computed in ``layer`` (see :meth:`step`)."""
+        self.computed(layer, self._step_upto if self._step_upto is not None else 0)
+
+    @property
+    def in_step(self) -> bool:
+        """Whether :meth:`step` was called (a layer hook begins the step on its first call)."""
+        return self._step_upto is not None
+
+    def end(self) -> None:
+        """The engine computes nothing more for the request (its prefill finished); the
+        computed blocks stay readable until the push is collected. A destination
+        granted blocks that were not computed by now fails (and is told); one still
+        waiting for its grant keeps waiting, within ``grant_timeout_s`` (a decoder's
+        grant often comes after a short prefill ended). An aborted request calls
+        :meth:`abort` instead."""
+        self._ended_by_engine = True
+        self._pusher._advance(self, self._pusher._clock())
+
+    def abort(self, reason: str = "aborted") -> None:
+        """Fail every live destination now, telling each peer ``reason``; the engine is
+        done with the request (as after :meth:`end`)."""
+        self._ended_by_engine = True
+        for leg in self.legs:
+            self._fail(leg, reason)
+
+    # -- what the engine reads
+
+    @property
+    def done(self) -> bool:
+        """Every destination ended (confirmed or failed)."""
+        return all(leg.ended for leg in self.legs)
+
+    @property
+    def ok(self) -> bool:
+        """Every destination confirmed its pages."""
+        return all(leg.state == _DONE for leg in self.legs)
+
+    @property
+    def failures(self) -> dict[str, str]:
+        """Address -> reason of each failed destination."""
+        return {leg.address: leg.reason or "failed" for leg in self.legs if leg.state == _FAILED}
+
+    def leg(self, address: str) -> PushLeg:
+        for leg in self.legs:
+            if leg.address == address:
+                return leg
+        raise KeyError(address)
+
+    def __repr__(self) -> str:
+        legs = ", ".join(f"{leg.address}: {leg.state}" for leg in self.legs)
+        return f"Push({self.key!r}, {self.block_count} blocks, {legs})"
+
+    # -- internals
+
+    def _fail(self, leg: PushLeg, reason: str) -> None:
+        if leg.ended:
+            return
+        leg.state, leg.reason = _FAILED, reason
+        if leg.out is not None:
+            _abort(leg.out, reason)
+
+    def _take_grant(self, leg: PushLeg, out: Any, now: float) -> None:
+        count = int(out.page_count)
+        pusher = self._pusher
+        leg.out, leg.granted_at = out, now
+        if int(out.layer_count) != pusher.layers or int(out.page_bytes) != pusher.page_bytes or count > self.block_count:
+            self._fail(leg, f"grant shape {out.layer_count} layers x {count} pages x {out.page_bytes} B does not fit "
+                            f"{pusher.layers} layers x {self.block_count} blocks x {pusher.page_bytes} B")
+            return
+        leg.first = self.block_count - count
+        leg.state = _SENDING
+
+    def _flush(self) -> None:
+        if not self._block_ids:
+            return
+        for leg in self.legs:
+            if leg.state == _SENDING:
+                self._flush_leg(leg)
+
+    def _flush_leg(self, leg: PushLeg) -> None:
+        out, count = leg.out, leg.pages
+        partial = hasattr(out, "send_pages")
+        known = len(self._block_ids)
+        for layer, ready in enumerate(self._ready):
+            upto = min(ready, known) - leg.first
+            if upto <= leg.sent[layer]:
+                continue
+            if not partial and upto < count:
+                continue  # a handle without partial sends takes a layer whole
+            grant_pages = list(range(leg.sent[layer], upto))
+            src = [self._block_ids[leg.first + p] for p in grant_pages]
+            try:
+                if partial:
+                    out.send_pages(grant_pages, src, layer=layer)
+                else:
+                    out.send_layer(layer, src)
+            except PddError as e:
+                self._fail(leg, f"{e.reason}: {e}")
+                return
+            if self._pusher._on_send is not None:
+                self._pusher._on_send(self, leg.address, layer, leg.sent[layer], upto)
+            leg.sent[layer] = upto
+
+    def _all_sent(self, leg: PushLeg) -> bool:
+        return all(s >= leg.pages for s in leg.sent)
+
+
+class Pusher:
+    """The prefill side of one engine process: its senders (one per destination
+    address, made on first use) and its live pushes.
+
+    ``pool`` is the engine's source :class:`~pdd_transport.kv.KvPool`.
+    ``wan_options`` / ``local_options`` are passed to each
+    :class:`~pdd_transport.kv.KvSender` / :class:`~pdd_transport.local.LocalSender`
+    (``lanes``, ``node_id``, ``secret``, ``heartbeat_s``, ...); ``connect`` makes a
+    sender for an address instead (tests, a custom path). ``clock`` is the time the
+    bounds are measured in (seconds, monotonic). ``on_send(push, address, layer,
+    first, end)`` is called after grant pages ``[first, end)`` of ``layer`` were queued
+    to ``address`` (an engine's trace; it must not raise).
+    """
+
+    def __init__(
+        self,
+        pool: Any,
+        *,
+        grant_timeout_s: float = 10.0,
+        deadline_s: float = 30.0,
+        wan_options: Mapping[str, Any] | None = None,
+        local_options: Mapping[str, Any] | None = None,
+        connect: Callable[[str], Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_send: Callable[[Push, str, int, int, int], None] | None = None,
+    ):
+        for name, value in (("grant_timeout_s", grant_timeout_s), ("deadline_s", deadline_s)):
+            if not value > 0 or value == float("inf"):
+                raise InvalidArgument(f"{name} must be a finite number of seconds > 0, got {value!r}",
+                                      "invalid_argument")
+        self._on_send = on_send
+        self.pool = pool
+        self.layers = int(pool.layers)
+        self.page_bytes = int(pool.page_bytes)
+        self.grant_timeout_s = float(grant_timeout_s)
+        self.deadline_s = float(deadline_s)
+        self._wan_options = dict(wan_options or {})
+        self._local_options = dict(local_options or {})
+        self._connect = connect
+        self._clock = clock
+        self._senders: dict[str, Any] = {}
+        self._pushes: dict[str, Push] = {}
+
+    # -- senders
+
+    def sender_for(self, address: str) -> Any:
+        """The sender for ``address`` (connected on first use; raises a
+        :class:`~pdd_transport.errors.PddError` if it cannot be)."""
+        if not isinstance(address, str) or not address:
+            raise InvalidArgument(f"a destination address is 'host:port' or 'local://host:port', got {address!r}",
+                                  "invalid_argument")
+        sender = self._senders.get(address)
+        if sender is None:
+            if self._connect is not None:
+                sender = self._connect(address)
+            elif is_local_address(address):
+                from pdd_transport.local import LocalSender
+
+                sender = LocalSender(self.pool, address[len(LOCAL_SCHEME):], **self._local_options)
+            else:
+                sender = _native.KvSender(self.pool, address, **self._wan_options)
+            self._senders[address] = sender
+        return sender
+
+    @property
+    def senders(self) -> dict[str, Any]:
+        """Address -> sender, for those made so far."""
+        return dict(self._senders)
+
+    # -- pushes
+
+    def start(self, key: str, destinations: Iterable[str], *, blocks: int, tag: Any = None) -> Push:
+        """A new push of request ``key`` (its transfer key, the same string the
+        decoders grant with) to each of ``destinations``, for the request's first
+        ``blocks`` block positions; ``tag`` is the engine's own name for the request,
+        kept on the push. A destination whose sender cannot be made fails at once (the
+        push's other destinations go on)."""
+        if key in self._pushes:
+            raise InvalidArgument(f"a push of {key!r} is already live", "invalid_argument")
+        dests = list(dict.fromkeys(destinations))
+        if not dests:
+            raise InvalidArgument(f"push {key!r}: no destination", "invalid_argument")
+        if type(blocks) is not int or blocks < 0:
+            raise InvalidArgument(f"push {key!r}: blocks must be an int >= 0, got {blocks!r}", "invalid_argument")
+        push = Push(self, key, dests, blocks, self._clock(), tag)
+        for leg in push.legs:
+            try:
+                self.sender_for(leg.address)
+            except PddError as e:
+                push._fail(leg, f"cannot reach {leg.address}: {e.reason}: {e}")
+        self._pushes[key] = push
+        self._advance(push, push.started)
+        return push
+
+    def get(self, key: str) -> Push | None:
+        """The live (not yet collected) push of ``key``."""
+        return self._pushes.get(key)
+
+    def __len__(self) -> int:
+        return len(self._pushes)
+
+    def poll(self) -> list[Push]:
+        """Advance every push (take arrived grants, queue computed blocks, finish,
+        collect confirmations, enforce the bounds); returns, once each, the pushes that
+        are over, and forgets them: every destination ended (confirmed or failed) and
+        the engine said it is done with the request (:meth:`Push.end` or
+        :meth:`Push.abort`), so its source blocks may be freed. A push whose
+        destinations ended first stays (``get`` finds it) until the engine ends it."""
+        self.advance()
+        over = []
+        for key, push in list(self._pushes.items()):
+            if push.done and push._ended_by_engine:
+                del self._pushes[key]
+                over.append(push)
+        return over
+
+    def advance(self) -> None:
+        """What :meth:`poll` does, without collecting: for a call site that cannot
+        report (a layer's hook in the middle of a forward pass), so that a grant that
+        arrived while the engine computes starts its layers streaming at once."""
+        now = self._clock()
+        for push in self._pushes.values():
+            self._advance(push, now)
+
+    def wait(self, timeout: float) -> None:
+        """Block (GIL released) until a grant arrives or a transfer ends anywhere in
+        this process, or ``timeout`` seconds pass; for an idle engine step."""
+        seen = _native.transfer_activity()
+        if self.poll_needed():
+            return
+        _native.wait_transfer_activity(seen, timeout)
+
+    def poll_needed(self) -> bool:
+        """Whether a :meth:`poll` now would change something without any new event (a
+        push ended, or a bound has run out)."""
+        now = self._clock()
+        for push in self._pushes.values():
+            if push.done and push._ended_by_engine:
+                return True
+            for leg in push.legs:
+                if leg.state == _WAITING_GRANT and now - push.started >= self.grant_timeout_s:
+                    return True
+                if leg.state in (_SENDING, _FINISHING) and now - (leg.granted_at or now) >= self.deadline_s:
+                    return True
+        return False
+
+    def close(self) -> None:
+        """Abort every live push and close the senders."""
+        for push in self._pushes.values():
+            push.abort("the prefill side closed")
+        self._pushes.clear()
+        for sender in self._senders.values():
+            try:
+                sender.close()
+            except PddError:
+                pass
+        self._senders.clear()
+
+    def _advance(self, push: Push, now: float) -> None:
+        for leg in push.legs:
+            if leg.state == _WAITING_GRANT:
+                self._await_grant(push, leg, now)
+            if leg.state == _SENDING:
+                push._flush_leg(leg)
+                if leg.state != _SENDING:
+                    continue
+                if push._all_sent(leg):
+                    try:
+                        leg.out.finish()
+                    except PddError as e:
+                        push._fail(leg, f"{e.reason}: {e}")
+                        continue
+                    leg.state, leg.finished_at = _FINISHING, now
+                elif push._ended_by_engine:
+                    push._fail(leg, "the request ended before every granted page was computed")
+                    continue
+                elif now - (leg.granted_at or now) >= self.deadline_s:
+                    push._fail(leg, f"prefill did not compute every granted page within {self.deadline_s:g} s")
+            if leg.state == _FINISHING:
+                state = _poll(leg.out)
+                if state == "complete":
+                    leg.state = _DONE
+                    leg.bytes = int(leg.out.status().get("bytes", 0) or 0)
+                elif state == "failed":
+                    leg.state, leg.reason = _FAILED, _reason_of(leg.out)
+                elif now - (leg.granted_at or now) >= self.deadline_s:
+                    push._fail(leg, f"no confirmation within {self.deadline_s:g} s of the grant")
+
+    def _await_grant(self, push: Push, leg: PushLeg, now: float) -> None:
+        try:
+            out = self._senders[leg.address].try_grant(push.key)
+        except PddError as e:
+            push._fail(leg, f"no grant: {e.reason}: {e}")
+            return
+        if out is not None:
+            push._take_grant(leg, out, now)
+        elif now - push.started >= self.grant_timeout_s:
+            push._fail(leg, f"no grant within {self.grant_timeout_s:g} s")
+
+
+# ---------------------------------------------------------------- decode side
+
+_LOADING = "loading"
+_COMPLETE = "complete"
+_CANCELLED = "cancelled"
+
+
+@dataclass
+class Pull:
+    """One request's incoming KV (made by :meth:`Puller.claim`)."""
+
+    key: str
+    #: The decoder's own pages (its engine's block ids) the prompt's missing blocks go to.
+    block_ids: list[int]
+    #: The prefill sender's node id to grant to (None: the only connected one).
+    peer: int | None
+    #: An empty grant made only to tell the prefill side there is nothing to send: the
+    #: engine never waits for it.
+    notice: bool
+    claimed_at: float
+    state: str = _WAITING_GRANT
+    reason: str | None = None
+    transfer: Any = None
+    #: The engine aborted it while it loaded: reported once no write can land.
+    cancelled: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """The KV landed, verified, and the engine did not cancel it."""
+        return self.state == _COMPLETE and not self.cancelled
+
+
+class Puller:
+    """The decode side of one engine process, over its receiver (a
+    :class:`~pdd_transport.kv.KvReceiver` or a
+    :class:`~pdd_transport.local.LocalReceiver`)."""
+
+    def __init__(
+        self,
+        receiver: Any,
+        *,
+        grant_timeout_s: float = 10.0,
+        deadline_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        owns_receiver: bool = False,
+    ):
+        for name, value in (("grant_timeout_s", grant_timeout_s), ("deadline_s", deadline_s)):
+            if not value > 0 or value == float("inf"):
+                raise InvalidArgument(f"{name} must be a finite number of seconds > 0, got {value!r}",
+                                      "invalid_argument")
+        self.receiver = receiver
+        self._owns_receiver = owns_receiver
+        self.grant_timeout_s = float(grant_timeout_s)
+        self.deadline_s = float(deadline_s)
+        self._clock = clock
+        self._pulls: dict[str, Pull] = {}
+
+    def claim(self, key: str, block_ids: Sequence[int], *, peer: int | None = None, notice: bool = False) -> Pull:
+        """Grant ``block_ids`` (possibly none: an empty grant) to the prefill side for
+        request ``key``. While the prefill instance has not connected yet the grant is
+        retried on each :meth:`poll`, for at most ``grant_timeout_s``."""
+        if key in self._pulls:
+            raise InvalidArgument(f"a pull of {key!r} is already live", "invalid_argument")
+        pull = Pull(key=key, block_ids=[int(b) for b in block_ids], peer=peer, notice=notice,
+                    claimed_at=self._clock())
+        self._pulls[key] = pull
+        self._try_grant(pull, pull.claimed_at)
+        return pull
+
+    def get(self, key: str) -> Pull | None:
+        return self._pulls.get(key)
+
+    def __len__(self) -> int:
+        return len(self._pulls)
+
+    def cancel(self, key: str) -> bool:
+        """The engine gave up on ``key`` (aborted, finished): cancel its grant. The pull
+        is still reported by :meth:`poll`, once no write can land in its pages. False if
+        there is no such live pull."""
+        pull = self._pulls.get(key)
+        if pull is None or pull.cancelled:
+            return False
+        pull.cancelled = True
+        if pull.transfer is not None:
+            self.receiver.cancel(pull.transfer.transfer_id)
+        elif pull.state == _WAITING_GRANT:
+            pull.state = _CANCELLED
+        return True
+
+    def poll(self, wait_s: float = 0.0) -> list[Pull]:
+        """Retry waiting grants, then return (once each, and forget) the pulls that
+        settled: landed, failed, or cancelled with no write left in flight. With
+        ``wait_s`` > 0 and nothing settled, first waits up to that long for a transfer
+        event (an idle engine step)."""
+        now = self._clock()
+        for pull in self._pulls.values():
+            if pull.state == _WAITING_GRANT:
+                self._try_grant(pull, now)
+        if wait_s > 0 and self._pulls and not any(self._settled(p) for p in self._pulls.values()):
+            self.receiver.wait_event(timeout=wait_s)
+        self.receiver.poll_events()  # drained: each transfer's own state is read below
+        settled = []
+        for key, pull in list(self._pulls.items()):
+            if self._settled(pull):
+                del self._pulls[key]
+                settled.append(pull)
+        return settled
+
+    def close(self) -> None:
+        """Cancel every live pull; close the receiver if this Puller owns it (made by
+        :meth:`Settings.decode_side`), else it stays the caller's."""
+        for key in list(self._pulls):
+            self.cancel(key)
+        if self._owns_receiver:
+            self.receiver.close()
+
+    def _settled(self, pull: Pull) -> bool:
+        if pull.state in (_COMPLETE, _FAILED, _CANCELLED):
+            return True
+        if pull.transfer is None:
+            return False
+        state = _poll(pull.transfer)
+        if state == "in_progress":
+            return False
+        if state == "complete":
+            pull.state = _COMPLETE
+        else:
+            pull.state, pull.reason = _FAILED, _reason_of(pull.transfer)
+        return True
+
+    def _try_grant(self, pull: Pull, now: float) -> None:
+        try:
+            pull.transfer = self.receiver.grant(pull.key, pull.block_ids, peer=pull.peer, deadline_s=self.deadline_s)
+        except PddError as e:
+            if e.reason == "connection_lost" and now - pull.claimed_at < self.grant_timeout_s:
+                return  # the prefill instance has not connected yet: a later poll retries
+            pull.state, pull.reason = _FAILED, f"{e.reason}: {e}"
+            return
+        pull.state = _LOADING
