@@ -21,7 +21,9 @@ run_start=$(date +%s)
 step() { printf '\n==> [%4d s] %s\n' "$(( $(date +%s) - run_start ))" "$*"; }
 
 step "UCX for the local path (Debian's libucx0, loaded at run time)"
-# The local path dlopens libucp.so.0; its tests run on shared memory / CMA and TCP.
+# The local path dlopens the system's libucp.so.0, else the libucx-cu12 wheel's (the
+# test extra installs it; tests/test_ucx_wheel.py hides the system's library to prove
+# the wheel alone). Its tests run on shared memory / CMA and TCP.
 # Installed when missing (as root, with apt-get); then PDD_REQUIRE_UCX=1 makes a
 # missing UCX a test failure instead of a skip.
 have_ucp() { { ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null; } | grep 'libucp\.so\.0' >/dev/null; }

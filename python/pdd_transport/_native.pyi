@@ -12,7 +12,7 @@ __all__ = [
     "PROTOCOL_VERSIONS", "FRAME_KINDS", "ABORT_REASONS", "ROLES", "CAPABILITIES",
     "SEALED_LANE_CRYPTO", "encode_frame", "decode_frame", "encode_handoff", "negotiate_hello",
     "FrameDecoder", "KvPool", "KvReceiver", "KvSender", "InboundTransfer", "OutboundTransfer",
-    "LocalReceiver", "LocalSender", "LocalInbound", "LocalOutbound", "ucx_version", "shared_buffers",
+    "LocalReceiver", "LocalSender", "LocalInbound", "LocalOutbound", "ucx_version", "ucx_library", "add_ucx_fallback", "shared_buffers",
     "SharedAllocation", "KvPoll",
     "LayerComplete", "TransferComplete", "TransferFailed", "PrefixQueried", "request_id_of",
     "transfer_activity", "wait_transfer_activity",
@@ -846,6 +846,10 @@ def make_test_pki(directory: str | os.PathLike[str], names: Sequence[str]) -> di
 # The local (UCX) path: pdd_transport.local.
 
 def ucx_version() -> str: ...
+def ucx_library() -> str:
+    """The UCX library in use: ``"libucp.so.0"`` (the system's) or a path (the wheel's)."""
+def add_ucx_fallback(path: str) -> None:
+    """Try ``path`` when the system has no ``libucp.so.0`` (read at the first load)."""
 def shared_buffers(layers: int, layer_bytes: int) -> list[npt.NDArray[np.uint8]]:
     """``layers`` zeroed uint8 arrays of ``layer_bytes`` each, in one allocation UCX
     made (shared memory on one host; its base object is a :class:`SharedAllocation`):

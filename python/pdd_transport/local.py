@@ -7,9 +7,12 @@ exactly the pages it granted, and revokes them when the transfer ends. Control
 (grants, completion notices) runs on one authenticated control lane, as on the WAN.
 A receiver's pool in memory UCX allocated (:func:`shared_buffers`) takes the KV by one
 copy that a sender on the same host makes itself, with no work on the receiver's side
-(``docs/kv.md``, "Shared pools"). UCX is loaded when first asked for: where
-``libucp.so.0`` is missing, :func:`available` is False and the constructors raise
-``TransportError`` (``local_path_unavailable``, naming the library).
+(``docs/kv.md``, "Shared pools"). UCX is loaded when first asked for: the
+system's ``libucp.so.0`` (Debian's ``libucx0``), else the one in PyPI's ``libucx-cu12``
+wheel (``pip install 'pdd_transport[ucx]'``; found in site-packages at import, see
+:func:`wheel_ucx_library`), else :func:`available` is False and the constructors raise
+``TransportError`` (``local_path_unavailable``, naming the libraries tried).
+``PDD_UCX_LIBRARY`` names another library to load instead.
 
 Receiver (RelayDecode)::
 
@@ -30,6 +33,8 @@ Sender (Prefill), with the WAN transfer to MainDecode at the same time::
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import queue
 import threading
 import time
@@ -44,7 +49,9 @@ from pdd_transport._native import (
     LocalSender,
     TransferComplete,
     TransferFailed,
+    add_ucx_fallback,
     shared_buffers,
+    ucx_library,
     ucx_version,
 )
 from pdd_transport.errors import InvalidArgument, PddError
@@ -60,8 +67,31 @@ __all__ = [
     "SideOutcome",
     "available",
     "shared_buffers",
+    "ucx_library",
     "ucx_version",
+    "wheel_ucx_library",
 ]
+
+
+def wheel_ucx_library() -> str | None:
+    """The ``libucp.so.0`` of PyPI's UCX wheel (``libucx-cu12`` or ``-cu13``, both
+    install the package ``libucx``) where one is installed, else None. Found without
+    importing the package (which would load its libraries into this process)."""
+    try:
+        spec = importlib.util.find_spec("libucx")
+    except (ImportError, ValueError):
+        return None
+    for directory in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(directory, "lib", "libucp.so.0")
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+# The wheel's UCX is the fallback for a system without one: read at the first load.
+_WHEEL_UCX = wheel_ucx_library()
+if _WHEEL_UCX is not None:
+    add_ucx_fallback(_WHEEL_UCX)
 
 
 def available() -> bool:

@@ -25,6 +25,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<LocalInbound>()?;
     m.add_class::<LocalOutbound>()?;
     m.add_function(wrap_pyfunction!(ucx_version, m)?)?;
+    m.add_function(wrap_pyfunction!(ucx_library, m)?)?;
+    m.add_function(wrap_pyfunction!(add_ucx_fallback, m)?)?;
     m.add_function(wrap_pyfunction!(shared_buffers, m)?)?;
     m.add_class::<SharedAllocation>()?;
     Ok(())
@@ -90,6 +92,28 @@ fn shared_buffers(py: Python<'_>, layers: usize, layer_bytes: usize) -> PyResult
 #[pyfunction]
 fn ucx_version() -> PyResult<String> {
     pdd_io::local::ucx_version().map_err(|e| PddErr(e).into())
+}
+
+/// The UCX library in use, loading it if needed: `"libucp.so.0"` (the system's) or the
+/// path of the libucx wheel's copy; raises like `ucx_version`.
+#[pyfunction]
+fn ucx_library() -> PyResult<String> {
+    pdd_io::local::ucx_library().map_err(|e| PddErr(e).into())
+}
+
+/// Try `path` (a libucp file) when the system has no `libucp.so.0`; read by the
+/// process's first UCX load only. `pdd_transport.local` calls it at import with the
+/// libucx wheel's library, where that wheel is installed.
+#[pyfunction]
+fn add_ucx_fallback(path: &str) -> PyResult<()> {
+    if path.is_empty() || path.len() > 4096 || path.contains('\0') {
+        return Err(PddErr(pdd_core::Error::InvalidArgument(
+            "a UCX library path is 1-4096 bytes with no NUL".into(),
+        ))
+        .into());
+    }
+    pdd_io::local::add_ucx_fallback(path);
+    Ok(())
 }
 
 fn status_dict<'py>(py: Python<'py>, s: &LocalStatus) -> PyResult<Bound<'py, PyDict>> {

@@ -43,7 +43,9 @@ use crate::codec::{CodecError, WireCodec};
 use crate::lane::{self, ControlTx, LaneStream};
 use crate::metrics::Metrics;
 
+pub use ucx::library as ucx_library;
 pub use ucx::version as ucx_version;
+pub use ucx_ffi::add_fallback as add_ucx_fallback;
 
 /// Whether UCX can be loaded here (`Err` says which library is missing).
 pub fn ucx_available() -> Result<String, Error> {

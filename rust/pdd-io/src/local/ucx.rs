@@ -210,6 +210,12 @@ pub fn version() -> Result<String, Error> {
     Ok(format!("{a}.{b}.{c}"))
 }
 
+/// The UCX library in use (loading it if needed): a soname, or the path of the
+/// libucx wheel's copy.
+pub fn library() -> Result<String, Error> {
+    Ok(ffi::api()?.library.clone())
+}
+
 /// One local endpoint's UCX objects on the process's worker: at most one endpoint
 /// to a peer, the memory it registered, the keys it unpacked. Dropping it closes
 /// the endpoint, then destroys the keys and unmaps the memory, in that order.

@@ -149,6 +149,8 @@ zeroed_new!(
 /// valid while `_ucp` and `_ucs` (kept here) stay loaded.
 #[allow(missing_docs)]
 pub struct Api {
+    /// The library's name as loaded (a soname, or the path of the wheel's copy).
+    pub library: String,
     pub config_read: unsafe extern "C" fn(*const c_char, *const c_char, *mut Handle) -> Status,
     pub config_release: unsafe extern "C" fn(Handle),
     pub init_version:
@@ -214,7 +216,8 @@ fn open(ucp_name: &str) -> Result<Api, Error> {
     let ucp = unsafe { Library::new(ucp_name) }.map_err(|e| {
         unavailable(format!(
             "cannot load the UCX library '{ucp_name}' ({e}); install UCX \
-             (Debian/Ubuntu: apt-get install libucx0) or use the WAN path"
+             (pip install 'pdd_transport[ucx]', or Debian/Ubuntu: apt-get install \
+             libucx0) or use the WAN path"
         ))
     })?;
     // libucs is a dependency of libucp, so it is loaded by now; open it by name for
@@ -254,6 +257,7 @@ fn open(ucp_name: &str) -> Result<Api, Error> {
         )));
     }
     Ok(Api {
+        library: ucp_name.to_owned(),
         config_read: sym!(ucp, "ucp_config_read"),
         config_release: sym!(ucp, "ucp_config_release"),
         init_version: sym!(ucp, "ucp_init_version"),
@@ -285,20 +289,68 @@ fn open(ucp_name: &str) -> Result<Api, Error> {
 }
 
 static DEFAULT: std::sync::OnceLock<Result<&'static Api, Error>> = std::sync::OnceLock::new();
+/// Libraries tried after [`DEFAULT_UCP`] when the system has none (the `libucx-cu12`
+/// wheel's `libucp.so.0`, which the Python package finds in site-packages).
+static FALLBACKS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+/// Libraries named by `PDD_UCX_LIBRARY`, each opened once (failures are not kept, so
+/// a test can point the variable at a missing library and back).
+static NAMED: std::sync::Mutex<Vec<(String, &'static Api)>> = std::sync::Mutex::new(Vec::new());
 
-/// The UCX API: the library named by `PDD_UCX_LIBRARY` when set (loaded afresh, so
-/// tests can point it at a missing library), else `libucp.so.0`, loaded once and
-/// kept for the life of the process.
+/// Add `path` to the libraries tried when the system's `libucp.so.0` cannot be
+/// loaded. Only the first load in a process reads the list: a later call changes
+/// nothing once UCX was loaded (or failed to load).
+pub fn add_fallback(path: &str) {
+    let mut list = FALLBACKS.lock().unwrap_or_else(|p| p.into_inner());
+    if !list.iter().any(|p| p == path) {
+        list.push(path.to_owned());
+    }
+}
+
+fn leak(api: Api) -> &'static Api {
+    // Leaked on purpose: handles made from it may outlive any scope; a process keeps
+    // at most one per library name.
+    &*Box::leak(Box::new(api))
+}
+
+/// The UCX API: the library named by `PDD_UCX_LIBRARY` when set, else the system's
+/// `libucp.so.0`, else each fallback in turn ([`add_fallback`]); loaded once and kept
+/// for the life of the process.
 pub fn api() -> Result<&'static Api, Error> {
     if let Ok(name) = std::env::var(ENV_UCP_LIBRARY) {
         if !name.is_empty() && name != DEFAULT_UCP {
-            // Leaked on purpose: handles made from it may outlive any scope; a
-            // process loads a library this way once per endpoint at most.
-            return open(&name).map(|a| &*Box::leak(Box::new(a)));
+            let mut named = NAMED.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((_, api)) = named.iter().find(|(n, _)| *n == name) {
+                return Ok(*api);
+            }
+            let api = leak(open(&name)?);
+            named.push((name, api));
+            return Ok(api);
         }
     }
     DEFAULT
-        .get_or_init(|| open(DEFAULT_UCP).map(|a| &*Box::leak(Box::new(a))))
+        .get_or_init(|| {
+            let system = match open(DEFAULT_UCP) {
+                Ok(api) => return Ok(leak(api)),
+                Err(e) => e,
+            };
+            let fallbacks = FALLBACKS.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let mut tried = Vec::new();
+            for path in &fallbacks {
+                match open(path) {
+                    Ok(api) => return Ok(leak(api)),
+                    Err(e) => tried.push(e.to_string()),
+                }
+            }
+            Err(match system {
+                Error::LocalPathUnavailable { detail } if !tried.is_empty() => {
+                    unavailable(format!(
+                        "{detail}; the libucx wheel's library failed too: {}",
+                        tried.join("; ")
+                    ))
+                }
+                e => e,
+            })
+        })
         .clone()
 }
 
