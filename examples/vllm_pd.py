@@ -225,7 +225,7 @@ class PdCluster:
     address via ``Engine.kv_address``), so the two can swap parts per request."""
 
     def __init__(self, log_dir: Path, *, rtt_ms: float = 30.0, rate_gbit: float = 1.0, plain: bool = True, base_port: int = 18100, start_timeout: float = 240.0,
-                 roles: tuple[str, str] = ("kv_producer", "kv_consumer")):  # fmt: skip
+                 roles: tuple[str, str] = ("kv_producer", "kv_consumer"), relay: bool = False):  # fmt: skip
         self.model = build_tiny_model()
         self.log_dir = log_dir
         self.engines: list[Engine] = []
@@ -244,6 +244,14 @@ class PdCluster:
             self.prefill = Engine("prefill", base_port + 1, self.model, log_dir, pdd_config(roles[0], pdd_listen="127.0.0.1:0", pdd_dead_after_s=5.0),
                                   env={"PDD_VLLM_TRACE": "1"}, extra_args=["--max-num-batched-tokens", "512"], cores=p_cores)  # fmt: skip
             self.engines.append(self.prefill)
+            # RelayDecode (PDD): a decode instance next to P, its KV over the local path
+            # (UCX straight into its vLLM KV cache), on P's cores as in P's datacenter.
+            self.relay: Engine | None = None
+            if relay:
+                self.relay = Engine("relay", base_port + 3, self.model, log_dir,
+                                    pdd_config("kv_consumer", pdd_listen="127.0.0.1:0", pdd_path="local", pdd_dead_after_s=5.0),
+                                    env={"PDD_VLLM_TRACE": "1"}, cores=p_cores)  # fmt: skip
+                self.engines.append(self.relay)
             self.plain = Engine("plain", base_port, self.model, log_dir, cores=p_cores) if plain else None
             if self.plain is not None:
                 self.engines.append(self.plain)

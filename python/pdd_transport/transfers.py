@@ -85,6 +85,10 @@ class Settings:
     connect: list[str] = field(default_factory=list)
     allow_debug: bool = False
     idle_wait_s: float = 0.02
+    #: The decode side's path: ``"wan"`` (a :class:`~pdd_transport.kv.KvReceiver`, for a
+    #: MainDecode across the WAN) or ``"local"`` (a
+    #: :class:`~pdd_transport.local.LocalReceiver`, for a RelayDecode next to prefill).
+    path: str = "wan"
 
     @classmethod
     def from_config(cls, extra: Mapping[str, Any]) -> Settings:
@@ -105,7 +109,11 @@ class Settings:
         if isinstance(connect, str):
             connect = [connect]
         d = cls()
+        path = get("path", str, d.path)
+        if path not in ("wan", "local"):
+            raise InvalidArgument(f"pdd_path={path!r}: expected 'wan' or 'local'", "invalid_argument")
         return cls(
+            path=path,
             listen=get("listen", str, d.listen),
             node_id=get("node_id", int, None),
             lanes=get("lanes", int, d.lanes),
@@ -121,13 +129,23 @@ class Settings:
         )
 
     def decode_side(self, pool: Any) -> Puller:
-        """A decode instance's end: a :class:`~pdd_transport.kv.KvReceiver` over
-        ``pool`` listening on ``listen`` (its address published, see
-        :func:`publish_address`) and a :class:`Puller` that owns it."""
-        receiver = _native.KvReceiver(pool, self.listen, secret=self.secret, insecure=self.insecure,
-                                      heartbeat_s=self.heartbeat_s, dead_after_s=self.dead_after_s)
+        """A decode instance's end: a receiver over ``pool`` listening on ``listen``
+        (a :class:`~pdd_transport.kv.KvReceiver` on the WAN path, a
+        :class:`~pdd_transport.local.LocalReceiver` where ``path`` is ``"local"``), its
+        address published as a prefill side names it (``host:port``, or
+        ``local://host:port``; see :func:`publish_address`), and a :class:`Puller` that
+        owns it."""
+        receiver: Any
+        if self.path == "local":
+            from pdd_transport.local import LocalReceiver
+
+            receiver = LocalReceiver(pool, self.listen, secret=self.secret, insecure=self.insecure,
+                                     heartbeat_s=self.heartbeat_s, dead_after_s=self.dead_after_s)
+        else:
+            receiver = _native.KvReceiver(pool, self.listen, secret=self.secret, insecure=self.insecure,
+                                          heartbeat_s=self.heartbeat_s, dead_after_s=self.dead_after_s)
         host, port = receiver.address
-        publish_address(f"{host}:{port}")
+        publish_address(f"{LOCAL_SCHEME if self.path == 'local' else ''}{host}:{port}")
         return Puller(receiver, grant_timeout_s=self.grant_timeout_s, deadline_s=self.deadline_s, owns_receiver=True)
 
     def prefill_side(self, pool: Any, on_send: Callable[[Push, str, int, int, int], None] | None = None) -> Pusher:
@@ -135,7 +153,7 @@ class Settings:
         connecting to each ``connect`` address (one that cannot be reached yet is
         retried by the first push to it)."""
         pusher = Pusher(pool, grant_timeout_s=self.grant_timeout_s, deadline_s=self.deadline_s,
-                        wan_options=self.wan_options(), on_send=on_send)
+                        wan_options=self.wan_options(), local_options=self.local_options(), on_send=on_send)
         for address in self.connect:
             try:
                 pusher.sender_for(address)
@@ -147,6 +165,11 @@ class Settings:
         """What each WAN :class:`~pdd_transport.kv.KvSender` of a :class:`Pusher` gets."""
         return {"lanes": self.lanes, "node_id": self.node_id, "secret": self.secret,
                 "heartbeat_s": self.heartbeat_s, "dead_after_s": self.dead_after_s}
+
+    def local_options(self) -> dict[str, Any]:
+        """What each :class:`~pdd_transport.local.LocalSender` of a :class:`Pusher` gets."""
+        return {"node_id": self.node_id, "secret": self.secret, "heartbeat_s": self.heartbeat_s,
+                "dead_after_s": self.dead_after_s}
 
 
 def pool_from_block_tensors(tensors: Sequence[Any], names: Sequence[str] | None = None) -> Any:

@@ -2,8 +2,9 @@
 
 They run with the vLLM venv's Python (``bash scripts/test-vllm.sh``), never in the main
 pytest run (tests/conftest.py leaves this directory out unless PDD_VLLM_TESTS=1).
-One plain instance, one prefill (P) and one decode (D) instance are started at the
-same time once per session and shared; every test bounds its own waits. P and D run as
+One plain instance, one prefill (P), one decode (D, MainDecode behind the emulated WAN)
+and one RelayDecode (RLD, local path) instance are started at the same time once per
+session and shared; every test bounds its own waits. P and D run as
 ``kv_both`` (each grants and pushes by the same per-request rules), so one test can
 swap their parts; ``kv_producer``/``kv_consumer`` enable a subset of the same code.
 """
@@ -27,7 +28,7 @@ import vllm_pd  # noqa: E402
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[vllm_pd.PdCluster]:
     log_dir = Path(os.environ.get("PDD_VLLM_LOG_DIR") or tmp_path_factory.mktemp("vllm-logs"))
     c = vllm_pd.PdCluster(log_dir, rtt_ms=30.0, rate_gbit=1.0, start_timeout=float(os.environ.get("PDD_VLLM_START_TIMEOUT", "240")),
-                          roles=("kv_both", "kv_both"))
+                          roles=("kv_both", "kv_both"), relay=True)
     try:
         # First connection through the WAN and first shapes: not part of any test.
         c.pd_complete(vllm_pd.prompt_ids(64, 999), 2)

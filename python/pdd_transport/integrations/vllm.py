@@ -79,7 +79,7 @@ class _SendReq:
 
     req_id: str
     key: str
-    address: str
+    destinations: list[str]
     block_ids: list[int]
     start: int
     end: int
@@ -178,7 +178,7 @@ class _SchedulerSide:
         (block_ids,) = self._kv_cache_manager.get_block_ids(req_id)
         params = request.kv_transfer_params or {}
         end = computed + int(out.num_scheduled_tokens.get(req_id, 0))
-        meta.send.append(_SendReq(req_id, str(params[kvp.KEY]), str(params.get(kvp.DECODE_ADDRESS, "")),
+        meta.send.append(_SendReq(req_id, str(params[kvp.KEY]), kvp.destinations(params) or [""],
                                   list(block_ids[:wanted]), computed, end, wanted))
         self._send_scheduled.add(req_id)
 
@@ -259,7 +259,7 @@ class _WorkerSide:
                 if req.req_id in self._unpushed:
                     continue
                 try:
-                    push = pusher.start(req.key, [req.address], blocks=req.wanted_blocks, tag=req.req_id)
+                    push = pusher.start(req.key, req.destinations, blocks=req.wanted_blocks, tag=req.req_id)
                 except InvalidArgument as e:  # e.g. another live request with the same key
                     logger.warning("pdd: cannot push KV of %s: %s", req.req_id, e)
                     self._unpushed.add(req.req_id)  # reported as over once vLLM finishes it

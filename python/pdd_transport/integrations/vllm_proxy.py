@@ -32,6 +32,7 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -90,11 +91,16 @@ class Stream:
     cached_tokens: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
     total_s: float = 0.0
+    #: ``on_tokens`` stopped it before the engine ended it.
+    stopped: bool = False
 
 
-def stream_completion(url: str, body: dict[str, Any], timeout: float = 60.0, on_sent: Any = None) -> Stream:
+def stream_completion(url: str, body: dict[str, Any], timeout: float = 60.0, on_sent: Any = None,
+                      on_tokens: Callable[[list[int]], bool] | None = None) -> Stream:
     """POST a streamed ``/v1/completions`` (``return_token_ids``, usage included) and
-    time every token. ``on_sent`` is called once the request is written."""
+    time every token. ``on_sent`` is called once the request is written; ``on_tokens``
+    with each chunk's new token ids, as they arrive: False stops the stream there (the
+    connection is closed, which aborts the request on the engine)."""
     body = dict(body, stream=True, stream_options={"include_usage": True}, return_token_ids=True)
     out = Stream()
     conn, base = _connection(url, timeout)
@@ -115,10 +121,12 @@ def stream_completion(url: str, body: dict[str, Any], timeout: float = 60.0, on_
                 break
             chunk = json.loads(data)
             now = time.perf_counter() - t0
-            for choice in chunk.get("choices") or ():
-                ids = choice.get("token_ids") or []
-                out.token_ids.extend(ids)
-                out.token_times_s.extend([now] * len(ids))
+            ids = [int(t) for choice in chunk.get("choices") or () for t in choice.get("token_ids") or ()]
+            out.token_ids.extend(ids)
+            out.token_times_s.extend([now] * len(ids))
+            if ids and on_tokens is not None and not on_tokens(ids):
+                out.stopped = True
+                break
             usage = chunk.get("usage")
             if usage:
                 out.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
