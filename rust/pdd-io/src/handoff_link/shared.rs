@@ -452,13 +452,18 @@ impl<M: HandoffMachine> Shared<M> {
     ) {
         let pending_plaintext = {
             let mut rx = lock(&self.rx);
-            rx.generation = generation;
-            rx.decoder = FrameDecoder::new(DEFAULT_MAX_PAYLOAD);
-            rx.buf = BytesMut::with_capacity(64 << 10);
             let conn = lock(&self.conn);
+            if conn.generation != generation {
+                // Replaced before this task started: the newer connection's task
+                // owns `rx` (and its TLS state and session are not this one's).
+                return;
+            }
             rx.tls = conn.tls.clone();
             rx.session = conn.tag;
             drop(conn);
+            rx.generation = generation;
+            rx.decoder = FrameDecoder::new(DEFAULT_MAX_PAYLOAD);
+            rx.buf = BytesMut::with_capacity(64 << 10);
             // What TLS already decrypted during the handshake never shows up as
             // socket readiness: route it now.
             match rx.tls.is_some() {
