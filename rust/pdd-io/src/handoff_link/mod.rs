@@ -501,8 +501,10 @@ impl HandoffLink<RelaySide> {
 
 impl HandoffLink<MainSide> {
     /// MD's side: listen on `addr` (port 0 picks one; see
-    /// [`HandoffLink::local_addr`]) and serve one RLD connection at a time; a new
-    /// connection replaces the current one (RLD only reconnects when it lost it).
+    /// [`HandoffLink::local_addr`]) and serve one RLD connection at a time: a known
+    /// session that resumes (proving its secret) replaces the current connection; a
+    /// new session opens only while none is connected. MD remembers every session
+    /// that still owns a request, so its owner can always resume it.
     pub fn listen(
         runtime: &tokio::runtime::Handle,
         addr: SocketAddr,
@@ -628,6 +630,11 @@ impl HandoffLink<MainSide> {
     }
 
     /// Start the handoff of `request_id` at `first_position` (the prompt length).
+    /// The request belongs to the RelayDecode session the link serves: the one
+    /// connected, or the one connected last (the first to connect, if none ever
+    /// was). Only that session is sent its frames and may hand it off, also after
+    /// it reconnects and resumes; another session's frames for it are refused with
+    /// ABORT `grant_violation` (`docs/handoff.md`, "Ownership").
     pub fn open(&self, request_id: u64, first_position: u32) -> Result<()> {
         self.shared
             .with_router(|r, now, out| r.open(request_id, first_position, now, out))
