@@ -265,6 +265,16 @@ pub enum Error {
         /// What the caller tried.
         operation: &'static str,
     },
+    /// A handoff frame for a request whose handoff belongs to another session of
+    /// the peer (MainDecode's side: the session that request is bound to is away, or
+    /// never was this one). The frame changed nothing; the sender is told with an
+    /// ABORT `grant_violation`, as for KV pages of a transfer granted to another
+    /// session.
+    #[error("request {request_id}: its handoff belongs to another session")]
+    HandoffNotOwned {
+        /// The request.
+        request_id: u64,
+    },
     /// Radix insert: the tokens are not a whole number of pages.
     #[error("{tokens} tokens are not a whole number of {page_size}-token pages")]
     RadixMisaligned {
@@ -365,7 +375,7 @@ impl Error {
             Error::RoleRefused { .. } => "role_refused",
             Error::PeerAborted { .. } => "peer_aborted",
             Error::InvalidArgument(_) => "invalid_argument",
-            Error::GrantViolation { .. } => "grant_violation",
+            Error::GrantViolation { .. } | Error::HandoffNotOwned { .. } => "grant_violation",
             Error::UnknownTransfer { .. } => "unknown_transfer",
             Error::PagesBusy { .. } => "pages_busy",
             Error::TransferIncomplete { .. } => "transfer_incomplete",
@@ -430,6 +440,7 @@ impl Error {
             | Error::InvalidField { .. }
             | Error::DecoderPoisoned
             | Error::GrantViolation { .. }
+            | Error::HandoffNotOwned { .. }
             | Error::UnknownTransfer { .. }
             | Error::TransferIncomplete { .. }
             | Error::LimitExceeded { .. }
@@ -454,9 +465,9 @@ impl Error {
             Error::InvalidArgument(_) | Error::PagesBusy { .. } | Error::HandoffClosed { .. } => {
                 AbortReason::Internal
             }
-            Error::GrantViolation { .. } | Error::UnknownTransfer { .. } => {
-                AbortReason::GrantViolation
-            }
+            Error::GrantViolation { .. }
+            | Error::UnknownTransfer { .. }
+            | Error::HandoffNotOwned { .. } => AbortReason::GrantViolation,
             Error::DeadlineExceeded { .. } | Error::HandoffTimedOut { .. } => {
                 AbortReason::DeadlineExceeded
             }

@@ -1,11 +1,17 @@
 //! The handoff link on loopback: RLD and MD links in one process, many requests at
 //! once, toy engines on both sides; connection resets mid-handoff; a dead peer; HELLO
-//! refusals. Every wait is bounded; nothing asserts on timing.
+//! refusals. Every wait is bounded. Speed is never asserted; what must happen because
+//! of a configured bound (the dead-peer time, the give-up deadlines) is checked to
+//! happen within a generous window around that bound, so that a missing check fails
+//! fast, naming itself.
+
+#[path = "common/bounds.rs"]
+mod bounds;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pdd_core::handoff::{HandoffPolicy, HandoffTimers, MainEvent, RelayDecision, RelayEvent};
 use pdd_core::time::Timestamp;
@@ -442,20 +448,81 @@ async fn a_silent_peer_is_declared_dead_and_replaced() {
             }
         }
     });
-    let rld = RelayLink::connect(&tokio::runtime::Handle::current(), addr, config()).unwrap();
+    let cfg = config();
+    let rld = RelayLink::connect(&tokio::runtime::Handle::current(), addr, cfg.clone()).unwrap();
     bounded(5, "connect", rld.wait_connected(Duration::from_secs(5)))
         .await
         .unwrap();
-    bounded(10, "dead peer detected and reconnected", async {
-        loop {
-            let s = rld.stats();
-            if s.dead_peer >= 1 && s.connects >= 2 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
+    // The fake's HELLO reply is the last byte RLD gets: declared dead `dead_after`
+    // (0.4 s) to `dead_after + heartbeat_interval` later, for that reason (the
+    // counter), not by a reset or the test's bound.
+    let connected = Instant::now();
+    bounds::within(
+        "RLD declares the silent MD dead (dead_after 0.4 s)",
+        connected,
+        cfg.dead_after * 3 / 4,
+        Duration::from_secs(2),
+        bounds::until(|| rld.stats().dead_peer >= 1),
+    )
     .await;
+    assert_eq!(rld.stats().dead_peer, 1, "{:?}", rld.stats());
+    bounds::within(
+        "and connects again",
+        connected,
+        Duration::ZERO,
+        Duration::from_secs(3),
+        bounds::until(|| rld.stats().connects >= 2),
+    )
+    .await;
+}
+
+/// The machines' give-up bounds fire on time over a real link (its timer task):
+/// RLD waiting for MD's KV (`kv_wait_timeout`), MD waiting for a handoff
+/// (`give_up_after`), each ending with `handoff_timed_out` near its bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn give_up_bounds_fire_on_time_over_the_link() {
+    let mut cfg = config();
+    cfg.timers.kv_wait_timeout = Duration::from_millis(500);
+    cfg.timers.give_up_after = Duration::from_millis(500);
+    let (rld, md) = pair(cfg).await;
+    let started = Instant::now();
+    // RLD waits for MD's KV of request 1, which MD never opens.
+    rld.open(1, PROMPT).unwrap();
+    // MD's KV of request 2 is in; RLD never opens it, so no handoff comes.
+    md.open(2, PROMPT).unwrap();
+    md.report_progress(2, PROMPT, true).unwrap();
+    let (ev, _) = bounds::within(
+        "RLD gives up waiting for MD's KV (kv_wait_timeout 0.5 s)",
+        started,
+        Duration::from_millis(400),
+        Duration::from_secs(2),
+        rld.events().pop(),
+    )
+    .await;
+    let ev = ev.expect("an event");
+    match ev.event {
+        RelayEvent::Failed(e) => {
+            assert_eq!((ev.request_id, e.reason()), (1, "handoff_timed_out"), "{e}")
+        }
+        other => panic!("expected Failed, got {other:?}"),
+    }
+    let (ev, _) = bounds::within(
+        "MD gives up waiting for a handoff (give_up_after 0.5 s)",
+        started,
+        Duration::from_millis(400),
+        Duration::from_secs(2),
+        md.events().pop(),
+    )
+    .await;
+    let ev = ev.expect("an event");
+    match ev.event {
+        MainEvent::Failed(e) => {
+            assert_eq!((ev.request_id, e.reason()), (2, "handoff_timed_out"), "{e}")
+        }
+        other => panic!("expected Failed, got {other:?}"),
+    }
+    rld.close();
+    md.close();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,6 +6,8 @@
 //! it (a peer of an older build, or `lane_failover` off) the stall ends the session
 //! and fails the transfer, as it always did.
 
+#[path = "common/bounds.rs"]
+mod bounds;
 mod common;
 
 use std::net::SocketAddr;
@@ -288,7 +290,18 @@ async fn without_failover_a_stalled_lane_still_ends_the_session() {
         .await
         .unwrap();
     bounded(rx.wait_peer(Some(42))).await;
-    let err = transfer(&rx, &tx, &wan, 1, true).await.unwrap_err();
+    // Layer 0 goes through, then the lane stalls: the session ends by the stall
+    // bounds (the sender's write and the receiver's read inside a block, both
+    // dead_after = 3 s), not by the 60 s stall or the test's bound.
+    let (got, _) = bounds::within(
+        "a stalled lane without failover ends the session (dead_after 3 s)",
+        Instant::now(),
+        DEAD_AFTER * 3 / 4,
+        DEAD_AFTER + Duration::from_secs(5),
+        transfer(&rx, &tx, &wan, 1, true),
+    )
+    .await;
+    let err = got.unwrap_err();
     assert_eq!(err.reason(), "connection_lost", "{err:?}");
     assert_eq!(metric(tx.metrics(), "lanes_revoked_total"), 0);
     wan.stall_connection(STALLED, Direction::ClientToUpstream, Duration::ZERO);

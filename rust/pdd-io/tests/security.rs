@@ -3,8 +3,11 @@
 //! the victim's state is untouched. Each of these passed against protocol v1 (the
 //! attack worked) before protocol v2.
 
+#[path = "common/bounds.rs"]
+mod bounds;
+
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use pdd_core::wire::handshake::LocalHello;
@@ -333,12 +336,18 @@ async fn a_peer_that_never_reads_its_replies_is_dropped() {
 }
 
 /// The same on MD's handoff link: an RLD that floods PINGs and never reads is
-/// dropped, and MD keeps serving the next RLD.
+/// dropped by the cap on unwritten bytes (`MAX_UNWRITTEN_BYTES`), for that reason
+/// and long before the dead-peer bound (set to a minute here, so that only the cap
+/// can end the connection within the test's bound).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handoff_peer_that_never_reads_is_dropped() {
     use pdd_io::handoff_link::{LinkConfig, MainLink};
     let rt = tokio::runtime::Handle::current();
-    let md = MainLink::listen(&rt, "127.0.0.1:0".parse().unwrap(), LinkConfig::default()).unwrap();
+    let cfg = LinkConfig {
+        dead_after: Duration::from_secs(60),
+        ..LinkConfig::default()
+    };
+    let md = MainLink::listen(&rt, "127.0.0.1:0".parse().unwrap(), cfg).unwrap();
     let mut h = LocalHello::new(Role::RelayDecode, capability::HANDOFF);
     h.accepted_roles = vec![Role::MainDecode];
     let t = SocketTuning {
@@ -359,17 +368,294 @@ async fn a_handoff_peer_that_never_reads_is_dropped() {
     .unwrap()
     .stream;
     // MD drops us; our writes may go on succeeding a little longer (its graceful
-    // close drains a bounded amount), so what counts is MD's side.
-    let _ = bounded(flood_pings(&mut c, 1 << 20)).await;
-    bounded(async {
-        while md.stats().connections_lost == 0 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
+    // close drains a bounded amount), so what counts is MD's side. 1M PINGs ask for
+    // 32 MB of PONGs: far past the kernel's buffers and the 4 MiB cap.
+    let started = Instant::now();
+    bounds::within(
+        "MD drops a peer that does not read (cap on unwritten bytes; dead_after is 60 s)",
+        started,
+        Duration::ZERO,
+        Duration::from_secs(10),
+        async {
+            let _ = flood_pings(&mut c, 1 << 20).await;
+            bounds::until(|| md.stats().connections_lost > 0).await;
+        },
+    )
     .await;
+    let s = md.stats();
+    assert_eq!(s.unread_overflows, 1, "dropped for not reading: {s:?}");
+    assert_eq!(s.dead_peer, 0, "not by the dead-peer bound: {s:?}");
+    let why = md.last_error().expect("MD keeps why");
+    assert_eq!(why.reason(), "limit_exceeded", "{why}");
     drop(c);
     assert!(!md.is_connected());
+    assert!(md
+        .prometheus("md")
+        .contains("pdd_transport_handoff_unread_overflows_total{endpoint=\"md\"} 1"));
     md.close();
+}
+
+/// A scripted second RelayDecode on MD's handoff link: a session of its own (opened
+/// with the root secret while the real RLD was away), a task that answers MD's PINGs
+/// and records every other frame MD sends it.
+struct Intruder {
+    write: Arc<tokio::sync::Mutex<tokio::io::WriteHalf<LaneStream>>>,
+    seen: tokio::sync::mpsc::UnboundedReceiver<Frame>,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+impl Intruder {
+    async fn connect(
+        addr: std::net::SocketAddr,
+        session_id: u64,
+        secret: Option<&'static [u8]>,
+    ) -> Result<Intruder, Error> {
+        let mut h = LocalHello::new(Role::RelayDecode, capability::HANDOFF);
+        h.accepted_roles = vec![Role::MainDecode];
+        h.secret = secret.map(Bytes::from_static);
+        let c = lane::connect(
+            addr,
+            &h,
+            session_id,
+            0,
+            &LaneKey::Root,
+            &SocketTuning::default(),
+            None,
+            Duration::from_secs(5),
+        )
+        .await?;
+        let (mut rd, wr) = tokio::io::split(c.stream);
+        let write = Arc::new(tokio::sync::Mutex::new(wr));
+        let (tx, seen) = tokio::sync::mpsc::unbounded_channel();
+        let w = Arc::clone(&write);
+        let reader = tokio::spawn(async move {
+            while let Ok(Some(f)) = lane::read_frame_exact(&mut rd, 1 << 20).await {
+                match f {
+                    Frame::Ping(p) => {
+                        let mut w = w.lock().await;
+                        if lane::write_frame(&mut *w, &Frame::Pong(p), 1 << 20)
+                            .await
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                    Frame::Pong(_) => {}
+                    other => {
+                        if tx.send(other).is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+        });
+        Ok(Intruder {
+            write,
+            seen,
+            reader,
+        })
+    }
+
+    async fn send(&self, frame: Frame) {
+        let mut w = self.write.lock().await;
+        lane::write_frame(&mut *w, &frame, 1 << 20).await.unwrap();
+    }
+
+    /// What MD sent it so far.
+    fn seen(&mut self) -> Vec<Frame> {
+        let mut got = Vec::new();
+        while let Ok(f) = self.seen.try_recv() {
+            got.push(f);
+        }
+        got
+    }
+}
+
+/// A request's handoff belongs to the RelayDecode session that opened it. While that
+/// RLD is reconnecting, another peer that opens a session on MD (holding the root
+/// secret, or with none configured) is sent neither the request's PROGRESS nor
+/// anything else of it, and its forged final HANDOFF, its ABORTs for the request and
+/// for the connection are refused (ABORT `grant_violation`, counted): MD's engine
+/// never sees them. The RLD then resumes its session, pushing the other aside, and
+/// MD extends exactly the RLD's tokens. (Before: the forged final was MD's request
+/// and RLD's tokens were lost.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_session_cannot_read_or_hand_off_a_relays_request() {
+    use pdd_core::handoff::{HandoffPolicy, HandoffTimers, MainEvent, RelayDecision, RelayEvent};
+    use pdd_core::wire::{Abort, AbortReason, Handoff};
+    use pdd_io::handoff_link::{LinkConfig, MainLink, RelayLink};
+    use pdd_io::wanem::{LinkProfile, Wanem, WanemConfig};
+    const REQ: u64 = 77;
+    const PROMPT: u32 = 300;
+    for secret in [None, Some(&b"every relay holds this"[..])] {
+        let cfg = LinkConfig {
+            policy: HandoffPolicy {
+                catch_up_threshold_tokens: 64,
+                level_tokens: 8,
+                chunk_tokens: 64,
+                one_shot_load: 0.85,
+                max_eager_tokens: 100,
+            },
+            timers: HandoffTimers {
+                rto_initial: Duration::from_millis(50),
+                rto_max: Duration::from_millis(200),
+                max_attempts: 1000,
+                give_up_after: Duration::from_secs(30),
+                kv_wait_timeout: Duration::from_secs(30),
+                linger: Duration::from_secs(30),
+            },
+            heartbeat_interval: Duration::from_millis(100),
+            dead_after: Duration::from_secs(2),
+            connect_timeout: Duration::from_millis(300),
+            reconnect_initial: Duration::from_millis(10),
+            reconnect_max: Duration::from_millis(100),
+            secret: secret.map(Bytes::from_static),
+            ..LinkConfig::default()
+        };
+        let rt = tokio::runtime::Handle::current();
+        let md = MainLink::listen(&rt, "127.0.0.1:0".parse().unwrap(), cfg.clone()).unwrap();
+        let md_addr = md.local_addr().unwrap();
+        // RLD reaches MD through a proxy the test can cut.
+        let wan = Wanem::start(
+            WanemConfig::new("127.0.0.1:0".parse().unwrap(), md_addr)
+                .symmetric(LinkProfile::default()),
+        )
+        .await
+        .unwrap();
+        let rld = RelayLink::connect(&rt, wan.local_addr(), cfg).unwrap();
+        bounded(rld.wait_connected(Duration::from_secs(5)))
+            .await
+            .unwrap();
+        bounded(md.wait_connected(Duration::from_secs(5)))
+            .await
+            .unwrap();
+        rld.open(REQ, PROMPT).unwrap();
+        let mut tokens = Vec::new();
+        for t in 0..12 {
+            assert_eq!(
+                rld.offer(REQ, 1000 + t).unwrap(),
+                RelayDecision::KeepDecoding
+            );
+            tokens.push(1000 + t);
+        }
+        md.open(REQ, PROMPT).unwrap();
+        // RLD's connection is cut, and its reconnects hang in the proxy for now.
+        wan.blackhole(true);
+        wan.reset_all();
+        bounded(bounds::until(|| !md.is_connected())).await;
+        // MD's KV lands while RLD is away: its PROGRESS waits for RLD.
+        md.report_progress(REQ, PROMPT, true).unwrap();
+        let mut intruder = bounded(Intruder::connect(md_addr, 0xBAD, secret))
+            .await
+            .expect("another peer may open a session while none is connected");
+        bounded(bounds::until(|| md.is_connected())).await;
+        // Long enough for MD's PROGRESS to be retransmitted several times (RTO 50 ms).
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let leaked = intruder.seen();
+        assert!(
+            leaked.is_empty(),
+            "the other session was sent the request's frames: {leaked:?}"
+        );
+        // The attack: a final handoff of its own tokens, then ABORTs.
+        intruder
+            .send(Frame::Handoff(Handoff {
+                request_id: REQ,
+                seq: 0,
+                first_position: PROMPT,
+                token_ids: vec![666, 667, 668],
+                final_: true,
+            }))
+            .await;
+        for request_id in [REQ, 0] {
+            intruder
+                .send(Frame::Abort(Abort {
+                    request_id,
+                    reason: AbortReason::Cancelled,
+                    message: "mine now".into(),
+                }))
+                .await;
+        }
+        // MD answers at once; its engine must never see the forged handoff.
+        let (refusal, _) = bounds::within(
+            "MD refuses the other session's forged final handoff (ABORT grant_violation)",
+            Instant::now(),
+            Duration::ZERO,
+            Duration::from_secs(3),
+            async {
+                loop {
+                    if let Ok(f) = intruder.seen.try_recv() {
+                        break f;
+                    }
+                    if let Some(ev) = md.events().try_pop() {
+                        panic!("MD's engine was handed the other session's frame: {ev:?}");
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            },
+        )
+        .await;
+        match &refusal {
+            Frame::Abort(a) => {
+                assert_eq!((a.request_id, a.reason), (REQ, AbortReason::GrantViolation));
+                assert!(a.message.contains("another session"), "{}", a.message);
+            }
+            other => panic!("expected ABORT grant_violation, got {other:?}"),
+        }
+        bounded(bounds::until(|| md.stats().frames_foreign >= 3)).await;
+        let s = md.stats();
+        assert_eq!(s.frames_foreign, 3, "{s:?}");
+        assert!(s.frames_withheld >= 1, "{s:?}");
+        assert!(md
+            .prometheus("md")
+            .contains("pdd_transport_handoff_frames_foreign_total{endpoint=\"md\"} 3"));
+        assert!(
+            md.events().try_pop().is_none(),
+            "MD's engine saw the other session's frames"
+        );
+        assert_eq!(
+            md.with_machine(REQ, |m| (m.state().name(), m.next_position()))
+                .unwrap(),
+            ("receiving", PROMPT)
+        );
+        // RLD comes back and resumes its session while the other is still connected.
+        wan.blackhole(false);
+        let (ev, _) = bounds::within(
+            "RLD resumes its session (the other one still connected) and hands off",
+            Instant::now(),
+            Duration::ZERO,
+            Duration::from_secs(5),
+            md.events().pop(),
+        )
+        .await;
+        let ev = ev.expect("MD's handoff");
+        match ev.event {
+            MainEvent::Handoff {
+                token_ids, final_, ..
+            } => {
+                assert_eq!(ev.request_id, REQ);
+                assert!(final_);
+                assert_eq!(token_ids, tokens, "MD extends exactly RLD's tokens");
+            }
+            MainEvent::Failed(e) => panic!("MD's handoff failed: {e}"),
+        }
+        loop {
+            let ev = bounded(rld.events().pop()).await.expect("RLD's event");
+            match ev.event {
+                RelayEvent::Finished => break,
+                RelayEvent::StopDecoding => {}
+                RelayEvent::Failed(e) => panic!("RLD's handoff failed: {e}"),
+            }
+        }
+        assert_eq!(md.with_machine(REQ, |m| m.state().name()).unwrap(), "owned");
+        // Nothing of the request reached the other session; MD closed it for RLD.
+        let seen = intruder.seen();
+        assert!(seen.is_empty(), "{seen:?}");
+        bounded(intruder.reader).await.unwrap();
+        // While RLD is connected nobody else opens a session.
+        assert!(Intruder::connect(md_addr, 0xBAD2, secret).await.is_err());
+        rld.close();
+        md.close();
+    }
 }
 
 /// A receiver with a short dead-peer bound, for the stall tests.
@@ -423,7 +709,17 @@ async fn a_lane_stalled_mid_block_fails_its_transfer() {
         pdd_core::wire::encode_frame_to_vec(&pages_frame(inbound.grant.transfer_id, 0, 7), 1 << 24)
             .unwrap();
     data.write_all(&bytes[..bytes.len() / 2]).await.unwrap();
-    let err = bounded(inbound.wait()).await.unwrap_err();
+    // The data lane's read inside a block must bring bytes within dead_after (0.6 s):
+    // the only check that can end this (the control lane is kept alive).
+    let (got, _) = bounds::within(
+        "a data lane silent mid-block is lost (dead_after 0.6 s)",
+        Instant::now(),
+        Duration::from_millis(450),
+        Duration::from_secs(3),
+        inbound.wait(),
+    )
+    .await;
+    let err = got.unwrap_err();
     assert_eq!(err.reason(), "connection_lost", "{err}");
     // Its pages are free again.
     rx.grant(2, &[0, 1], Some(1), Some(3), None).unwrap();
@@ -447,10 +743,18 @@ async fn a_transfer_whose_blocks_never_come_after_kv_done_fails() {
         .await
         .unwrap();
     let _alive = keep_alive(control);
-    let started = std::time::Instant::now();
-    let err = bounded(inbound.wait()).await.unwrap_err();
+    // No page moves for dead_after (0.6 s) after KV_DONE: checked once per bound,
+    // so 0.6 to 1.2 s; the only check that can end this (the control lane is alive).
+    let (got, _) = bounds::within(
+        "a transfer whose blocks never come after KV_DONE fails (dead_after 0.6 s)",
+        Instant::now(),
+        Duration::from_millis(450),
+        Duration::from_secs(3),
+        inbound.wait(),
+    )
+    .await;
+    let err = got.unwrap_err();
     assert_eq!(err.reason(), "deadline_exceeded", "{err}");
-    assert!(started.elapsed() < Duration::from_secs(5));
     drop(data);
 }
 

@@ -42,6 +42,7 @@ pub mod pair;
 mod policy;
 mod relay_decode;
 pub mod router;
+pub mod sessions;
 
 pub use main_decode::{MainEvent, MainSide, MainState};
 pub use policy::{

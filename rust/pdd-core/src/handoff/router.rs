@@ -3,6 +3,19 @@
 //! reports a fault of the connection's bytes), drives their timers, and collects what
 //! they emit into an [`Outbox`]. Sans-IO like the machines: the I/O crate's link and
 //! the binding's in-process pair both run it, so the two behave the same.
+//!
+//! Ownership. A side that serves peer sessions one after another (MainDecode: any
+//! RelayDecode that authenticates may open a session while none is connected) names
+//! each with a tag ([`Router::on_session`]). Every request belongs to one session:
+//! the one current when it was opened, or the first one after it if none ever was.
+//! Only that session, whenever it is the one connected (the same peer resuming it
+//! after a reconnect), is sent the request's frames (PROGRESS, acks, ABORT) and may
+//! hand it off: a frame from another session for it is refused and answered with an
+//! ABORT `grant_violation` ([`RouterStats::frames_foreign`]), the request untouched,
+//! and what the request emits while another session is connected is withheld
+//! ([`RouterStats::frames_withheld`]) and replayed when its owner is back. A router
+//! that is never told of sessions (RelayDecode's: it has one peer, MainDecode, which
+//! proved itself; the in-process pair) treats every frame as its requests' own.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -140,6 +153,14 @@ pub struct RouterStats {
     /// Connection-wide ABORTs for a fault of the connection's bytes (a corrupted
     /// frame, lost framing): the connection is dropped and replayed, no request ends.
     pub connection_faults: u64,
+    /// Frames from a session for a request another session owns: refused, the
+    /// request untouched; each one but an ABORT is answered with an ABORT
+    /// `grant_violation` for that request (a connection-wide ABORT from such a
+    /// session ends only its own requests, and counts once if it skipped others').
+    pub frames_foreign: u64,
+    /// Frames a request emitted while a session that does not own it was connected:
+    /// not sent; the request re-sends what matters when its owner resumes.
+    pub frames_withheld: u64,
 }
 
 /// ABORT reasons that say the connection's bytes went bad, not that the requests
@@ -156,6 +177,9 @@ fn connection_fault(reason: AbortReason) -> bool {
 
 struct Entry<M> {
     machine: M,
+    /// The session the request belongs to (see the module docs); `None` until the
+    /// router hears of a session.
+    owner: Option<u64>,
     /// When the machine became terminal: kept `retain_ended` longer, so a straggler
     /// from the peer is answered (with the ABORT) and a late engine call gets a clear
     /// answer instead of "unknown request".
@@ -174,6 +198,9 @@ pub struct Router<M> {
     timers: HandoffTimers,
     rld_load: f64,
     stats: RouterStats,
+    /// The session the connection carries, or carried last ([`Router::on_session`]);
+    /// `None` while the router was never told of one.
+    session: Option<u64>,
 }
 
 /// RelayDecode's router.
@@ -200,6 +227,57 @@ fn min_opt(a: Option<Timestamp>, b: Option<Timestamp>) -> Option<Timestamp> {
     }
 }
 
+/// How the router drains a machine after touching it: at `now`, keeping ended
+/// machines `linger`, sending frames only when the connected `session` owns it.
+#[derive(Clone, Copy)]
+struct Drain {
+    now: Timestamp,
+    linger: Duration,
+    session: Option<u64>,
+}
+
+impl Drain {
+    fn new(now: Timestamp, linger: Duration, session: Option<u64>) -> Drain {
+        Drain {
+            now,
+            linger,
+            session,
+        }
+    }
+
+    /// Move the machine's frames (unless another session is connected: withheld)
+    /// and events into `out`, note when it ended, and fold its deadline in.
+    fn drain<M: HandoffMachine>(
+        self,
+        id: u64,
+        entry: &mut Entry<M>,
+        out: &mut Outbox<M::Event>,
+        stats: &mut RouterStats,
+    ) {
+        let exposed = entry.owner == self.session;
+        while let Some(f) = entry.machine.poll_transmit(self.now) {
+            if exposed {
+                out.frames.push(f);
+            } else {
+                stats.frames_withheld += 1;
+            }
+        }
+        while let Some(event) = entry.machine.poll_event() {
+            out.events.push(LinkEvent {
+                request_id: id,
+                event,
+            });
+        }
+        if entry.ended_at.is_none() && entry.machine.is_terminal() {
+            entry.ended_at = Some(self.now);
+        }
+        out.earliest_timeout = min_opt(
+            out.earliest_timeout,
+            Router::<M>::entry_deadline(entry, &self.linger),
+        );
+    }
+}
+
 impl<M: HandoffMachine> Router<M> {
     /// An empty table; `policy` is used by RLD's machines, `timers` by both.
     pub fn new(policy: HandoffPolicy, timers: HandoffTimers) -> Result<Self> {
@@ -211,6 +289,7 @@ impl<M: HandoffMachine> Router<M> {
             timers,
             rld_load: 0.0,
             stats: RouterStats::default(),
+            session: None,
         })
     }
 
@@ -268,30 +347,9 @@ impl<M: HandoffMachine> Router<M> {
             .get_mut(&request_id)
             .ok_or_else(|| Self::unknown(request_id))?;
         let value = f(&mut entry.machine);
-        Self::drain_with(request_id, entry, now, out, linger);
+        let to = Drain::new(now, linger, self.session);
+        to.drain(request_id, entry, out, &mut self.stats);
         Ok(value)
-    }
-
-    fn drain_with(
-        id: u64,
-        entry: &mut Entry<M>,
-        now: Timestamp,
-        out: &mut Outbox<M::Event>,
-        linger: Duration,
-    ) {
-        while let Some(f) = entry.machine.poll_transmit(now) {
-            out.frames.push(f);
-        }
-        while let Some(event) = entry.machine.poll_event() {
-            out.events.push(LinkEvent {
-                request_id: id,
-                event,
-            });
-        }
-        if entry.ended_at.is_none() && entry.machine.is_terminal() {
-            entry.ended_at = Some(now);
-        }
-        out.earliest_timeout = min_opt(out.earliest_timeout, Self::entry_deadline(entry, &linger));
     }
 
     fn insert(&mut self, request_id: u64, machine: M) -> Result<()> {
@@ -304,22 +362,28 @@ impl<M: HandoffMachine> Router<M> {
             request_id,
             Entry {
                 machine,
+                owner: self.session,
                 ended_at: None,
             },
         );
         Ok(())
     }
 
-    /// A frame from the peer. Frames for unknown requests are counted and dropped
-    /// (`Ok`); a machine's rejection is counted and returned (the machine is
-    /// unchanged); a frame that is not the handoff's is an `UnexpectedFrame` error.
+    /// A frame from the peer on the current connection (from the current session,
+    /// [`Router::session`], when the router is told of sessions). Frames for
+    /// unknown requests are counted and dropped (`Ok`); a machine's rejection is
+    /// counted and returned (the machine is unchanged); a frame for a request another
+    /// session owns is refused ([`Error::HandoffNotOwned`], the request untouched, an
+    /// ABORT `grant_violation` queued for the sender unless the frame was an ABORT);
+    /// a frame that is not the handoff's is an `UnexpectedFrame` error.
     pub fn handle_frame(
         &mut self,
         frame: Frame,
         now: Timestamp,
         out: &mut Outbox<M::Event>,
     ) -> Result<()> {
-        let linger = self.timers.linger;
+        let from = self.session;
+        let to = Drain::new(now, self.timers.linger, self.session);
         match route_of(&frame) {
             None => Err(Error::UnexpectedFrame {
                 request_id: 0,
@@ -335,10 +399,19 @@ impl<M: HandoffMachine> Router<M> {
                 Ok(())
             }
             Some(0) if matches!(frame, Frame::Abort(_)) => {
-                // The peer ends every request of the connection.
+                // The peer ends every request of the connection: every request of
+                // its own session, that is, never another session's.
+                let mut skipped = false;
                 for (id, entry) in self.machines.iter_mut() {
+                    if entry.owner != from {
+                        skipped = true;
+                        continue;
+                    }
                     let _ = entry.machine.handle_frame(frame.clone(), now);
-                    Self::drain_with(*id, entry, now, out, linger);
+                    to.drain(*id, entry, out, &mut self.stats);
+                }
+                if skipped {
+                    self.stats.frames_foreign += 1;
                 }
                 Ok(())
             }
@@ -347,8 +420,22 @@ impl<M: HandoffMachine> Router<M> {
                     self.stats.frames_unroutable += 1;
                     return Ok(());
                 };
+                if entry.owner != from {
+                    // Another session's request: it may neither read its progress
+                    // (it is never sent any) nor hand it off, abort or ack it. Tell
+                    // the sender why, on its own connection; never answer an ABORT.
+                    self.stats.frames_foreign += 1;
+                    if !matches!(frame, Frame::Abort(_)) {
+                        out.frames.push(Frame::Abort(super::abort_frame(
+                            id,
+                            AbortReason::GrantViolation,
+                            &format!("request {id}'s handoff belongs to another session"),
+                        )));
+                    }
+                    return Err(Error::HandoffNotOwned { request_id: id });
+                }
                 let result = entry.machine.handle_frame(frame, now);
-                Self::drain_with(id, entry, now, out, linger);
+                to.drain(id, entry, out, &mut self.stats);
                 if result.is_err() {
                     self.stats.frames_rejected += 1;
                 }
@@ -357,13 +444,34 @@ impl<M: HandoffMachine> Router<M> {
         }
     }
 
+    /// A frame from the peer, read from a connection of `session`. A frame read
+    /// from a connection that was replaced by another session's since (the current
+    /// one is [`Router::session`]) is dropped and counted as unroutable, like a
+    /// frame lost in flight: answering it would answer on the new session's
+    /// connection. Otherwise as [`Router::handle_frame`].
+    pub fn handle_frame_from(
+        &mut self,
+        session: u64,
+        frame: Frame,
+        now: Timestamp,
+        out: &mut Outbox<M::Event>,
+    ) -> Result<()> {
+        if self.session != Some(session) {
+            self.stats.frames_unroutable += 1;
+            return Ok(());
+        }
+        self.handle_frame(frame, now, out)
+    }
+
     /// Fire every machine timer due at `now`, and drop machines whose time is up.
     pub fn handle_timeout(&mut self, now: Timestamp, out: &mut Outbox<M::Event>) {
         let linger = self.timers.linger;
+        let to = Drain::new(now, linger, self.session);
+        let stats = &mut self.stats;
         self.machines.retain(|id, entry| {
             if entry.machine.poll_timeout().is_some_and(|t| t <= now) {
                 entry.machine.handle_timeout(now);
-                Self::drain_with(*id, entry, now, out, linger);
+                to.drain(*id, entry, out, stats);
             }
             let expired = entry
                 .ended_at
@@ -381,14 +489,55 @@ impl<M: HandoffMachine> Router<M> {
             .min()
     }
 
-    /// The connection was replaced: every machine re-queues what the peer may have
-    /// missed.
+    /// The connection was replaced by one of the same session: every machine of the
+    /// current session (every machine, if the router was never told of sessions)
+    /// re-queues what the peer may have missed.
     pub fn on_reconnect(&mut self, now: Timestamp, out: &mut Outbox<M::Event>) {
-        let linger = self.timers.linger;
+        let to = Drain::new(now, self.timers.linger, self.session);
         for (id, entry) in self.machines.iter_mut() {
-            entry.machine.on_reconnect(now);
-            Self::drain_with(*id, entry, now, out, linger);
+            if entry.owner == self.session {
+                entry.machine.on_reconnect(now);
+                to.drain(*id, entry, out, &mut self.stats);
+            }
         }
+    }
+
+    /// A connection of peer session `session` is now the one in use: a new session,
+    /// or a known one resumed (the same tag as before, chosen by the caller, who
+    /// checked that the peer proved it). It becomes the current session: requests
+    /// opened from now on belong to it, and so do those opened before the router
+    /// heard of any session. Its own requests re-queue what it may have missed (as
+    /// [`Router::on_reconnect`]); other sessions' requests send it nothing and take
+    /// nothing from it.
+    pub fn on_session(&mut self, session: u64, now: Timestamp, out: &mut Outbox<M::Event>) {
+        self.session = Some(session);
+        for entry in self.machines.values_mut() {
+            if entry.owner.is_none() {
+                entry.owner = Some(session);
+            }
+        }
+        self.on_reconnect(now, out);
+    }
+
+    /// The session the connection carries or carried last, if the router was told
+    /// of one ([`Router::on_session`]).
+    pub fn session(&self) -> Option<u64> {
+        self.session
+    }
+
+    /// The session `request_id` belongs to (`None`: the router was never told of
+    /// sessions).
+    pub fn owner(&self, request_id: u64) -> Result<Option<u64>> {
+        self.machines
+            .get(&request_id)
+            .map(|e| e.owner)
+            .ok_or_else(|| Self::unknown(request_id))
+    }
+
+    /// Whether any request held (live, or ended and kept for stragglers) belongs to
+    /// `session`: a session that owns nothing may be forgotten.
+    pub fn holds_session(&self, session: u64) -> bool {
+        self.machines.values().any(|e| e.owner == Some(session))
     }
 
     /// Abort one request locally (ABORT to the peer). `Ok(false)` if it had ended.
@@ -411,10 +560,10 @@ impl<M: HandoffMachine> Router<M> {
         now: Timestamp,
         out: &mut Outbox<M::Event>,
     ) {
-        let linger = self.timers.linger;
+        let to = Drain::new(now, self.timers.linger, self.session);
         for (id, entry) in self.machines.iter_mut() {
             if entry.machine.abort(reason, message) {
-                Self::drain_with(*id, entry, now, out, linger);
+                to.drain(*id, entry, out, &mut self.stats);
             }
         }
     }
@@ -479,11 +628,11 @@ impl Router<RelaySide> {
             )));
         }
         self.rld_load = load;
-        let linger = self.timers.linger;
+        let to = Drain::new(now, self.timers.linger, self.session);
         for (id, entry) in self.machines.iter_mut() {
             if !entry.machine.state().is_terminal() {
                 entry.machine.set_rld_load(load, now);
-                Self::drain_with(*id, entry, now, out, linger);
+                to.drain(*id, entry, out, &mut self.stats);
             }
         }
         Ok(())

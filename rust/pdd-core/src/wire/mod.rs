@@ -236,7 +236,8 @@ abort_reasons! {
     FrameTooLarge = 5, "frame_too_large";
     /// CRC32C mismatch.
     ChecksumMismatch = 6, "checksum_mismatch";
-    /// Pages outside the transfer's grant.
+    /// Pages outside the transfer's grant; a frame for a transfer or a handoff
+    /// request another session owns.
     GrantViolation = 7, "grant_violation";
     /// A deadline ran out.
     DeadlineExceeded = 8, "deadline_exceeded";

@@ -28,6 +28,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, BytesMut};
+use pdd_core::handoff::sessions::{Admission, SessionBook};
 use pdd_core::handoff::{HandoffPolicy, HandoffTimers, MainSide, RelayDecision, RelaySide};
 use pdd_core::time::Timestamp;
 use pdd_core::wire::handshake::{AuthBytes, LocalHello, Negotiated};
@@ -47,7 +48,7 @@ type Result<T, E = Error> = std::result::Result<T, E>;
 mod shared;
 mod stats;
 
-use shared::{lock, Conn, Rx, Shared, Tls};
+use shared::{lock, Conn, Joining, Rx, Shared, Tls};
 use stats::{bump, Counters};
 pub use stats::{LinkConfig, LinkStats};
 
@@ -102,11 +103,14 @@ impl<M: HandoffMachine> HandoffLink<M> {
                 stop: None,
                 last_error: None,
                 session: None,
+                book: SessionBook::new(),
+                tag: None,
                 tls: None,
             }),
             rx: Mutex::new(Rx {
                 tls: None,
                 generation: 0,
+                session: None,
                 decoder: FrameDecoder::new(DEFAULT_MAX_PAYLOAD),
                 buf: BytesMut::new(),
             }),
@@ -438,14 +442,17 @@ impl HandoffLink<RelaySide> {
                             }
                         };
                         let stream = Arc::new(tcp);
-                        let (generation, stop) = shared.install(
+                        let installed = shared.install(
                             Arc::clone(&stream),
                             tls,
                             &c.agreed,
                             c.session_secret,
                             identity,
+                            Joining::Own,
                         );
-                        Arc::clone(&shared).serve(stream, generation, stop).await;
+                        if let Ok((generation, stop)) = installed {
+                            Arc::clone(&shared).serve(stream, generation, stop).await;
+                        }
                     }
                     Err(e) => {
                         lock(&shared.conn).last_error = Some(e);
@@ -494,8 +501,10 @@ impl HandoffLink<RelaySide> {
 
 impl HandoffLink<MainSide> {
     /// MD's side: listen on `addr` (port 0 picks one; see
-    /// [`HandoffLink::local_addr`]) and serve one RLD connection at a time; a new
-    /// connection replaces the current one (RLD only reconnects when it lost it).
+    /// [`HandoffLink::local_addr`]) and serve one RLD connection at a time: a known
+    /// session that resumes (proving its secret) replaces the current connection; a
+    /// new session opens only while none is connected. MD remembers every session
+    /// that still owns a request, so its owner can always resume it.
     pub fn listen(
         runtime: &tokio::runtime::Handle,
         addr: SocketAddr,
@@ -559,42 +568,34 @@ impl HandoffLink<MainSide> {
                         };
                         let offered = lane::read_hello(&mut stream, &local, timeout).await?;
                         let a = offered.agreed.clone();
-                        // The RLD we serve may resume its session (proving its
-                        // secret); a new session opens only while none is connected,
-                        // so nobody can push the connected RLD aside.
-                        let (live, session) = {
+                        // The sessions MD knows decide (pdd_core's SessionBook): a known
+                        // session resumes by proving its own secret, even while another
+                        // peer is connected (it owns handoffs that only it may finish);
+                        // a new one opens only while nobody is connected, so nobody can
+                        // push the connected RLD aside.
+                        let admission = {
                             let c = lock(&shared.conn);
-                            (c.stream.is_some(), c.session)
+                            c.book
+                                .admit(a.session_id, a.resume, identity, c.stream.is_some())
                         };
-                        let key: Result<&[u8], Error> = match (&session, a.resume) {
-                            (Some((_, _, owner)), true) if *owner != identity => {
-                                Err(Error::AuthFailed {
-                                    detail: "that session belongs to another TLS identity",
-                                })
-                            }
-                            (Some((id, secret, _)), true) if *id == a.session_id => Ok(secret),
-                            (_, true) => Err(Error::AuthFailed {
-                                detail: "no session to resume",
-                            }),
-                            (_, false) if live => Err(Error::AuthFailed {
-                                detail:
-                                    "a RelayDecode is connected; only it may resume its session",
-                            }),
-                            (_, false) => Ok(local.root_key()),
+                        let key: Result<&[u8], Error> = match &admission {
+                            Ok(Admission::Resume { secret, .. }) => Ok(secret),
+                            Ok(Admission::Open) => Ok(local.root_key()),
+                            Err(e) => Err(e.clone()),
                         };
                         let derived =
                             lane::authenticate(&mut stream, &local, &offered, key, timeout).await?;
-                        let secret = match session {
-                            Some((_, s, _)) if a.resume => s,
-                            _ => derived,
+                        let joining = match admission? {
+                            Admission::Resume { tag, secret } => (Joining::Resume(tag), secret),
+                            Admission::Open => (Joining::Open, derived),
                         };
                         let admitted = check_capability(&a);
                         lane::answer_hello(&mut stream, &local, &a, admitted, timeout).await?;
-                        Ok::<_, Error>((stream, identity, a, secret))
+                        Ok::<_, Error>((stream, identity, a, joining))
                     }
                     .await;
                     match agreed {
-                        Ok((stream, identity, agreed, secret)) => {
+                        Ok((stream, identity, agreed, (joining, secret))) => {
                             let (tcp, tls) = match split_stream(stream) {
                                 Ok(s) => s,
                                 Err(e) => {
@@ -603,9 +604,22 @@ impl HandoffLink<MainSide> {
                                 }
                             };
                             let stream = Arc::new(tcp);
-                            let (generation, stop) =
-                                shared.install(Arc::clone(&stream), tls, &agreed, secret, identity);
-                            shared.serve(stream, generation, stop).await;
+                            // Refused (dropped) if another connection was installed
+                            // since, and this one may no longer open a session.
+                            let installed = shared.install(
+                                Arc::clone(&stream),
+                                tls,
+                                &agreed,
+                                secret,
+                                identity,
+                                joining,
+                            );
+                            match installed {
+                                Ok((generation, stop)) => {
+                                    shared.serve(stream, generation, stop).await
+                                }
+                                Err(e) => lock(&shared.conn).last_error = Some(e),
+                            }
                         }
                         Err(e) => lock(&shared.conn).last_error = Some(e),
                     }
@@ -616,6 +630,11 @@ impl HandoffLink<MainSide> {
     }
 
     /// Start the handoff of `request_id` at `first_position` (the prompt length).
+    /// The request belongs to the RelayDecode session the link serves: the one
+    /// connected, or the one connected last (the first to connect, if none ever
+    /// was). Only that session is sent its frames and may hand it off, also after
+    /// it reconnects and resumes; another session's frames for it are refused with
+    /// ABORT `grant_violation` (`docs/handoff.md`, "Ownership").
     pub fn open(&self, request_id: u64, first_position: u32) -> Result<()> {
         self.shared
             .with_router(|r, now, out| r.open(request_id, first_position, now, out))

@@ -16,6 +16,9 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub(super) struct Rx {
     /// The connection these bytes belong to (`Conn::generation`).
     pub(super) generation: u64,
+    /// MD: the session that connection carries (`Conn::tag`), which the router
+    /// checks each frame's request against.
+    pub(super) session: Option<u64>,
     pub(super) decoder: FrameDecoder,
     pub(super) buf: BytesMut,
     /// The connection's TLS state, when it runs TLS (shared with `Conn`).
@@ -58,10 +61,26 @@ pub(super) struct Conn {
     /// Stops the current connection's task.
     pub(super) stop: Option<CancellationToken>,
     pub(super) last_error: Option<Error>,
-    /// The session this link serves (MD) or holds (RLD): its id and the secret its
-    /// opening exchange derived. A reconnect resumes it by proving the secret; while
-    /// a connection is live, nobody else may open a new session.
+    /// RLD: the session it holds with MD: its id, the secret its opening exchange
+    /// derived (a reconnect resumes it by proving the secret), the TLS identity.
     pub(super) session: Option<(u64, AuthBytes, Option<[u8; 32]>)>,
+    /// MD: the sessions it knows (the current one and every one that still owns a
+    /// handoff), and who may open or resume one.
+    pub(super) book: SessionBook,
+    /// MD: the tag of the session the current connection carries.
+    pub(super) tag: Option<u64>,
+}
+
+/// Who a connection being installed belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Joining {
+    /// RLD: its own session with MD (one peer, which proved itself: no ownership to
+    /// keep apart).
+    Own,
+    /// MD: a new session, admitted while nobody was connected.
+    Open,
+    /// MD: the known session with this tag, resumed (the peer proved its secret).
+    Resume(u64),
 }
 
 pub(super) struct Shared<M: HandoffMachine> {
@@ -170,6 +189,7 @@ impl<M: HandoffMachine> Shared<M> {
                 what: "handoff-link bytes queued for a peer that does not read them".into(),
                 limit: MAX_UNWRITTEN_BYTES as u64,
             });
+            bump(&self.counters.unread_overflows, 1);
             conn.pending.clear();
             if let Some(stop) = &conn.stop {
                 stop.cancel();
@@ -296,7 +316,8 @@ impl<M: HandoffMachine> Shared<M> {
         self.send_frames(std::slice::from_ref(&frame));
     }
 
-    pub(super) fn handle_frames(&self, frames: Vec<Frame>) {
+    /// Route frames read from a connection of session `from` (MD; `None` on RLD).
+    pub(super) fn handle_frames(&self, frames: Vec<Frame>, from: Option<u64>) {
         bump(&self.counters.frames_received, frames.len() as u64);
         let mut handoff = Vec::with_capacity(frames.len());
         for frame in frames {
@@ -326,14 +347,23 @@ impl<M: HandoffMachine> Shared<M> {
         self.with_router(|r, now, out| {
             for f in handoff {
                 // Rejections leave the machine unchanged (counted in the router);
-                // frames that are not the handoff's are ignored on this lane.
-                let _ = r.handle_frame(f, now, out);
+                // frames that are not the handoff's are ignored on this lane; frames
+                // for another session's request are refused (answered on this
+                // connection, which is the sender's: the router drops frames of a
+                // connection replaced since).
+                let _ = match from {
+                    Some(session) => r.handle_frame_from(session, f, now, out),
+                    None => r.handle_frame(f, now, out),
+                };
             }
         });
     }
 
-    /// Install a fresh connection: it replaces any current one, and every machine
-    /// re-sends what the peer may have missed.
+    /// Install a fresh connection: it replaces any current one, and the machines
+    /// of its session (every machine on RLD) re-send what the peer may have missed.
+    /// MD: the session book has the last word (a new session is refused if another
+    /// connection was installed since it was admitted), and sessions that own no
+    /// handoff any more are forgotten.
     pub(super) fn install(
         &self,
         stream: Arc<TcpStream>,
@@ -341,13 +371,23 @@ impl<M: HandoffMachine> Shared<M> {
         agreed: &Negotiated,
         secret: AuthBytes,
         identity: Option<[u8; 32]>,
-    ) -> (u64, CancellationToken) {
+        joining: Joining,
+    ) -> Result<(u64, CancellationToken)> {
         let stop = self.shutdown.child_token();
         let generation;
         {
             let mut router = lock(&self.router);
+            let tag;
             {
                 let mut conn = lock(&self.conn);
+                let live = conn.stream.is_some();
+                tag = match joining {
+                    Joining::Own => None,
+                    Joining::Open => {
+                        Some(conn.book.open(agreed.session_id, secret, identity, live)?)
+                    }
+                    Joining::Resume(t) => Some(conn.book.resume(t)?),
+                };
                 if let Some(old) = conn.stop.take() {
                     old.cancel();
                 }
@@ -359,11 +399,18 @@ impl<M: HandoffMachine> Shared<M> {
                 conn.stop = Some(stop.clone());
                 conn.last_error = None;
                 conn.session = Some((agreed.session_id, secret, identity));
+                conn.tag = tag;
                 generation = conn.generation;
             }
             let mut out = Outbox::default();
             let now = self.now();
-            router.on_reconnect(now, &mut out);
+            match tag {
+                Some(t) => router.on_session(t, now, &mut out),
+                None => router.on_reconnect(now, &mut out),
+            }
+            if tag.is_some() {
+                lock(&self.conn).book.retain(|t| router.holds_session(t));
+            }
             if !out.frames.is_empty() {
                 self.send_frames(&out.frames);
             }
@@ -373,7 +420,7 @@ impl<M: HandoffMachine> Shared<M> {
         bump(&self.counters.connects, 1);
         self.connected.send_replace(true);
         self.timer_wake.notify_one();
-        (generation, stop)
+        Ok((generation, stop))
     }
 
     pub(super) fn uninstall(&self, generation: u64, error: Option<Error>) {
@@ -405,10 +452,18 @@ impl<M: HandoffMachine> Shared<M> {
     ) {
         let pending_plaintext = {
             let mut rx = lock(&self.rx);
+            let conn = lock(&self.conn);
+            if conn.generation != generation {
+                // Replaced before this task started: the newer connection's task
+                // owns `rx` (and its TLS state and session are not this one's).
+                return;
+            }
+            rx.tls = conn.tls.clone();
+            rx.session = conn.tag;
+            drop(conn);
             rx.generation = generation;
             rx.decoder = FrameDecoder::new(DEFAULT_MAX_PAYLOAD);
             rx.buf = BytesMut::with_capacity(64 << 10);
-            rx.tls = lock(&self.conn).tls.clone();
             // What TLS already decrypted during the handshake never shows up as
             // socket readiness: route it now.
             match rx.tls.is_some() {
@@ -547,7 +602,7 @@ impl<M: HandoffMachine> Shared<M> {
                     }
                 };
                 if !frames.is_empty() {
-                    self.handle_frames(frames);
+                    self.handle_frames(frames, rx.session);
                 }
                 if let Some(e) = failed {
                     // Framing is lost: tell the peer why, then drop the connection.
@@ -708,6 +763,9 @@ impl<M: HandoffMachine> Shared<M> {
             frames_unroutable: rs.frames_unroutable,
             frames_rejected: rs.frames_rejected,
             connection_faults: rs.connection_faults,
+            frames_foreign: rs.frames_foreign,
+            frames_withheld: rs.frames_withheld,
+            unread_overflows: get(&c.unread_overflows),
             pings_sent: get(&c.pings_sent),
             rtt_us: get(&c.rtt_us),
             reads_on_caller: get(&c.reads_on_caller),

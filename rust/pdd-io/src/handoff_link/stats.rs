@@ -103,6 +103,15 @@ pub struct LinkStats {
     pub frames_rejected: u64,
     /// See [`RouterStats`].
     pub connection_faults: u64,
+    /// MD: frames from a session for a request another session owns, refused (see
+    /// [`RouterStats::frames_foreign`]).
+    pub frames_foreign: u64,
+    /// MD: frames of a request withheld from a session that does not own it (see
+    /// [`RouterStats::frames_withheld`]).
+    pub frames_withheld: u64,
+    /// Connections dropped because the peer stopped reading: more than
+    /// [`MAX_UNWRITTEN_BYTES`] waited for it (the last error says `limit_exceeded`).
+    pub unread_overflows: u64,
     /// PINGs sent.
     pub pings_sent: u64,
     /// Last PING -> PONG round trip, microseconds (0 before the first).
@@ -175,6 +184,24 @@ impl LinkStats {
                 "connections dropped by the peer for corrupted bytes (replayed, no request ended)",
             ),
             (
+                "frames_foreign_total",
+                self.frames_foreign,
+                "counter",
+                "frames refused for a request another session owns (ABORT grant_violation)",
+            ),
+            (
+                "frames_withheld_total",
+                self.frames_withheld,
+                "counter",
+                "frames of a request withheld from a session that does not own it",
+            ),
+            (
+                "unread_overflows_total",
+                self.unread_overflows,
+                "counter",
+                "connections dropped because the peer stopped reading",
+            ),
+            (
                 "pings_sent_total",
                 self.pings_sent,
                 "counter",
@@ -227,6 +254,7 @@ pub(super) struct Counters {
     pub(super) pings_sent: AtomicU64,
     pub(super) rtt_us: AtomicU64,
     pub(super) reads_on_caller: AtomicU64,
+    pub(super) unread_overflows: AtomicU64,
 }
 
 pub(super) fn bump(c: &AtomicU64, n: u64) {
