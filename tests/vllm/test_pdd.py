@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 import vllm_pd
+from pdd_transport.handoff import HandoffPolicy
 from pdd_transport.integrations.vllm_params import decode_params, prefill_params
+from pdd_transport.integrations.vllm_pdd import MainAgent, PddProxy, RelayAgent
 from pdd_transport.integrations.vllm_proxy import Stream, post_json, stream_completion
 from test_pd import wait_usage_zero, wan_c2u
 from vllm_pd import BLOCK_SIZE, prompt_ids
@@ -89,3 +91,37 @@ def test_each_decoder_is_sent_only_what_it_lacks(cluster: vllm_pd.PdCluster) -> 
     assert cluster.relay is not None
     relay_log = cluster.relay.log_path.read_text(errors="replace")
     assert "d_loaded" in relay_log
+
+
+@pytest.mark.parametrize("mode,tokens,policy", [
+    ("one_shot", 24, {}),
+    # A low threshold and small chunks make the backlog RLD builds while MD loads its KV
+    # over the 30 ms WAN a Catch-Up: chunks handed while RLD keeps decoding.
+    ("catch_up", 48, {"catch_up_threshold_tokens": 2, "level_tokens": 1, "chunk_tokens": 4}),
+])
+def test_rld_decodes_at_once_and_hands_md_token_ids(cluster: vllm_pd.PdCluster, mode: str, tokens: int,
+                                                    policy: dict[str, int]) -> None:
+    assert cluster.relay is not None and cluster.wan is not None
+    prompt = prompt_ids(700, 330 + tokens)
+    want = cluster.plain_complete(prompt, tokens)["choices"][0]["token_ids"]
+    main = MainAgent(cluster.decode.url, timeout=120)
+    relay = RelayAgent(cluster.relay.url, main.address, policy=HandoffPolicy(**policy) if policy else None, timeout=120)
+    try:
+        proxy = PddProxy(cluster.prefill.url, relay, main, md_kv_address=cluster.wan.address_str,
+                         rld_kv_address=cluster.relay.kv_address(), model="tiny", timeout=120)
+        r = proxy.complete(prompt, tokens, temperature=0, ignore_eos=True)
+    finally:
+        relay.close()
+        main.close()
+    assert r.prefill_error is None and r.md_error is None and r.rld_error is None, r
+    # Greedy output equal to one plain engine's, every position exactly once: RLD's
+    # eager tokens up to the final handoff, MD's (after recomputing the handed tokens'
+    # KV from their IDs) after it.
+    assert r.token_ids == want
+    n = r.decoded_by.count("rld")
+    assert r.decoded_by == ["rld"] * n + ["md"] * (tokens - n)
+    assert r.mode == mode and r.handoffs and r.handoffs[-1][2]
+    if mode == "catch_up":
+        assert len(r.handoffs) >= 2
+    # RLD loaded the prompt's KV over the local path (its whole blocks counted cached).
+    assert r.rld_cached_tokens == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
