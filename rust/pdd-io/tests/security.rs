@@ -16,6 +16,10 @@ use pdd_io::receiver::{KvReceiver, ReceiverConfig};
 use pdd_io::sender::{KvSender, SenderConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+#[path = "common/flood.rs"]
+mod flood;
+use flood::Flood;
+
 const LAYERS: u16 = 2;
 const PAGES: u32 = 8;
 const PAGE: u32 = 4096;
@@ -536,45 +540,160 @@ async fn data_lanes_per_session_are_bounded() {
     .await;
 }
 
-/// Connections that never finish HELLO are bounded in number and in time: past the
-/// bound new ones are closed unanswered, and once the stragglers time out a real
-/// sender gets in.
+/// Sources of the connection floods: the honest peers' own address (127.0.0.1) and
+/// four others.
+fn flood_sources() -> Vec<std::net::Ipv4Addr> {
+    (1..=5)
+        .map(|i| std::net::Ipv4Addr::new(127, 0, 0, i))
+        .collect()
+}
+
+/// How long an honest peer may take to get in and be served during a flood.
+const HONEST_BOUND: Duration = Duration::from_secs(5);
+
+/// A flood of connections that never finish their opening (idle, stopped inside a
+/// HELLO header, or a HELLO and no answer to the AUTH challenge), from the honest
+/// sender's own address and four others, more than the receiver holds opening at
+/// once and kept up (what the receiver closes is reopened): an honest sender with
+/// the secret still opens its session and completes a transfer promptly, and the
+/// receiver holds no more opening connections than its bound, in its bookkeeping
+/// and in sockets. (Before the shared admission, the 257th connection was closed
+/// unanswered, so such a flood kept every new sender out.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn half_open_handshakes_are_bounded() {
-    use pdd_io::receiver::MAX_OPENING_CONNECTIONS;
+async fn a_flood_of_idle_connections_does_not_keep_a_sender_out() {
+    use pdd_io::admission::{MAX_OPENING_CONNECTIONS, MAX_OPENING_PER_SOURCE};
+    let secret = Some(&b"deployment secret"[..]);
     let mut cfg = ReceiverConfig::new(
         "127.0.0.1:0".parse().unwrap(),
-        hello(Role::MainDecode, None),
+        hello(Role::MainDecode, secret),
     );
-    cfg.hello_timeout = Duration::from_millis(800);
+    // No flood connection ends by its own timeout during the test.
+    cfg.hello_timeout = Duration::from_secs(30);
     let rx = KvReceiver::start(pool(0), cfg).await.unwrap();
-    let mut idle = Vec::new();
-    for _ in 0..MAX_OPENING_CONNECTIONS + 20 {
-        idle.push(
-            tokio::net::TcpStream::connect(rx.local_addr())
-                .await
-                .unwrap(),
-        );
-    }
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let refused = rx
-        .metrics()
-        .lanes_refused_total
-        .load(std::sync::atomic::Ordering::Relaxed);
-    assert!(refused >= 20, "refused {refused}");
-    // After the HELLO timeout the slots are free again.
-    let tx = bounded(async {
-        loop {
-            let cfg = SenderConfig::new(rx.local_addr(), 1, hello(Role::Prefill, None));
-            match KvSender::connect(pool(1), cfg).await {
-                Ok(tx) => return tx,
-                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-            }
-        }
-    })
+    let sources = flood_sources();
+    assert!(sources.len() * MAX_OPENING_PER_SOURCE > MAX_OPENING_CONNECTIONS);
+    let flood = Flood::start(
+        rx.local_addr(),
+        &sources,
+        MAX_OPENING_PER_SOURCE,
+        Role::Prefill,
+    )
     .await;
-    bounded(rx.wait_peer(Some(tx.session_id()))).await;
-    drop(idle);
+    tokio::time::sleep(flood::REFRESH * 2).await;
+    let started = std::time::Instant::now();
+    let honest = async {
+        let tx = loop {
+            let mut c = SenderConfig::new(rx.local_addr(), 7, hello(Role::Prefill, secret));
+            c.lanes = 2;
+            c.connect_timeout = Duration::from_secs(2);
+            match KvSender::connect(pool(0xAA), c).await {
+                Ok(tx) => break tx,
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        };
+        rx.wait_peer(Some(7)).await;
+        let inbound = rx.grant(1, &[1, 2], None, Some(7), None).unwrap();
+        let out = tx.wait_grant(1).await.unwrap();
+        for layer in 0..LAYERS {
+            out.send_layer(layer, layer, &[3, 4]).await.unwrap();
+        }
+        out.finish().await.unwrap();
+        inbound.wait().await.unwrap();
+        tx
+    };
+    let tx = tokio::time::timeout(HONEST_BOUND, honest)
+        .await
+        .expect("no session and transfer for an honest sender during the flood");
+    eprintln!(
+        "session and transfer in {:?} during a flood that opened {} connections",
+        started.elapsed(),
+        flood.opened()
+    );
+    assert!(rx
+        .pool()
+        .copy_page(1, 2)
+        .unwrap()
+        .iter()
+        .all(|&b| b == 0xAA));
+    // Bounded: with the flood's reopening held and the receiver settled, it holds
+    // at most its bound of flood connections, and so many sockets (besides the
+    // sender's three lanes).
+    let (held, sockets) = flood
+        .settle(Duration::from_millis(500), rx.local_addr())
+        .await;
+    assert!(
+        held <= MAX_OPENING_CONNECTIONS,
+        "{held} flood connections held"
+    );
+    assert!(
+        sockets <= MAX_OPENING_CONNECTIONS + 3,
+        "the receiver holds {sockets} sockets"
+    );
+    let m = rx.metrics();
+    let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(get(&m.half_open) as usize <= MAX_OPENING_CONNECTIONS);
+    assert!(get(&m.half_open_evicted_total) > 0);
+    assert_eq!(rx.peers().len(), 1);
+    drop(tx);
+    flood.stop().await;
+}
+
+/// The same on MD's handoff link: RLD (with the secret) connects and the link
+/// carries a round trip during the flood, and MD holds no more opening connections
+/// than its bound (it once held every one, each for `connect_timeout`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_idle_connections_does_not_keep_rld_out() {
+    use pdd_io::admission::{MAX_OPENING_CONNECTIONS, MAX_OPENING_PER_SOURCE};
+    use pdd_io::handoff_link::{LinkConfig, MainLink, RelayLink};
+    let rt = tokio::runtime::Handle::current();
+    let secret = Bytes::from_static(b"deployment secret");
+    let md_cfg = LinkConfig {
+        secret: Some(secret.clone()),
+        connect_timeout: Duration::from_secs(30),
+        ..LinkConfig::default()
+    };
+    let md = MainLink::listen(&rt, "127.0.0.1:0".parse().unwrap(), md_cfg).unwrap();
+    let md_addr = md.local_addr().unwrap();
+    let flood = Flood::start(
+        md_addr,
+        &flood_sources(),
+        MAX_OPENING_PER_SOURCE,
+        Role::RelayDecode,
+    )
+    .await;
+    tokio::time::sleep(flood::REFRESH * 2).await;
+    let started = std::time::Instant::now();
+    let rld_cfg = LinkConfig {
+        secret: Some(secret),
+        connect_timeout: Duration::from_secs(2),
+        ..LinkConfig::default()
+    };
+    let rld = RelayLink::connect(&rt, md_addr, rld_cfg).unwrap();
+    rld.wait_connected(HONEST_BOUND)
+        .await
+        .expect("RLD kept out of MD by the flood");
+    let rtt = rld.ping(HONEST_BOUND).await.unwrap();
+    eprintln!(
+        "RLD connected and pinged in {:?} (rtt {rtt:?})",
+        started.elapsed()
+    );
+    assert!(started.elapsed() < HONEST_BOUND);
+    let (held, sockets) = flood.settle(Duration::from_millis(500), md_addr).await;
+    assert!(
+        held <= MAX_OPENING_CONNECTIONS,
+        "{held} flood connections held"
+    );
+    assert!(
+        sockets <= MAX_OPENING_CONNECTIONS + 1,
+        "MD holds {sockets} sockets"
+    );
+    let stats = md.stats();
+    assert!(stats.half_open as usize <= MAX_OPENING_CONNECTIONS);
+    assert!(stats.half_open_evicted > 0);
+    assert!(md.is_connected());
+    rld.close();
+    md.close();
+    flood.stop().await;
 }
 
 mod tls {

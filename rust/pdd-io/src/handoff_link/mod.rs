@@ -528,14 +528,20 @@ impl HandoffLink<MainSide> {
         let shared = Arc::clone(&link.shared);
         runtime.spawn(async move {
             let local = hello(Role::MainDecode, Role::RelayDecode, &shared.config);
+            // Opening connections are bounded as on every acceptor: a flood of idle
+            // ones displaces its own oldest, never keeps RLD out.
+            let admission = crate::admission::Admission::new(shared.counters.opening.clone());
             loop {
                 let accepted = tokio::select! {
                     _ = shared.shutdown.cancelled() => break,
                     a = listener.accept() => a,
                 };
-                let Ok((tcp, _peer)) = accepted else {
+                let Ok((tcp, peer)) = accepted else {
                     // EMFILE and friends: back off a little rather than spin.
                     tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                };
+                let Some(slot) = admission.admit(peer, usize::MAX) else {
                     continue;
                 };
                 lane::tune(&tcp, &shared.config.tuning, true);
@@ -545,7 +551,7 @@ impl HandoffLink<MainSide> {
                     // A peer without the capability hears why (an ABORT in place of
                     // our HELLO) instead of a HELLO and then a close.
                     let timeout = shared.config.connect_timeout;
-                    let agreed = async {
+                    let agreed = slot.run(async {
                         let (mut stream, identity) = match &shared.config.tls {
                             Some(tls) => {
                                 let (s, id) = tokio::time::timeout(timeout, tls.accept(tcp))
@@ -591,10 +597,13 @@ impl HandoffLink<MainSide> {
                         let admitted = check_capability(&a);
                         lane::answer_hello(&mut stream, &local, &a, admitted, timeout).await?;
                         Ok::<_, Error>((stream, identity, a, secret))
-                    }
+                    })
                     .await;
+                    drop(slot);
                     match agreed {
-                        Ok((stream, identity, agreed, secret)) => {
+                        // Displaced by a newer connection: closed unanswered.
+                        None => {}
+                        Some(Ok((stream, identity, agreed, secret))) => {
                             let (tcp, tls) = match split_stream(stream) {
                                 Ok(s) => s,
                                 Err(e) => {
@@ -607,7 +616,7 @@ impl HandoffLink<MainSide> {
                                 shared.install(Arc::clone(&stream), tls, &agreed, secret, identity);
                             shared.serve(stream, generation, stop).await;
                         }
-                        Err(e) => lock(&shared.conn).last_error = Some(e),
+                        Some(Err(e)) => lock(&shared.conn).last_error = Some(e),
                     }
                 });
             }
