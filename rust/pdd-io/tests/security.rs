@@ -8,13 +8,14 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use pdd_core::wire::handshake::LocalHello;
-use pdd_core::wire::{capability, Frame, KvDone, KvPages, Role};
+use pdd_core::wire::{capability, Auth, Frame, Hello, KvDone, KvPages, Role, HEADER_LEN};
 use pdd_core::Error;
 use pdd_io::lane::{self, LaneKey, LaneStream, SocketTuning};
 use pdd_io::pool::{MemoryRegion, PagePool};
 use pdd_io::receiver::{KvReceiver, ReceiverConfig};
 use pdd_io::sender::{KvSender, SenderConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 
 #[path = "common/flood.rs"]
 mod flood;
@@ -694,6 +695,111 @@ async fn a_flood_of_idle_connections_does_not_keep_rld_out() {
     rld.close();
     md.close();
     flood.stop().await;
+}
+
+/// The whole opening exchange a connector sends, up to the acceptor's AUTH.
+async fn raw_hello(addr: std::net::SocketAddr, offer: &Hello) -> (TcpStream, Auth) {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let bytes = pdd_core::wire::encode_frame_to_vec(&Frame::Hello(offer.clone()), 1 << 20).unwrap();
+    s.write_all(&bytes).await.unwrap();
+    match bounded(lane::read_frame_exact(&mut s, 1 << 20)).await {
+        Ok(Some(Frame::Auth(a))) => (s, a),
+        other => panic!("expected the acceptor's AUTH, got {other:?}"),
+    }
+}
+
+/// How long a refusal may take.
+const QUICK: Duration = Duration::from_secs(2);
+
+/// Send `bytes` where the connector's AUTH belongs; the acceptor must answer with
+/// an ABORT within [`QUICK`], then close. Returns the ABORT's reason.
+async fn refusal_of(s: &mut TcpStream, bytes: &[u8]) -> &'static str {
+    let started = std::time::Instant::now();
+    s.write_all(bytes).await.unwrap();
+    let first = tokio::time::timeout(QUICK, lane::read_frame_exact(s, 1 << 20))
+        .await
+        .expect("neither an answer nor a close within 2 s");
+    let reason = match first {
+        Ok(Some(Frame::Abort(a))) => a.reason.name(),
+        other => panic!("expected an ABORT saying why, got {other:?}"),
+    };
+    let mut rest = Vec::new();
+    tokio::time::timeout(QUICK, s.read_to_end(&mut rest))
+        .await
+        .expect("not closed after the ABORT")
+        .unwrap();
+    assert!(rest.is_empty(), "{} bytes after the ABORT", rest.len());
+    assert!(started.elapsed() < QUICK, "{:?}", started.elapsed());
+    reason
+}
+
+fn auth_bytes(a: &Auth) -> Vec<u8> {
+    pdd_core::wire::encode_frame_to_vec(&Frame::Auth(a.clone()), 1 << 20).unwrap()
+}
+
+/// A frame that is not an AUTH where the connector's AUTH belongs (malformed: a
+/// bad magic, a bad CRC, a kind nobody knows, another kind) is answered with an
+/// ABORT naming what was wrong, then the close, as a bad HELLO is; never a bare
+/// close. No session results.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_frame_in_place_of_auth_gets_an_abort() {
+    let rx = receiver(Some(b"s3cret")).await;
+    let h = hello(Role::Prefill, Some(b"s3cret"));
+    let answer = auth_bytes(&Auth {
+        nonce: [1; 32],
+        proof: [2; 32],
+    });
+    let mut bad_magic = answer.clone();
+    bad_magic[0] = b'X';
+    let mut bad_crc = answer.clone();
+    bad_crc[HEADER_LEN + 5] ^= 0x40;
+    let mut unknown_kind = answer.clone();
+    unknown_kind[3] = 0x7F;
+    let ping = pdd_core::wire::encode_frame_to_vec(
+        &Frame::Ping(pdd_core::wire::Ping {
+            nonce: 1,
+            sent_at_ns: 2,
+        }),
+        1 << 20,
+    )
+    .unwrap();
+    for (n, (bytes, want)) in [
+        (bad_magic, "protocol_error"),
+        (bad_crc, "checksum_mismatch"),
+        (unknown_kind, "unknown_kind"),
+        (ping, "protocol_error"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let offer = h.offer(40 + n as u64, 0, rand::random(), false);
+        let (mut s, _) = raw_hello(rx.local_addr(), &offer).await;
+        assert_eq!(refusal_of(&mut s, &bytes).await, want, "case {n}");
+    }
+    assert!(rx.peers().is_empty());
+}
+
+/// A frame announced larger than any frame of the opening (HELLO, AUTH, ABORT) is
+/// refused from its header, before its payload is waited for or buffered: a
+/// connection that has proved nothing cannot make the acceptor hold `max_payload`
+/// bytes (16 MiB by default) by sending 16 and stalling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_frame_announced_in_the_opening_is_refused_from_its_header() {
+    let rx = receiver(Some(b"s3cret")).await;
+    let h = hello(Role::Prefill, Some(b"s3cret"));
+    let announce = |kind: u8| {
+        let mut head = [0u8; HEADER_LEN];
+        head[..4].copy_from_slice(&[b'P', b'D', 1, kind]);
+        head[8..12].copy_from_slice(&(8u32 << 20).to_le_bytes());
+        head
+    };
+    // In place of HELLO.
+    let mut s = TcpStream::connect(rx.local_addr()).await.unwrap();
+    assert_eq!(refusal_of(&mut s, &announce(0x01)).await, "frame_too_large");
+    // In place of AUTH.
+    let (mut s, _) = raw_hello(rx.local_addr(), &h.offer(50, 0, rand::random(), false)).await;
+    assert_eq!(refusal_of(&mut s, &announce(0x0E)).await, "frame_too_large");
+    assert!(rx.peers().is_empty());
 }
 
 mod tls {
