@@ -636,6 +636,53 @@ async fn a_flood_of_idle_connections_does_not_keep_a_sender_out() {
     flood.stop().await;
 }
 
+/// The local path's receiver runs the same check of the connector's proof: a
+/// forging sender's made-up proof is refused with ABORT `auth_failed` within 2 s
+/// and gets no session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_sender_proof_is_refused() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    if !ucx_here() {
+        return;
+    }
+    let _env = ENV.lock().await;
+    let mut hello = LocalHello::new(Role::RelayDecode, capability::KV_STREAM);
+    hello.secret = Some(bytes::Bytes::from_static(b"s3cret"));
+    let cfg = LocalReceiverConfig::new("127.0.0.1:0".parse().unwrap(), hello);
+    let rx = LocalReceiver::start(pool(|_, _| 0), cfg).await.unwrap();
+    let offer = LocalHello::new(Role::Prefill, capability::KV_STREAM | capability::LOCAL_UCX)
+        .offer(9, 0, [7; 32], false);
+    let mut s = tokio::net::TcpStream::connect(rx.local_addr())
+        .await
+        .unwrap();
+    let hello_bytes = pdd_core::wire::encode_frame_to_vec(&Frame::Hello(offer), 1 << 20).unwrap();
+    s.write_all(&hello_bytes).await.unwrap();
+    let Ok(Some(Frame::Auth(_))) = lane::read_frame_exact(&mut s, 1 << 20).await else {
+        panic!("expected the receiver's AUTH")
+    };
+    let forged = Frame::Auth(pdd_core::wire::Auth {
+        nonce: [7; 32],
+        proof: [0x5A; 32],
+    });
+    let started = std::time::Instant::now();
+    s.write_all(&pdd_core::wire::encode_frame_to_vec(&forged, 1 << 20).unwrap())
+        .await
+        .unwrap();
+    let quick = Duration::from_secs(2);
+    match tokio::time::timeout(quick, lane::read_frame_exact(&mut s, 1 << 20)).await {
+        Ok(Ok(Some(Frame::Abort(a)))) => assert_eq!(a.reason.name(), "auth_failed"),
+        other => panic!("expected ABORT auth_failed, got {other:?}"),
+    }
+    let mut rest = Vec::new();
+    tokio::time::timeout(quick, s.read_to_end(&mut rest))
+        .await
+        .expect("not closed after the ABORT")
+        .unwrap();
+    assert!(started.elapsed() < quick);
+    assert!(rx.peers().is_empty());
+    rx.close().await;
+}
+
 /// A key the sender maps is used only inside the mapping its unpack attached: a
 /// region address (from the receiver) that points past it is refused before any
 /// byte is copied, so a receiver cannot aim the copies at the sender's own memory.

@@ -802,6 +802,276 @@ async fn a_huge_frame_announced_in_the_opening_is_refused_from_its_header() {
     assert!(rx.peers().is_empty());
 }
 
+/// Forging connectors, one per way to fake the connector's proof, against a
+/// receiver with a secret: each speaks HELLO correctly, gets the receiver's AUTH,
+/// and answers with a proof that must not pass. Each is refused with ABORT
+/// `auth_failed` within 2 s and gets no session; a live session it aimed at goes on
+/// untouched. (Every client with a wrong secret in the other tests gives up before
+/// answering, so none of them would notice the receiver skipping this check.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_connector_proofs_are_refused() {
+    use pdd_core::wire::handshake::{answer_challenge, challenge};
+    const SECRET: &[u8] = b"s3cret";
+    let rx = receiver(Some(SECRET)).await;
+    let addr = rx.local_addr();
+    let h = hello(Role::Prefill, Some(SECRET));
+    let refused = || {
+        rx.metrics()
+            .lanes_refused_total
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let mut expect_refused = 0;
+    let mut check = |what: &str, reason: &str| {
+        expect_refused += 1;
+        assert_eq!(reason, "auth_failed", "{what}");
+        assert!(rx.peers().is_empty(), "{what}: a session was opened");
+    };
+
+    // 1. No secret: a made-up proof.
+    let offer = h.offer(60, 0, rand::random(), false);
+    let (mut s, _) = raw_hello(addr, &offer).await;
+    let forged = Auth {
+        nonce: offer.auth[..].try_into().unwrap(),
+        proof: rand::random(),
+    };
+    check(
+        "made-up proof",
+        refusal_of(&mut s, &auth_bytes(&forged)).await,
+    );
+
+    // 2. Reflection: the receiver's own proof sent back as ours.
+    let offer = h.offer(61, 0, rand::random(), false);
+    let (mut s, theirs) = raw_hello(addr, &offer).await;
+    let reflected = Auth {
+        nonce: offer.auth[..].try_into().unwrap(),
+        proof: theirs.proof,
+    };
+    check(
+        "reflected proof",
+        refusal_of(&mut s, &auth_bytes(&reflected)).await,
+    );
+
+    // 3. Replay: an honest exchange recorded on the wire (HELLO and answer), played
+    // again once that session ended; the receiver's fresh nonce makes it stale.
+    let offer = h.offer(62, 0, rand::random(), false);
+    let (mut s, ch) = raw_hello(addr, &offer).await;
+    let recorded = answer_challenge(SECRET, &offer, &ch).unwrap();
+    s.write_all(&auth_bytes(&recorded)).await.unwrap();
+    match bounded(lane::read_frame_exact(&mut s, 1 << 20)).await {
+        Ok(Some(Frame::Hello(_))) => {}
+        other => panic!("the honest exchange was not admitted: {other:?}"),
+    }
+    bounded(rx.wait_peer(Some(62))).await;
+    drop(s);
+    bounded(async {
+        while !rx.peers().is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    let (mut s, _) = raw_hello(addr, &offer).await;
+    check(
+        "replayed answer",
+        refusal_of(&mut s, &auth_bytes(&recorded)).await,
+    );
+
+    // 4. A proof made with the secret, but for another HELLO than the one sent (a
+    // man in the middle that changed the HELLO, here its capabilities).
+    let offer = h.offer(63, 0, rand::random(), false);
+    let mut altered = offer.clone();
+    altered.capabilities = 0;
+    let (mut s, ch) = raw_hello(addr, &altered).await;
+    let for_original = challenge(SECRET, &offer, ch.nonce);
+    let lifted = answer_challenge(SECRET, &offer, &for_original).unwrap();
+    check(
+        "proof over another HELLO",
+        refusal_of(&mut s, &auth_bytes(&lifted)).await,
+    );
+
+    // 5. A right proof whose nonce is not the HELLO's.
+    let offer = h.offer(64, 0, rand::random(), false);
+    let (mut s, ch) = raw_hello(addr, &offer).await;
+    let mut wrong_nonce = answer_challenge(SECRET, &offer, &ch).unwrap();
+    wrong_nonce.nonce[0] ^= 1;
+    check(
+        "nonce not the HELLO's",
+        refusal_of(&mut s, &auth_bytes(&wrong_nonce)).await,
+    );
+    assert_eq!(refused(), expect_refused, "each counted as refused");
+
+    // 6 and 7. A holder of the root secret (any peer of the deployment) resuming a
+    // live session it did not open, as a data lane or as its control lane: it
+    // cannot check the receiver's proof (session secret) and answers with a proof
+    // of the root secret.
+    let victim = sender(&rx, 5, Some(SECRET)).await;
+    bounded(rx.wait_peer(Some(5))).await;
+    for lane_no in [1u16, 0] {
+        let offer = h.offer(5, lane_no, rand::random(), true);
+        let (mut s, ch) = raw_hello(addr, &offer).await;
+        let as_root = challenge(SECRET, &offer, ch.nonce);
+        let root_proof = answer_challenge(SECRET, &offer, &as_root).unwrap();
+        let reason = refusal_of(&mut s, &auth_bytes(&root_proof)).await;
+        assert_eq!(reason, "auth_failed", "lane {lane_no}");
+    }
+    assert_eq!(rx.peers().len(), 1);
+    let inbound = rx.grant(1, &[6], None, Some(5), None).unwrap();
+    let out = bounded(victim.wait_grant(1)).await.unwrap();
+    for layer in 0..LAYERS {
+        out.send_layer(layer, layer, &[0]).await.unwrap();
+    }
+    out.finish().await.unwrap();
+    bounded(inbound.wait()).await.unwrap();
+}
+
+/// A forging acceptor: accepts one connection, reads the connector's HELLO,
+/// answers with `forge(offer)` as its AUTH, and returns every frame the connector
+/// sends after that, until it closes (bounded).
+async fn forging_acceptor(
+    forge: impl FnOnce(Hello) -> std::pin::Pin<Box<dyn std::future::Future<Output = Auth> + Send>>
+        + Send
+        + 'static,
+) -> (std::net::SocketAddr, tokio::task::JoinHandle<Vec<Frame>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let offer = match lane::read_frame_exact(&mut s, 1 << 20).await {
+            Ok(Some(Frame::Hello(h))) => h,
+            other => panic!("expected HELLO, got {other:?}"),
+        };
+        let forged = forge(offer).await;
+        s.write_all(&auth_bytes(&forged)).await.unwrap();
+        let mut after = Vec::new();
+        let deadline = tokio::time::Instant::now() + QUICK;
+        while let Ok(Ok(Some(f))) =
+            tokio::time::timeout_at(deadline, lane::read_frame_exact(&mut s, 1 << 20)).await
+        {
+            // A connector that answers with its own proof has lost: stop there.
+            let proved = matches!(f, Frame::Auth(_));
+            after.push(f);
+            if proved {
+                break;
+            }
+        }
+        after
+    });
+    (addr, task)
+}
+
+/// What a connector must send after a forged acceptor proof: only the ABORT that
+/// says `auth_failed`, never its own proof.
+fn assert_only_refused(after: &[Frame]) {
+    match after {
+        [Frame::Abort(a)] => assert_eq!(a.reason.name(), "auth_failed"),
+        other => panic!("expected only ABORT auth_failed, got {other:?}"),
+    }
+}
+
+/// Forging acceptors, one per way to fake the acceptor's proof: a sender with the
+/// secret refuses each with `auth_failed` within 2 s, tells it so (ABORT), never
+/// sends its own proof, and has no session (nothing is granted to it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_acceptor_proofs_are_refused() {
+    use pdd_core::wire::handshake::challenge;
+    const SECRET: &[u8] = b"s3cret";
+    let connect = |addr: std::net::SocketAddr| async move {
+        let mut cfg = SenderConfig::new(addr, 3, hello(Role::Prefill, Some(SECRET)));
+        cfg.connect_timeout = Duration::from_secs(5);
+        let started = std::time::Instant::now();
+        let err = KvSender::connect(pool(1), cfg)
+            .await
+            .err()
+            .expect("a sender talked to an impostor");
+        assert_eq!(err.reason(), "auth_failed", "{err:?}");
+        assert!(err.to_string().contains("accepting peer"), "{err}");
+        assert!(started.elapsed() < QUICK, "{:?}", started.elapsed());
+    };
+
+    // 1. No secret: a made-up proof.
+    let (addr, seen) = forging_acceptor(|_| {
+        Box::pin(async {
+            Auth {
+                nonce: rand::random(),
+                proof: rand::random(),
+            }
+        })
+    })
+    .await;
+    connect(addr).await;
+    assert_only_refused(&bounded(seen).await.unwrap());
+
+    // 2. Replay: the real receiver's AUTH from an earlier exchange (recorded on the
+    // wire), played to a new connection, whose nonce differs.
+    let real = receiver(Some(SECRET)).await;
+    let earlier = hello(Role::Prefill, Some(SECRET)).offer(3, 0, rand::random(), false);
+    let (_s, recorded) = raw_hello(real.local_addr(), &earlier).await;
+    let (addr, seen) = forging_acceptor(move |_| Box::pin(async move { recorded })).await;
+    connect(addr).await;
+    assert_only_refused(&bounded(seen).await.unwrap());
+
+    // 3. A man in the middle that relays to the real receiver but changes the
+    // HELLO on the way (strips its capabilities): the receiver's proof covers the
+    // HELLO it got, not the one the sender sent.
+    let real_addr = real.local_addr();
+    let (addr, seen) = forging_acceptor(move |offer| {
+        Box::pin(async move {
+            let mut altered = offer;
+            altered.capabilities = 0;
+            raw_hello(real_addr, &altered).await.1
+        })
+    })
+    .await;
+    connect(addr).await;
+    assert_only_refused(&bounded(seen).await.unwrap());
+    assert!(real.peers().is_empty());
+
+    // 4. A holder of the root secret (any node of the deployment) posing as the
+    // acceptor of a session's data lane: it proves the root secret, not the
+    // session's.
+    let (addr, seen) = forging_acceptor(|offer| {
+        Box::pin(async move { challenge(SECRET, &offer, rand::random()) })
+    })
+    .await;
+    let h = hello(Role::Prefill, Some(SECRET));
+    let started = std::time::Instant::now();
+    let key = LaneKey::Session(rand::random());
+    let t = SocketTuning::default();
+    let err = lane::connect(addr, &h, 3, 1, &key, &t, None, BOUND)
+        .await
+        .unwrap_err();
+    assert_eq!(err.reason(), "auth_failed", "{err:?}");
+    assert!(started.elapsed() < QUICK);
+    assert_only_refused(&bounded(seen).await.unwrap());
+}
+
+/// The other acceptors run the same check: MD's handoff link refuses a forging
+/// RLD's made-up proof with `auth_failed` and stays unconnected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn md_refuses_a_forged_rld_proof() {
+    use pdd_io::handoff_link::{LinkConfig, MainLink};
+    let rt = tokio::runtime::Handle::current();
+    let cfg = LinkConfig {
+        secret: Some(Bytes::from_static(b"s3cret")),
+        ..LinkConfig::default()
+    };
+    let md = MainLink::listen(&rt, "127.0.0.1:0".parse().unwrap(), cfg).unwrap();
+    let mut h = LocalHello::new(Role::RelayDecode, capability::HANDOFF);
+    h.accepted_roles = vec![Role::MainDecode];
+    let offer = h.offer(8, 0, rand::random(), false);
+    let (mut s, _) = raw_hello(md.local_addr().unwrap(), &offer).await;
+    let forged = Auth {
+        nonce: offer.auth[..].try_into().unwrap(),
+        proof: rand::random(),
+    };
+    assert_eq!(
+        refusal_of(&mut s, &auth_bytes(&forged)).await,
+        "auth_failed"
+    );
+    assert!(!md.is_connected());
+    assert_eq!(md.stats().connects, 0);
+    md.close();
+}
+
 mod tls {
     use super::*;
     use pdd_io::tls::{TestPki, TlsConfig};
