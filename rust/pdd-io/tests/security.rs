@@ -301,26 +301,63 @@ async fn flood_pings(stream: &mut LaneStream, max: usize) -> (usize, bool) {
     (sent, false)
 }
 
-/// A peer that sends PINGs and never reads its PONGs is dropped once the bound on
-/// unwritten control frames is hit; the receiver's memory does not follow it, and
-/// close() still meets its bound.
+/// A peer that sends PINGs and never reads its PONGs is dropped by the bound on
+/// unwritten control frames, with that bound's reason, long before any dead-peer
+/// bound could end it (here two minutes: the peer never goes silent anyway); the
+/// receiver's memory does not follow it, and close() still meets its bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_peer_that_never_reads_its_replies_is_dropped() {
-    let rx = receiver(None).await;
-    let h = hello(Role::Prefill, None);
-    let t = SocketTuning {
+async fn a_peer_that_never_reads_its_replies_is_dropped_by_the_cap() {
+    let mut cfg = ReceiverConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        hello(Role::MainDecode, None),
+    );
+    cfg.dead_after = Duration::from_secs(120);
+    // Small kernel buffers: a few thousand PONGs fill them, then the queue fills.
+    let small = SocketTuning {
         buffer_bytes: Some(64 << 10),
         ..SocketTuning::default()
     };
-    let mut c = lane::connect(rx.local_addr(), &h, 9, 0, &LaneKey::Root, &t, None, BOUND)
-        .await
-        .unwrap()
-        .stream;
+    cfg.tuning = small.clone();
+    let rx = KvReceiver::start(pool(0), cfg).await.unwrap();
+    let h = hello(Role::Prefill, None);
+    let mut c = lane::connect(
+        rx.local_addr(),
+        &h,
+        9,
+        0,
+        &LaneKey::Root,
+        &small,
+        None,
+        BOUND,
+    )
+    .await
+    .unwrap()
+    .stream;
     bounded(rx.wait_peer(Some(9))).await;
-    // Kernel buffers take a few MB of PONGs before our queue holds any: 4M PINGs
-    // (128 MB) is far past both.
-    let (sent, dropped) = bounded(flood_pings(&mut c, 4 << 20)).await;
-    assert!(dropped, "still connected after {sent} unread PINGs");
+    // A grant to that session: the session's end fails it with the end's reason.
+    let inbound = rx.grant(1, &[0], None, Some(9), None).unwrap();
+    let started = std::time::Instant::now();
+    // At most 1M PINGs (32 MB): a few MB of kernel buffers and the 4096 queued
+    // frames are far below that.
+    let flood = tokio::spawn(async move {
+        let outcome = flood_pings(&mut c, 1 << 20).await;
+        (outcome, c)
+    });
+    let ended = tokio::time::timeout(Duration::from_secs(5), inbound.wait()).await;
+    let err = ended
+        .expect("the session of a peer that never reads outlived 5 s of its PINGs")
+        .unwrap_err();
+    let took = started.elapsed();
+    assert_eq!(err.reason(), "limit_exceeded", "{err}");
+    assert!(err.to_string().contains("control frames queued"), "{err}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    eprintln!("the cap ended the session after {took:?}");
+    let ((sent, _), c) = bounded(flood).await.unwrap();
+    assert!(
+        sent < 1 << 20,
+        "the flood ran its whole course: {sent} PINGs"
+    );
+    drop(c);
     bounded(async {
         while !rx.peers().is_empty() {
             tokio::time::sleep(Duration::from_millis(10)).await;
