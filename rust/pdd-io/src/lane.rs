@@ -265,7 +265,7 @@ pub async fn connect(
         let closed = || Error::ConnectionLost {
             detail: format!("{addr} closed during HELLO"),
         };
-        let challenge = match read_frame_exact(&mut stream, local.max_payload)
+        let challenge = match read_frame_exact(&mut stream, opening_max(local))
             .await?
             .ok_or_else(closed)?
         {
@@ -284,7 +284,7 @@ pub async fn connect(
             }
         };
         write_frame(&mut stream, &Frame::Auth(answer), local.max_payload).await?;
-        let agreed = match read_frame_exact(&mut stream, local.max_payload)
+        let agreed = match read_frame_exact(&mut stream, opening_max(local))
             .await?
             .ok_or_else(closed)?
         {
@@ -365,7 +365,7 @@ pub async fn read_hello<S: AsyncRead + AsyncWrite + Unpin>(
     timeout: Duration,
 ) -> Result<Offered, Error> {
     let exchange = async {
-        let first = match read_frame_exact(stream, local.max_payload).await {
+        let first = match read_frame_exact(stream, opening_max(local)).await {
             Ok(Some(f)) => f,
             Ok(None) => {
                 return Err(Error::ConnectionLost {
@@ -427,13 +427,28 @@ pub async fn authenticate<S: AsyncRead + AsyncWrite + Unpin>(
         let nonce: AuthBytes = rand::random();
         let challenge = handshake::challenge(key, &offered.offer, nonce);
         write_frame(stream, &Frame::Auth(challenge), max).await?;
-        let answer = match read_frame_exact(stream, local.max_payload).await? {
-            Some(Frame::Auth(a)) => a,
-            Some(other) => return Err(unexpected(&other, "AUTH")),
-            None => {
+        // Whatever comes in place of the answer is refused with an ABORT saying why,
+        // as a bad HELLO is: a malformed frame, another kind. Only a peer that closed
+        // or aborted itself hears nothing more.
+        let answer = match read_frame_exact(stream, opening_max(local)).await {
+            Ok(Some(Frame::Auth(a))) => a,
+            Ok(Some(other)) => {
+                let err = unexpected(&other, "AUTH");
+                if !matches!(err, Error::PeerAborted { .. }) {
+                    abort_gracefully(stream, &err, max).await;
+                }
+                return Err(err);
+            }
+            Ok(None) => {
                 return Err(Error::ConnectionLost {
                     detail: "peer closed during AUTH".into(),
                 })
+            }
+            Err(err) => {
+                if !matches!(err, Error::ConnectionLost { .. }) {
+                    abort_gracefully(stream, &err, max).await;
+                }
+                return Err(err);
             }
         };
         if let Err(err) = handshake::verify_answer(key, &offered.offer, &nonce, &answer) {
@@ -477,6 +492,13 @@ pub async fn answer_hello<S: AsyncRead + AsyncWrite + Unpin>(
         }
     };
     within(timeout, "answering a connecting peer's HELLO", exchange).await
+}
+
+/// The bound on a frame's payload while a lane opens (HELLO, AUTH, an ABORT):
+/// `pdd_core::wire::handshake::MAX_OPENING_PAYLOAD`, or our own `max_payload` if
+/// that is smaller.
+fn opening_max(local: &LocalHello) -> u32 {
+    local.max_payload.min(handshake::MAX_OPENING_PAYLOAD)
 }
 
 /// Send the ABORT for `err` and close so that the peer reads it: the write side

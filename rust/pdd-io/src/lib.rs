@@ -1,7 +1,8 @@
 //! `pdd-io`: the bytes-and-timers half of `pdd_transport`.
 //!
 //! Protocol decisions live in `pdd-core` (sans-IO); this crate adapts them to tokio.
-//! [`lane`]: one TCP connection of a session (tuning, HELLO exchange, TCP_INFO);
+//! [`admission`]: which opening connections an acceptor holds (every acceptor's, one
+//! component); [`lane`]: one TCP connection of a session (tuning, HELLO exchange, TCP_INFO);
 //! [`pool`]: registered memory seen as pages; [`metrics`]: endpoint counters;
 //! [`codec`]: the framing adapter for small-frame connections; [`sealed`]: TLS data lanes whose
 //! KV is decrypted in the pages themselves; [`local`]: the local
@@ -9,6 +10,7 @@
 //! emulator (a delaying, shaping TCP proxy) the tests run the lanes through.
 
 pub mod activity;
+pub mod admission;
 pub mod codec;
 pub mod config;
 pub mod event_queue;

@@ -67,6 +67,10 @@ counters! {
     /// Connections refused before admission (version, authentication, role, no
     /// session to join).
     lanes_refused_total: "counter", "connections refused at HELLO or AUTH";
+    /// Opening connections (TLS, HELLO, AUTH not finished) closed unanswered to make
+    /// room for a newer one (`pdd_io::admission`): a flood of idle connections shows
+    /// here.
+    half_open_evicted_total: "counter", "opening connections closed to make room for newer ones";
     /// Protocol violations that ended a peer's session (a block or KV_DONE for a
     /// transfer that session was not granted included).
     violations_total: "counter", "sessions ended for a protocol or grant violation";
@@ -88,6 +92,9 @@ counters! {
     prefix_leases: "gauge", "prefix leases pinning a match";
     /// Sessions currently connected.
     sessions: "gauge", "sessions connected";
+    /// Connections still opening (TLS, HELLO, AUTH), at most
+    /// `pdd_io::admission::MAX_OPENING_CONNECTIONS`.
+    half_open: "gauge", "connections in their opening handshake";
     /// Transfers in progress.
     transfers_in_flight: "gauge", "transfers in progress";
     /// Receiver pool pages held by live grants, or by ended ones whose last blocks

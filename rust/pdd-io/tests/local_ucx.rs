@@ -19,6 +19,10 @@ use pdd_io::local::shared::SharedAllocation;
 use pdd_io::local::LocalStatus;
 use pdd_io::pool::{MemoryRegion, PagePool};
 
+#[path = "common/flood.rs"]
+mod flood;
+use flood::Flood;
+
 /// Tests that set environment variables (PDD_UCX_LIBRARY) run one at a time.
 static ENV: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
@@ -483,6 +487,11 @@ async fn a_missing_library_is_a_clear_error_naming_it() {
     assert!(e.to_string().contains("libucp-nonexistent.so.9"), "{e}");
 }
 
+/// `max_connections` bounds sessions and opening connections together. Places held
+/// by sessions are kept: with every place in session, a new connection is closed at
+/// once, unanswered. Places held by connections still opening are not: a new
+/// connection displaces the oldest of them (`pdd_io::admission`) instead of being
+/// kept out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_past_the_bound_are_closed_unanswered() {
     use tokio::io::AsyncReadExt;
@@ -497,36 +506,50 @@ async fn connections_past_the_bound_are_closed_unanswered() {
     cfg.max_connections = 2;
     cfg.hello_timeout = Duration::from_secs(30);
     let rx = LocalReceiver::start(pool(|_, _| 0), cfg).await.unwrap();
+    let mut byte = [0u8; 1];
     // Two silent peers (never a HELLO) hold the two places.
-    let mut held = Vec::new();
+    let mut silent = Vec::new();
     for _ in 0..2 {
-        held.push(
+        silent.push(
             tokio::net::TcpStream::connect(rx.local_addr())
                 .await
                 .unwrap(),
         );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    // A third is closed at once (EOF), not left to its HELLO bound.
+    // A third displaces the oldest of them, which is closed (EOF); the newer one
+    // and the third stay open.
     let mut third = tokio::net::TcpStream::connect(rx.local_addr())
         .await
         .unwrap();
-    let mut byte = [0u8; 1];
-    let n = tokio::time::timeout(Duration::from_secs(5), third.read(&mut byte))
+    let n = tokio::time::timeout(Duration::from_secs(5), silent[0].read(&mut byte))
         .await
-        .expect("the connection past the bound was left open")
+        .expect("the oldest opening connection was kept")
         .unwrap_or(0);
     assert_eq!(n, 0);
-    // The two within the bound are still open (nothing to read yet).
-    for s in &mut held {
+    for s in [&mut silent[1], &mut third] {
         assert!(
             tokio::time::timeout(Duration::from_millis(200), s.read(&mut byte))
                 .await
                 .is_err()
         );
     }
-    // Once one leaves, a new connection gets its place.
-    drop(held.pop());
+    drop(silent);
+    drop(third);
+    // Two sessions hold the two places: a third connection is closed at once.
+    let (_a, _) = raw_peer(&rx).await;
+    let (_b, _) = raw_peer(&rx).await;
+    let mut past = tokio::net::TcpStream::connect(rx.local_addr())
+        .await
+        .unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(5), past.read(&mut byte))
+        .await
+        .expect("the connection past the bound was left open")
+        .unwrap_or(0);
+    assert_eq!(n, 0);
+    assert_eq!(rx.peers().len(), 2);
+    // Once a session leaves, a new connection gets its place.
+    drop(_b);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut fourth = tokio::net::TcpStream::connect(rx.local_addr())
         .await
@@ -536,6 +559,128 @@ async fn connections_past_the_bound_are_closed_unanswered() {
             .await
             .is_err()
     );
+    rx.close().await;
+}
+
+/// A flood of connections that never finish their opening, from the sender's own
+/// address and four others, more than the receiver's `max_connections` and kept
+/// up: a sender still opens its session and completes a transfer promptly, and the
+/// receiver holds no more connections than its bound. (Before the shared
+/// admission, the flood held every place and each new connection was closed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_idle_connections_does_not_keep_a_sender_out() {
+    if !ucx_here() {
+        return;
+    }
+    let _env = ENV.lock().await;
+    const BOUND: u64 = 64;
+    let mut cfg = LocalReceiverConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        LocalHello::new(Role::RelayDecode, capability::KV_STREAM),
+    );
+    cfg.max_connections = BOUND;
+    cfg.hello_timeout = Duration::from_secs(30);
+    let rx = LocalReceiver::start(pool(|_, _| 0), cfg).await.unwrap();
+    let sources: Vec<std::net::Ipv4Addr> = (1..=5)
+        .map(|i| std::net::Ipv4Addr::new(127, 0, 0, i))
+        .collect();
+    let flood = Flood::start(rx.local_addr(), &sources, 16, Role::Prefill).await;
+    tokio::time::sleep(flood::REFRESH * 2).await;
+    let started = std::time::Instant::now();
+    let honest = async {
+        let tx = loop {
+            let mut c = LocalSenderConfig::new(
+                rx.local_addr(),
+                42,
+                LocalHello::new(Role::Prefill, capability::KV_STREAM),
+            );
+            c.connect_timeout = Duration::from_secs(2);
+            match LocalSender::connect(source(), c).await {
+                Ok(tx) => break tx,
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        };
+        let peer = rx.wait_peer().await;
+        let inbound = rx.grant(7, &DEST, Some(peer), None).await.unwrap();
+        let out = tx.wait_grant(7).await.unwrap();
+        for layer in 0..LAYERS {
+            out.send_layer(layer, layer, &SRC).await.unwrap();
+        }
+        out.finish().await.unwrap();
+        inbound.wait().await.unwrap();
+        tx
+    };
+    let tx = tokio::time::timeout(Duration::from_secs(5), honest)
+        .await
+        .expect("no session and transfer for a sender during the flood");
+    eprintln!(
+        "session and transfer in {:?} during a flood that opened {} connections",
+        started.elapsed(),
+        flood.opened()
+    );
+    let (held, sockets) = flood
+        .settle(Duration::from_millis(500), rx.local_addr())
+        .await;
+    assert!(held < BOUND as usize, "{held} flood connections held");
+    assert!(
+        sockets <= BOUND as usize,
+        "the receiver holds {sockets} sockets"
+    );
+    let evicted = rx
+        .metrics()
+        .half_open_evicted_total
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(evicted > 0);
+    tx.close().await;
+    rx.close().await;
+    flood.stop().await;
+}
+
+/// The local path's receiver runs the same check of the connector's proof: a
+/// forging sender's made-up proof is refused with ABORT `auth_failed` within 2 s
+/// and gets no session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_sender_proof_is_refused() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    if !ucx_here() {
+        return;
+    }
+    let _env = ENV.lock().await;
+    let mut hello = LocalHello::new(Role::RelayDecode, capability::KV_STREAM);
+    hello.secret = Some(bytes::Bytes::from_static(b"s3cret"));
+    let cfg = LocalReceiverConfig::new("127.0.0.1:0".parse().unwrap(), hello);
+    let rx = LocalReceiver::start(pool(|_, _| 0), cfg).await.unwrap();
+    let offer = LocalHello::new(Role::Prefill, capability::KV_STREAM | capability::LOCAL_UCX)
+        .offer(9, 0, [7; 32], false);
+    let mut s = tokio::net::TcpStream::connect(rx.local_addr())
+        .await
+        .unwrap();
+    let hello_bytes = pdd_core::wire::encode_frame_to_vec(&Frame::Hello(offer), 1 << 20).unwrap();
+    s.write_all(&hello_bytes).await.unwrap();
+    let Ok(Some(Frame::Auth(_))) = lane::read_frame_exact(&mut s, 1 << 20).await else {
+        panic!("expected the receiver's AUTH")
+    };
+    let forged = Frame::Auth(pdd_core::wire::Auth {
+        nonce: [7; 32],
+        proof: [0x5A; 32],
+    });
+    let started = std::time::Instant::now();
+    s.write_all(&pdd_core::wire::encode_frame_to_vec(&forged, 1 << 20).unwrap())
+        .await
+        .unwrap();
+    let quick = Duration::from_secs(2);
+    match tokio::time::timeout(quick, lane::read_frame_exact(&mut s, 1 << 20)).await {
+        Ok(Ok(Some(Frame::Abort(a)))) => assert_eq!(a.reason.name(), "auth_failed"),
+        other => panic!("expected ABORT auth_failed, got {other:?}"),
+    }
+    let mut rest = Vec::new();
+    tokio::time::timeout(quick, s.read_to_end(&mut rest))
+        .await
+        .expect("not closed after the ABORT")
+        .unwrap();
+    assert!(started.elapsed() < quick);
+    assert!(rx.peers().is_empty());
+    rx.close().await;
 }
 
 /// A key the sender maps is used only inside the mapping its unpack attached: a

@@ -11,13 +11,18 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use pdd_core::wire::handshake::LocalHello;
-use pdd_core::wire::{capability, Frame, KvDone, KvPages, Role};
+use pdd_core::wire::{capability, Auth, Frame, Hello, KvDone, KvPages, Role, HEADER_LEN};
 use pdd_core::Error;
 use pdd_io::lane::{self, LaneKey, LaneStream, SocketTuning};
 use pdd_io::pool::{MemoryRegion, PagePool};
 use pdd_io::receiver::{KvReceiver, ReceiverConfig};
 use pdd_io::sender::{KvSender, SenderConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+#[path = "common/flood.rs"]
+mod flood;
+use flood::Flood;
 
 const LAYERS: u16 = 2;
 const PAGES: u32 = 8;
@@ -299,26 +304,63 @@ async fn flood_pings(stream: &mut LaneStream, max: usize) -> (usize, bool) {
     (sent, false)
 }
 
-/// A peer that sends PINGs and never reads its PONGs is dropped once the bound on
-/// unwritten control frames is hit; the receiver's memory does not follow it, and
-/// close() still meets its bound.
+/// A peer that sends PINGs and never reads its PONGs is dropped by the bound on
+/// unwritten control frames, with that bound's reason, long before any dead-peer
+/// bound could end it (here two minutes: the peer never goes silent anyway); the
+/// receiver's memory does not follow it, and close() still meets its bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_peer_that_never_reads_its_replies_is_dropped() {
-    let rx = receiver(None).await;
-    let h = hello(Role::Prefill, None);
-    let t = SocketTuning {
+async fn a_peer_that_never_reads_its_replies_is_dropped_by_the_cap() {
+    let mut cfg = ReceiverConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        hello(Role::MainDecode, None),
+    );
+    cfg.dead_after = Duration::from_secs(120);
+    // Small kernel buffers: a few thousand PONGs fill them, then the queue fills.
+    let small = SocketTuning {
         buffer_bytes: Some(64 << 10),
         ..SocketTuning::default()
     };
-    let mut c = lane::connect(rx.local_addr(), &h, 9, 0, &LaneKey::Root, &t, None, BOUND)
-        .await
-        .unwrap()
-        .stream;
+    cfg.tuning = small.clone();
+    let rx = KvReceiver::start(pool(0), cfg).await.unwrap();
+    let h = hello(Role::Prefill, None);
+    let mut c = lane::connect(
+        rx.local_addr(),
+        &h,
+        9,
+        0,
+        &LaneKey::Root,
+        &small,
+        None,
+        BOUND,
+    )
+    .await
+    .unwrap()
+    .stream;
     bounded(rx.wait_peer(Some(9))).await;
-    // Kernel buffers take a few MB of PONGs before our queue holds any: 4M PINGs
-    // (128 MB) is far past both.
-    let (sent, dropped) = bounded(flood_pings(&mut c, 4 << 20)).await;
-    assert!(dropped, "still connected after {sent} unread PINGs");
+    // A grant to that session: the session's end fails it with the end's reason.
+    let inbound = rx.grant(1, &[0], None, Some(9), None).unwrap();
+    let started = std::time::Instant::now();
+    // At most 1M PINGs (32 MB): a few MB of kernel buffers and the 4096 queued
+    // frames are far below that.
+    let flood = tokio::spawn(async move {
+        let outcome = flood_pings(&mut c, 1 << 20).await;
+        (outcome, c)
+    });
+    let ended = tokio::time::timeout(Duration::from_secs(5), inbound.wait()).await;
+    let err = ended
+        .expect("the session of a peer that never reads outlived 5 s of its PINGs")
+        .unwrap_err();
+    let took = started.elapsed();
+    assert_eq!(err.reason(), "limit_exceeded", "{err}");
+    assert!(err.to_string().contains("control frames queued"), "{err}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    eprintln!("the cap ended the session after {took:?}");
+    let ((sent, _), c) = bounded(flood).await.unwrap();
+    assert!(
+        sent < 1 << 20,
+        "the flood ran its whole course: {sent} PINGs"
+    );
+    drop(c);
     bounded(async {
         while !rx.peers().is_empty() {
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -840,45 +882,535 @@ async fn data_lanes_per_session_are_bounded() {
     .await;
 }
 
-/// Connections that never finish HELLO are bounded in number and in time: past the
-/// bound new ones are closed unanswered, and once the stragglers time out a real
-/// sender gets in.
+/// Sources of the connection floods: the honest peers' own address (127.0.0.1) and
+/// four others.
+fn flood_sources() -> Vec<std::net::Ipv4Addr> {
+    (1..=5)
+        .map(|i| std::net::Ipv4Addr::new(127, 0, 0, i))
+        .collect()
+}
+
+/// How long an honest peer may take to get in and be served during a flood.
+const HONEST_BOUND: Duration = Duration::from_secs(5);
+
+/// A flood of connections that never finish their opening (idle, stopped inside a
+/// HELLO header, or a HELLO and no answer to the AUTH challenge), from the honest
+/// sender's own address and four others, more than the receiver holds opening at
+/// once and kept up (what the receiver closes is reopened): an honest sender with
+/// the secret still opens its session and completes a transfer promptly, and the
+/// receiver holds no more opening connections than its bound, in its bookkeeping
+/// and in sockets. (Before the shared admission, the 257th connection was closed
+/// unanswered, so such a flood kept every new sender out.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn half_open_handshakes_are_bounded() {
-    use pdd_io::receiver::MAX_OPENING_CONNECTIONS;
+async fn a_flood_of_idle_connections_does_not_keep_a_sender_out() {
+    use pdd_io::admission::{MAX_OPENING_CONNECTIONS, MAX_OPENING_PER_SOURCE};
+    let secret = Some(&b"deployment secret"[..]);
     let mut cfg = ReceiverConfig::new(
         "127.0.0.1:0".parse().unwrap(),
-        hello(Role::MainDecode, None),
+        hello(Role::MainDecode, secret),
     );
-    cfg.hello_timeout = Duration::from_millis(800);
+    // No flood connection ends by its own timeout during the test.
+    cfg.hello_timeout = Duration::from_secs(30);
     let rx = KvReceiver::start(pool(0), cfg).await.unwrap();
-    let mut idle = Vec::new();
-    for _ in 0..MAX_OPENING_CONNECTIONS + 20 {
-        idle.push(
-            tokio::net::TcpStream::connect(rx.local_addr())
-                .await
-                .unwrap(),
-        );
-    }
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    let refused = rx
-        .metrics()
-        .lanes_refused_total
-        .load(std::sync::atomic::Ordering::Relaxed);
-    assert!(refused >= 20, "refused {refused}");
-    // After the HELLO timeout the slots are free again.
-    let tx = bounded(async {
-        loop {
-            let cfg = SenderConfig::new(rx.local_addr(), 1, hello(Role::Prefill, None));
-            match KvSender::connect(pool(1), cfg).await {
-                Ok(tx) => return tx,
-                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+    let sources = flood_sources();
+    assert!(sources.len() * MAX_OPENING_PER_SOURCE > MAX_OPENING_CONNECTIONS);
+    let flood = Flood::start(
+        rx.local_addr(),
+        &sources,
+        MAX_OPENING_PER_SOURCE,
+        Role::Prefill,
+    )
+    .await;
+    tokio::time::sleep(flood::REFRESH * 2).await;
+    let started = std::time::Instant::now();
+    let honest = async {
+        let tx = loop {
+            let mut c = SenderConfig::new(rx.local_addr(), 7, hello(Role::Prefill, secret));
+            c.lanes = 2;
+            c.connect_timeout = Duration::from_secs(2);
+            match KvSender::connect(pool(0xAA), c).await {
+                Ok(tx) => break tx,
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
             }
+        };
+        rx.wait_peer(Some(7)).await;
+        let inbound = rx.grant(1, &[1, 2], None, Some(7), None).unwrap();
+        let out = tx.wait_grant(1).await.unwrap();
+        for layer in 0..LAYERS {
+            out.send_layer(layer, layer, &[3, 4]).await.unwrap();
+        }
+        out.finish().await.unwrap();
+        inbound.wait().await.unwrap();
+        tx
+    };
+    let tx = tokio::time::timeout(HONEST_BOUND, honest)
+        .await
+        .expect("no session and transfer for an honest sender during the flood");
+    eprintln!(
+        "session and transfer in {:?} during a flood that opened {} connections",
+        started.elapsed(),
+        flood.opened()
+    );
+    assert!(rx
+        .pool()
+        .copy_page(1, 2)
+        .unwrap()
+        .iter()
+        .all(|&b| b == 0xAA));
+    // Bounded: with the flood's reopening held and the receiver settled, it holds
+    // at most its bound of flood connections, and so many sockets (besides the
+    // sender's three lanes).
+    let (held, sockets) = flood
+        .settle(Duration::from_millis(500), rx.local_addr())
+        .await;
+    assert!(
+        held <= MAX_OPENING_CONNECTIONS,
+        "{held} flood connections held"
+    );
+    assert!(
+        sockets <= MAX_OPENING_CONNECTIONS + 3,
+        "the receiver holds {sockets} sockets"
+    );
+    let m = rx.metrics();
+    let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(get(&m.half_open) as usize <= MAX_OPENING_CONNECTIONS);
+    assert!(get(&m.half_open_evicted_total) > 0);
+    assert_eq!(rx.peers().len(), 1);
+    drop(tx);
+    flood.stop().await;
+}
+
+/// The same on MD's handoff link: RLD (with the secret) connects and the link
+/// carries a round trip during the flood, and MD holds no more opening connections
+/// than its bound (it once held every one, each for `connect_timeout`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_idle_connections_does_not_keep_rld_out() {
+    use pdd_io::admission::{MAX_OPENING_CONNECTIONS, MAX_OPENING_PER_SOURCE};
+    use pdd_io::handoff_link::{LinkConfig, MainLink, RelayLink};
+    let rt = tokio::runtime::Handle::current();
+    let secret = Bytes::from_static(b"deployment secret");
+    let md_cfg = LinkConfig {
+        secret: Some(secret.clone()),
+        connect_timeout: Duration::from_secs(30),
+        ..LinkConfig::default()
+    };
+    let md = MainLink::listen(&rt, "127.0.0.1:0".parse().unwrap(), md_cfg).unwrap();
+    let md_addr = md.local_addr().unwrap();
+    let flood = Flood::start(
+        md_addr,
+        &flood_sources(),
+        MAX_OPENING_PER_SOURCE,
+        Role::RelayDecode,
+    )
+    .await;
+    tokio::time::sleep(flood::REFRESH * 2).await;
+    let started = std::time::Instant::now();
+    let rld_cfg = LinkConfig {
+        secret: Some(secret),
+        connect_timeout: Duration::from_secs(2),
+        ..LinkConfig::default()
+    };
+    let rld = RelayLink::connect(&rt, md_addr, rld_cfg).unwrap();
+    rld.wait_connected(HONEST_BOUND)
+        .await
+        .expect("RLD kept out of MD by the flood");
+    let rtt = rld.ping(HONEST_BOUND).await.unwrap();
+    eprintln!(
+        "RLD connected and pinged in {:?} (rtt {rtt:?})",
+        started.elapsed()
+    );
+    assert!(started.elapsed() < HONEST_BOUND);
+    let (held, sockets) = flood.settle(Duration::from_millis(500), md_addr).await;
+    assert!(
+        held <= MAX_OPENING_CONNECTIONS,
+        "{held} flood connections held"
+    );
+    assert!(
+        sockets <= MAX_OPENING_CONNECTIONS + 1,
+        "MD holds {sockets} sockets"
+    );
+    let stats = md.stats();
+    assert!(stats.half_open as usize <= MAX_OPENING_CONNECTIONS);
+    assert!(stats.half_open_evicted > 0);
+    assert!(md.is_connected());
+    rld.close();
+    md.close();
+    flood.stop().await;
+}
+
+/// The whole opening exchange a connector sends, up to the acceptor's AUTH.
+async fn raw_hello(addr: std::net::SocketAddr, offer: &Hello) -> (TcpStream, Auth) {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let bytes = pdd_core::wire::encode_frame_to_vec(&Frame::Hello(offer.clone()), 1 << 20).unwrap();
+    s.write_all(&bytes).await.unwrap();
+    match bounded(lane::read_frame_exact(&mut s, 1 << 20)).await {
+        Ok(Some(Frame::Auth(a))) => (s, a),
+        other => panic!("expected the acceptor's AUTH, got {other:?}"),
+    }
+}
+
+/// How long a refusal may take.
+const QUICK: Duration = Duration::from_secs(2);
+
+/// Send `bytes` where the connector's AUTH belongs; the acceptor must answer with
+/// an ABORT within [`QUICK`], then close. Returns the ABORT's reason.
+async fn refusal_of(s: &mut TcpStream, bytes: &[u8]) -> &'static str {
+    let started = std::time::Instant::now();
+    s.write_all(bytes).await.unwrap();
+    let first = tokio::time::timeout(QUICK, lane::read_frame_exact(s, 1 << 20))
+        .await
+        .expect("neither an answer nor a close within 2 s");
+    let reason = match first {
+        Ok(Some(Frame::Abort(a))) => a.reason.name(),
+        other => panic!("expected an ABORT saying why, got {other:?}"),
+    };
+    let mut rest = Vec::new();
+    tokio::time::timeout(QUICK, s.read_to_end(&mut rest))
+        .await
+        .expect("not closed after the ABORT")
+        .unwrap();
+    assert!(rest.is_empty(), "{} bytes after the ABORT", rest.len());
+    assert!(started.elapsed() < QUICK, "{:?}", started.elapsed());
+    reason
+}
+
+fn auth_bytes(a: &Auth) -> Vec<u8> {
+    pdd_core::wire::encode_frame_to_vec(&Frame::Auth(a.clone()), 1 << 20).unwrap()
+}
+
+/// A frame that is not an AUTH where the connector's AUTH belongs (malformed: a
+/// bad magic, a bad CRC, a kind nobody knows, another kind) is answered with an
+/// ABORT naming what was wrong, then the close, as a bad HELLO is; never a bare
+/// close. No session results.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_frame_in_place_of_auth_gets_an_abort() {
+    let rx = receiver(Some(b"s3cret")).await;
+    let h = hello(Role::Prefill, Some(b"s3cret"));
+    let answer = auth_bytes(&Auth {
+        nonce: [1; 32],
+        proof: [2; 32],
+    });
+    let mut bad_magic = answer.clone();
+    bad_magic[0] = b'X';
+    let mut bad_crc = answer.clone();
+    bad_crc[HEADER_LEN + 5] ^= 0x40;
+    let mut unknown_kind = answer.clone();
+    unknown_kind[3] = 0x7F;
+    let ping = pdd_core::wire::encode_frame_to_vec(
+        &Frame::Ping(pdd_core::wire::Ping {
+            nonce: 1,
+            sent_at_ns: 2,
+        }),
+        1 << 20,
+    )
+    .unwrap();
+    for (n, (bytes, want)) in [
+        (bad_magic, "protocol_error"),
+        (bad_crc, "checksum_mismatch"),
+        (unknown_kind, "unknown_kind"),
+        (ping, "protocol_error"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let offer = h.offer(40 + n as u64, 0, rand::random(), false);
+        let (mut s, _) = raw_hello(rx.local_addr(), &offer).await;
+        assert_eq!(refusal_of(&mut s, &bytes).await, want, "case {n}");
+    }
+    assert!(rx.peers().is_empty());
+}
+
+/// A frame announced larger than any frame of the opening (HELLO, AUTH, ABORT) is
+/// refused from its header, before its payload is waited for or buffered: a
+/// connection that has proved nothing cannot make the acceptor hold `max_payload`
+/// bytes (16 MiB by default) by sending 16 and stalling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_frame_announced_in_the_opening_is_refused_from_its_header() {
+    let rx = receiver(Some(b"s3cret")).await;
+    let h = hello(Role::Prefill, Some(b"s3cret"));
+    let announce = |kind: u8| {
+        let mut head = [0u8; HEADER_LEN];
+        head[..4].copy_from_slice(&[b'P', b'D', 1, kind]);
+        head[8..12].copy_from_slice(&(8u32 << 20).to_le_bytes());
+        head
+    };
+    // In place of HELLO.
+    let mut s = TcpStream::connect(rx.local_addr()).await.unwrap();
+    assert_eq!(refusal_of(&mut s, &announce(0x01)).await, "frame_too_large");
+    // In place of AUTH.
+    let (mut s, _) = raw_hello(rx.local_addr(), &h.offer(50, 0, rand::random(), false)).await;
+    assert_eq!(refusal_of(&mut s, &announce(0x0E)).await, "frame_too_large");
+    assert!(rx.peers().is_empty());
+}
+
+/// Forging connectors, one per way to fake the connector's proof, against a
+/// receiver with a secret: each speaks HELLO correctly, gets the receiver's AUTH,
+/// and answers with a proof that must not pass. Each is refused with ABORT
+/// `auth_failed` within 2 s and gets no session; a live session it aimed at goes on
+/// untouched. (Every client with a wrong secret in the other tests gives up before
+/// answering, so none of them would notice the receiver skipping this check.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_connector_proofs_are_refused() {
+    use pdd_core::wire::handshake::{answer_challenge, challenge};
+    const SECRET: &[u8] = b"s3cret";
+    let rx = receiver(Some(SECRET)).await;
+    let addr = rx.local_addr();
+    let h = hello(Role::Prefill, Some(SECRET));
+    let refused = || {
+        rx.metrics()
+            .lanes_refused_total
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let mut expect_refused = 0;
+    let mut check = |what: &str, reason: &str| {
+        expect_refused += 1;
+        assert_eq!(reason, "auth_failed", "{what}");
+        assert!(rx.peers().is_empty(), "{what}: a session was opened");
+    };
+
+    // 1. No secret: a made-up proof.
+    let offer = h.offer(60, 0, rand::random(), false);
+    let (mut s, _) = raw_hello(addr, &offer).await;
+    let forged = Auth {
+        nonce: offer.auth[..].try_into().unwrap(),
+        proof: rand::random(),
+    };
+    check(
+        "made-up proof",
+        refusal_of(&mut s, &auth_bytes(&forged)).await,
+    );
+
+    // 2. Reflection: the receiver's own proof sent back as ours.
+    let offer = h.offer(61, 0, rand::random(), false);
+    let (mut s, theirs) = raw_hello(addr, &offer).await;
+    let reflected = Auth {
+        nonce: offer.auth[..].try_into().unwrap(),
+        proof: theirs.proof,
+    };
+    check(
+        "reflected proof",
+        refusal_of(&mut s, &auth_bytes(&reflected)).await,
+    );
+
+    // 3. Replay: an honest exchange recorded on the wire (HELLO and answer), played
+    // again once that session ended; the receiver's fresh nonce makes it stale.
+    let offer = h.offer(62, 0, rand::random(), false);
+    let (mut s, ch) = raw_hello(addr, &offer).await;
+    let recorded = answer_challenge(SECRET, &offer, &ch).unwrap();
+    s.write_all(&auth_bytes(&recorded)).await.unwrap();
+    match bounded(lane::read_frame_exact(&mut s, 1 << 20)).await {
+        Ok(Some(Frame::Hello(_))) => {}
+        other => panic!("the honest exchange was not admitted: {other:?}"),
+    }
+    bounded(rx.wait_peer(Some(62))).await;
+    drop(s);
+    bounded(async {
+        while !rx.peers().is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     })
     .await;
-    bounded(rx.wait_peer(Some(tx.session_id()))).await;
-    drop(idle);
+    let (mut s, _) = raw_hello(addr, &offer).await;
+    check(
+        "replayed answer",
+        refusal_of(&mut s, &auth_bytes(&recorded)).await,
+    );
+
+    // 4. A proof made with the secret, but for another HELLO than the one sent (a
+    // man in the middle that changed the HELLO, here its capabilities).
+    let offer = h.offer(63, 0, rand::random(), false);
+    let mut altered = offer.clone();
+    altered.capabilities = 0;
+    let (mut s, ch) = raw_hello(addr, &altered).await;
+    let for_original = challenge(SECRET, &offer, ch.nonce);
+    let lifted = answer_challenge(SECRET, &offer, &for_original).unwrap();
+    check(
+        "proof over another HELLO",
+        refusal_of(&mut s, &auth_bytes(&lifted)).await,
+    );
+
+    // 5. A right proof whose nonce is not the HELLO's.
+    let offer = h.offer(64, 0, rand::random(), false);
+    let (mut s, ch) = raw_hello(addr, &offer).await;
+    let mut wrong_nonce = answer_challenge(SECRET, &offer, &ch).unwrap();
+    wrong_nonce.nonce[0] ^= 1;
+    check(
+        "nonce not the HELLO's",
+        refusal_of(&mut s, &auth_bytes(&wrong_nonce)).await,
+    );
+    assert_eq!(refused(), expect_refused, "each counted as refused");
+
+    // 6 and 7. A holder of the root secret (any peer of the deployment) resuming a
+    // live session it did not open, as a data lane or as its control lane: it
+    // cannot check the receiver's proof (session secret) and answers with a proof
+    // of the root secret.
+    let victim = sender(&rx, 5, Some(SECRET)).await;
+    bounded(rx.wait_peer(Some(5))).await;
+    for lane_no in [1u16, 0] {
+        let offer = h.offer(5, lane_no, rand::random(), true);
+        let (mut s, ch) = raw_hello(addr, &offer).await;
+        let as_root = challenge(SECRET, &offer, ch.nonce);
+        let root_proof = answer_challenge(SECRET, &offer, &as_root).unwrap();
+        let reason = refusal_of(&mut s, &auth_bytes(&root_proof)).await;
+        assert_eq!(reason, "auth_failed", "lane {lane_no}");
+    }
+    assert_eq!(rx.peers().len(), 1);
+    let inbound = rx.grant(1, &[6], None, Some(5), None).unwrap();
+    let out = bounded(victim.wait_grant(1)).await.unwrap();
+    for layer in 0..LAYERS {
+        out.send_layer(layer, layer, &[0]).await.unwrap();
+    }
+    out.finish().await.unwrap();
+    bounded(inbound.wait()).await.unwrap();
+}
+
+/// A forging acceptor: accepts one connection, reads the connector's HELLO,
+/// answers with `forge(offer)` as its AUTH, and returns every frame the connector
+/// sends after that, until it closes (bounded).
+async fn forging_acceptor(
+    forge: impl FnOnce(Hello) -> std::pin::Pin<Box<dyn std::future::Future<Output = Auth> + Send>>
+        + Send
+        + 'static,
+) -> (std::net::SocketAddr, tokio::task::JoinHandle<Vec<Frame>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let offer = match lane::read_frame_exact(&mut s, 1 << 20).await {
+            Ok(Some(Frame::Hello(h))) => h,
+            other => panic!("expected HELLO, got {other:?}"),
+        };
+        let forged = forge(offer).await;
+        s.write_all(&auth_bytes(&forged)).await.unwrap();
+        let mut after = Vec::new();
+        let deadline = tokio::time::Instant::now() + QUICK;
+        while let Ok(Ok(Some(f))) =
+            tokio::time::timeout_at(deadline, lane::read_frame_exact(&mut s, 1 << 20)).await
+        {
+            // A connector that answers with its own proof has lost: stop there.
+            let proved = matches!(f, Frame::Auth(_));
+            after.push(f);
+            if proved {
+                break;
+            }
+        }
+        after
+    });
+    (addr, task)
+}
+
+/// What a connector must send after a forged acceptor proof: only the ABORT that
+/// says `auth_failed`, never its own proof.
+fn assert_only_refused(after: &[Frame]) {
+    match after {
+        [Frame::Abort(a)] => assert_eq!(a.reason.name(), "auth_failed"),
+        other => panic!("expected only ABORT auth_failed, got {other:?}"),
+    }
+}
+
+/// Forging acceptors, one per way to fake the acceptor's proof: a sender with the
+/// secret refuses each with `auth_failed` within 2 s, tells it so (ABORT), never
+/// sends its own proof, and has no session (nothing is granted to it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_acceptor_proofs_are_refused() {
+    use pdd_core::wire::handshake::challenge;
+    const SECRET: &[u8] = b"s3cret";
+    let connect = |addr: std::net::SocketAddr| async move {
+        let mut cfg = SenderConfig::new(addr, 3, hello(Role::Prefill, Some(SECRET)));
+        cfg.connect_timeout = Duration::from_secs(5);
+        let started = std::time::Instant::now();
+        let err = KvSender::connect(pool(1), cfg)
+            .await
+            .err()
+            .expect("a sender talked to an impostor");
+        assert_eq!(err.reason(), "auth_failed", "{err:?}");
+        assert!(err.to_string().contains("accepting peer"), "{err}");
+        assert!(started.elapsed() < QUICK, "{:?}", started.elapsed());
+    };
+
+    // 1. No secret: a made-up proof.
+    let (addr, seen) = forging_acceptor(|_| {
+        Box::pin(async {
+            Auth {
+                nonce: rand::random(),
+                proof: rand::random(),
+            }
+        })
+    })
+    .await;
+    connect(addr).await;
+    assert_only_refused(&bounded(seen).await.unwrap());
+
+    // 2. Replay: the real receiver's AUTH from an earlier exchange (recorded on the
+    // wire), played to a new connection, whose nonce differs.
+    let real = receiver(Some(SECRET)).await;
+    let earlier = hello(Role::Prefill, Some(SECRET)).offer(3, 0, rand::random(), false);
+    let (_s, recorded) = raw_hello(real.local_addr(), &earlier).await;
+    let (addr, seen) = forging_acceptor(move |_| Box::pin(async move { recorded })).await;
+    connect(addr).await;
+    assert_only_refused(&bounded(seen).await.unwrap());
+
+    // 3. A man in the middle that relays to the real receiver but changes the
+    // HELLO on the way (strips its capabilities): the receiver's proof covers the
+    // HELLO it got, not the one the sender sent.
+    let real_addr = real.local_addr();
+    let (addr, seen) = forging_acceptor(move |offer| {
+        Box::pin(async move {
+            let mut altered = offer;
+            altered.capabilities = 0;
+            raw_hello(real_addr, &altered).await.1
+        })
+    })
+    .await;
+    connect(addr).await;
+    assert_only_refused(&bounded(seen).await.unwrap());
+    assert!(real.peers().is_empty());
+
+    // 4. A holder of the root secret (any node of the deployment) posing as the
+    // acceptor of a session's data lane: it proves the root secret, not the
+    // session's.
+    let (addr, seen) = forging_acceptor(|offer| {
+        Box::pin(async move { challenge(SECRET, &offer, rand::random()) })
+    })
+    .await;
+    let h = hello(Role::Prefill, Some(SECRET));
+    let started = std::time::Instant::now();
+    let key = LaneKey::Session(rand::random());
+    let t = SocketTuning::default();
+    let err = lane::connect(addr, &h, 3, 1, &key, &t, None, BOUND)
+        .await
+        .unwrap_err();
+    assert_eq!(err.reason(), "auth_failed", "{err:?}");
+    assert!(started.elapsed() < QUICK);
+    assert_only_refused(&bounded(seen).await.unwrap());
+}
+
+/// The other acceptors run the same check: MD's handoff link refuses a forging
+/// RLD's made-up proof with `auth_failed` and stays unconnected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn md_refuses_a_forged_rld_proof() {
+    use pdd_io::handoff_link::{LinkConfig, MainLink};
+    let rt = tokio::runtime::Handle::current();
+    let cfg = LinkConfig {
+        secret: Some(Bytes::from_static(b"s3cret")),
+        ..LinkConfig::default()
+    };
+    let md = MainLink::listen(&rt, "127.0.0.1:0".parse().unwrap(), cfg).unwrap();
+    let mut h = LocalHello::new(Role::RelayDecode, capability::HANDOFF);
+    h.accepted_roles = vec![Role::MainDecode];
+    let offer = h.offer(8, 0, rand::random(), false);
+    let (mut s, _) = raw_hello(md.local_addr().unwrap(), &offer).await;
+    let forged = Auth {
+        nonce: offer.auth[..].try_into().unwrap(),
+        proof: rand::random(),
+    };
+    assert_eq!(
+        refusal_of(&mut s, &auth_bytes(&forged)).await,
+        "auth_failed"
+    );
+    assert!(!md.is_connected());
+    assert_eq!(md.stats().connects, 0);
+    md.close();
 }
 
 mod tls {

@@ -40,6 +40,26 @@ pub const PROTOCOL_MIN_VERSION: u16 = 2;
 /// Highest protocol version this build speaks.
 pub const PROTOCOL_MAX_VERSION: u16 = 2;
 
+/// The largest payload a frame of the opening can have: HELLO (with the longest
+/// `auth`), AUTH, or the ABORT that refuses (with the longest message). Both sides
+/// read the opening's frames with this bound, whatever their `max_payload`: a peer
+/// that has proved nothing yet and announces a larger frame is refused
+/// (`frame_too_large`) before a byte of it is buffered, so a connection that sends a
+/// 16-byte header and then stalls holds about a kilobyte, not `max_payload`.
+pub const MAX_OPENING_PAYLOAD: u32 = {
+    let hello = 29 + super::MAX_HELLO_AUTH_LEN;
+    let auth = 2 * AUTH_LEN;
+    let abort = 12 + super::MAX_ABORT_MESSAGE_LEN;
+    let mut max = hello;
+    if auth > max {
+        max = auth;
+    }
+    if abort > max {
+        max = abort;
+    }
+    max as u32
+};
+
 /// A random nonce, or a proof, or a session secret: 32 bytes.
 pub type AuthBytes = [u8; AUTH_LEN];
 
@@ -468,6 +488,30 @@ mod tests {
         let mut agreed = negotiate(&a, &offer).unwrap();
         agreed.session_id = 8;
         assert!(check_reply(&c, &offer, &a.reply(&agreed)).is_err());
+    }
+
+    #[test]
+    fn the_opening_bound_fits_the_largest_opening_frames() {
+        use crate::wire::{decode_frame, Abort, AbortReason, HEADER_LEN, MAX_ABORT_MESSAGE_LEN};
+        let mut offer = md().offer(1, 0, [0; AUTH_LEN], false);
+        offer.auth = Bytes::from(vec![1; crate::wire::MAX_HELLO_AUTH_LEN]);
+        let abort = Abort {
+            request_id: 0,
+            reason: AbortReason::AuthFailed,
+            message: "x".repeat(MAX_ABORT_MESSAGE_LEN),
+        };
+        let frames = [
+            Frame::Auth(challenge(b"k", &offer, [2; AUTH_LEN])),
+            Frame::Hello(offer),
+            Frame::Abort(abort),
+        ];
+        let mut largest = 0;
+        for f in frames {
+            let bytes = encode_frame_to_vec(&f, u32::MAX).unwrap();
+            largest = largest.max(bytes.len() - HEADER_LEN);
+            assert!(decode_frame(&bytes, MAX_OPENING_PAYLOAD).unwrap().is_some());
+        }
+        assert_eq!(largest, MAX_OPENING_PAYLOAD as usize);
     }
 
     #[test]

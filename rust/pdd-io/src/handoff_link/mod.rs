@@ -537,14 +537,20 @@ impl HandoffLink<MainSide> {
         let shared = Arc::clone(&link.shared);
         runtime.spawn(async move {
             let local = hello(Role::MainDecode, Role::RelayDecode, &shared.config);
+            // Opening connections are bounded as on every acceptor: a flood of idle
+            // ones displaces its own oldest, never keeps RLD out.
+            let admission = crate::admission::Admission::new(shared.counters.opening.clone());
             loop {
                 let accepted = tokio::select! {
                     _ = shared.shutdown.cancelled() => break,
                     a = listener.accept() => a,
                 };
-                let Ok((tcp, _peer)) = accepted else {
+                let Ok((tcp, peer)) = accepted else {
                     // EMFILE and friends: back off a little rather than spin.
                     tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                };
+                let Some(slot) = admission.admit(peer, usize::MAX) else {
                     continue;
                 };
                 lane::tune(&tcp, &shared.config.tuning, true);
@@ -554,48 +560,53 @@ impl HandoffLink<MainSide> {
                     // A peer without the capability hears why (an ABORT in place of
                     // our HELLO) instead of a HELLO and then a close.
                     let timeout = shared.config.connect_timeout;
-                    let agreed = async {
-                        let (mut stream, identity) = match &shared.config.tls {
-                            Some(tls) => {
-                                let (s, id) = tokio::time::timeout(timeout, tls.accept(tcp))
-                                    .await
-                                    .map_err(|_| Error::DeadlineExceeded {
-                                        what: "TLS handshake of a connecting RLD".into(),
-                                    })??;
-                                (s, Some(id.fingerprint))
-                            }
-                            None => (lane::LaneStream::Plain(tcp), None),
-                        };
-                        let offered = lane::read_hello(&mut stream, &local, timeout).await?;
-                        let a = offered.agreed.clone();
-                        // The sessions MD knows decide (pdd_core's SessionBook): a known
-                        // session resumes by proving its own secret, even while another
-                        // peer is connected (it owns handoffs that only it may finish);
-                        // a new one opens only while nobody is connected, so nobody can
-                        // push the connected RLD aside.
-                        let admission = {
-                            let c = lock(&shared.conn);
-                            c.book
-                                .admit(a.session_id, a.resume, identity, c.stream.is_some())
-                        };
-                        let key: Result<&[u8], Error> = match &admission {
-                            Ok(Admission::Resume { secret, .. }) => Ok(secret),
-                            Ok(Admission::Open) => Ok(local.root_key()),
-                            Err(e) => Err(e.clone()),
-                        };
-                        let derived =
-                            lane::authenticate(&mut stream, &local, &offered, key, timeout).await?;
-                        let joining = match admission? {
-                            Admission::Resume { tag, secret } => (Joining::Resume(tag), secret),
-                            Admission::Open => (Joining::Open, derived),
-                        };
-                        let admitted = check_capability(&a);
-                        lane::answer_hello(&mut stream, &local, &a, admitted, timeout).await?;
-                        Ok::<_, Error>((stream, identity, a, joining))
-                    }
-                    .await;
+                    let agreed = slot
+                        .run(async {
+                            let (mut stream, identity) = match &shared.config.tls {
+                                Some(tls) => {
+                                    let (s, id) = tokio::time::timeout(timeout, tls.accept(tcp))
+                                        .await
+                                        .map_err(|_| Error::DeadlineExceeded {
+                                            what: "TLS handshake of a connecting RLD".into(),
+                                        })??;
+                                    (s, Some(id.fingerprint))
+                                }
+                                None => (lane::LaneStream::Plain(tcp), None),
+                            };
+                            let offered = lane::read_hello(&mut stream, &local, timeout).await?;
+                            let a = offered.agreed.clone();
+                            // The sessions MD knows decide (pdd_core's SessionBook): a known
+                            // session resumes by proving its own secret, even while another
+                            // peer is connected (it owns handoffs that only it may finish);
+                            // a new one opens only while nobody is connected, so nobody can
+                            // push the connected RLD aside.
+                            let decision = {
+                                let c = lock(&shared.conn);
+                                c.book
+                                    .admit(a.session_id, a.resume, identity, c.stream.is_some())
+                            };
+                            let key: Result<&[u8], Error> = match &decision {
+                                Ok(Admission::Resume { secret, .. }) => Ok(secret),
+                                Ok(Admission::Open) => Ok(local.root_key()),
+                                Err(e) => Err(e.clone()),
+                            };
+                            let derived =
+                                lane::authenticate(&mut stream, &local, &offered, key, timeout)
+                                    .await?;
+                            let joining = match decision? {
+                                Admission::Resume { tag, secret } => (Joining::Resume(tag), secret),
+                                Admission::Open => (Joining::Open, derived),
+                            };
+                            let admitted = check_capability(&a);
+                            lane::answer_hello(&mut stream, &local, &a, admitted, timeout).await?;
+                            Ok::<_, Error>((stream, identity, a, joining))
+                        })
+                        .await;
+                    drop(slot);
                     match agreed {
-                        Ok((stream, identity, agreed, (joining, secret))) => {
+                        // Displaced by a newer connection: closed unanswered.
+                        None => {}
+                        Some(Ok((stream, identity, agreed, (joining, secret)))) => {
                             let (tcp, tls) = match split_stream(stream) {
                                 Ok(s) => s,
                                 Err(e) => {
@@ -621,7 +632,7 @@ impl HandoffLink<MainSide> {
                                 Err(e) => lock(&shared.conn).last_error = Some(e),
                             }
                         }
-                        Err(e) => lock(&shared.conn).last_error = Some(e),
+                        Some(Err(e)) => lock(&shared.conn).last_error = Some(e),
                     }
                 });
             }

@@ -771,6 +771,8 @@ impl<M: HandoffMachine> Shared<M> {
             reads_on_caller: get(&c.reads_on_caller),
             requests,
             connected: *self.connected.borrow(),
+            half_open: get(&c.opening.half_open),
+            half_open_evicted: get(&c.opening.half_open_evicted_total),
         }
     }
 }

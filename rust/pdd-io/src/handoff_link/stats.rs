@@ -123,6 +123,11 @@ pub struct LinkStats {
     pub requests: u64,
     /// Whether a connection is up.
     pub connected: bool,
+    /// MD: connections still opening (TLS, HELLO, AUTH).
+    pub half_open: u64,
+    /// MD: opening connections closed to make room for newer ones
+    /// (`crate::admission`): a flood of idle connections shows here.
+    pub half_open_evicted: u64,
 }
 
 impl LinkStats {
@@ -219,7 +224,19 @@ impl LinkStats {
                 "gauge",
                 "last handoff-lane PING round trip in microseconds",
             ),
+            (
+                "half_open_evicted_total",
+                self.half_open_evicted,
+                "counter",
+                "opening connections closed to make room for newer ones",
+            ),
             ("requests", self.requests, "gauge", "handoff machines held"),
+            (
+                "half_open",
+                self.half_open,
+                "gauge",
+                "connections in their opening handshake",
+            ),
             (
                 "connected",
                 u64::from(self.connected),
@@ -255,6 +272,9 @@ pub(super) struct Counters {
     pub(super) rtt_us: AtomicU64,
     pub(super) reads_on_caller: AtomicU64,
     pub(super) unread_overflows: AtomicU64,
+    /// MD's opening connections (`crate::admission` keeps `half_open` and
+    /// `half_open_evicted_total` here).
+    pub(super) opening: Arc<crate::metrics::Metrics>,
 }
 
 pub(super) fn bump(c: &AtomicU64, n: u64) {

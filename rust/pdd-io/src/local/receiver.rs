@@ -42,9 +42,10 @@ pub struct LocalReceiverConfig {
     pub heartbeat: Duration,
     /// A control lane silent this long is dead.
     pub dead_after: Duration,
-    /// Control connections open at once (opening or in session); past this a new
-    /// one is closed unanswered, so a flood of half-open connections is bounded in
-    /// number, not only in time (`hello_timeout`). Default: the WAN receiver's
+    /// Control connections open at once (opening or in session). Opening ones are
+    /// bounded as on every acceptor (`crate::admission`: a new connection displaces
+    /// an older opening one rather than being kept out); a new connection is closed
+    /// unanswered only when every place holds a session. Default: the WAN receiver's
     /// session and half-open bounds together.
     pub max_connections: u64,
 }
@@ -105,6 +106,11 @@ struct Shared {
     peers_changed: Notify,
     next_session: AtomicU64,
     metrics: Arc<Metrics>,
+    /// Connections still opening, bounded together with `established` by
+    /// `max_connections`.
+    admission: Arc<crate::admission::Admission>,
+    /// Connections past their opening (in session), counted until dropped.
+    established: Arc<AtomicU64>,
     cancel: CancellationToken,
 }
 
@@ -164,6 +170,7 @@ impl LocalReceiver {
             detail: format!("local_addr: {e}"),
         })?;
         let state = ReceiverState::new(pool.layers(), pool.pages(), pool.page_bytes())?;
+        let metrics = Arc::new(Metrics::default());
         let shared = Arc::new(Shared {
             events: Mutex::new(std::collections::VecDeque::new()),
             pool,
@@ -174,28 +181,29 @@ impl LocalReceiver {
             transfers: Mutex::new(HashMap::new()),
             peers_changed: Notify::new(),
             next_session: AtomicU64::new(1),
-            metrics: Arc::new(Metrics::default()),
+            admission: crate::admission::Admission::new(metrics.clone()),
+            metrics,
+            established: Arc::new(AtomicU64::new(0)),
             cancel: CancellationToken::new(),
         });
         let s = shared.clone();
         tokio::spawn(async move {
-            let open = Arc::new(AtomicU64::new(0));
             loop {
                 let accepted = tokio::select! {
                     _ = s.cancel.cancelled() => return,
                     a = listener.accept() => a,
                 };
-                if let Ok((tcp, _)) = accepted {
-                    if open.load(Ordering::Relaxed) >= s.cfg.max_connections {
-                        drop(tcp); // closed unanswered
+                if let Ok((tcp, peer)) = accepted {
+                    // Opening connections get what sessions leave of the bound; with
+                    // none left, the new one is closed unanswered.
+                    let established = s.established.load(Ordering::Relaxed);
+                    let room = s.cfg.max_connections.saturating_sub(established);
+                    let room = usize::try_from(room).unwrap_or(usize::MAX);
+                    let Some(slot) = s.admission.admit(peer, room) else {
+                        drop(tcp);
                         continue;
-                    }
-                    let guard = OpenConnection::new(open.clone());
-                    let s = s.clone();
-                    tokio::spawn(async move {
-                        session(s, tcp).await;
-                        drop(guard);
-                    });
+                    };
+                    tokio::spawn(session(s.clone(), tcp, slot));
                 }
             }
         });
@@ -501,26 +509,27 @@ fn apply(shared: &Arc<Shared>, events: Vec<TransferEvent>) {
     }
 }
 
-/// One sender's control lane: opening (refusing a peer without `local_ucx`, data
-/// lanes and resumptions: the local path has none), LOCAL_ADDR, then its frames.
-/// One connection counted against `max_connections` until dropped (also when its task
-/// is cancelled or panics).
-struct OpenConnection(Arc<AtomicU64>);
+/// One established connection counted against `max_connections` until dropped (also
+/// when its task is cancelled or panics).
+struct Established(Arc<AtomicU64>);
 
-impl OpenConnection {
-    fn new(open: Arc<AtomicU64>) -> Self {
-        open.fetch_add(1, Ordering::Relaxed);
-        OpenConnection(open)
+impl Established {
+    fn new(count: Arc<AtomicU64>) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Established(count)
     }
 }
 
-impl Drop for OpenConnection {
+impl Drop for Established {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
-async fn session(shared: Arc<Shared>, tcp: TcpStream) {
+/// One sender's control lane: opening (refusing a peer without `local_ucx`, data
+/// lanes and resumptions: the local path has none) in its admission `slot`,
+/// LOCAL_ADDR, then its frames.
+async fn session(shared: Arc<Shared>, tcp: TcpStream, slot: crate::admission::Opening) {
     lane::tune(&tcp, &SocketTuning::default(), true);
     let hello = &lane::with_aead(&shared.cfg.hello, shared.cfg.tls.is_some());
     let timeout = shared.cfg.hello_timeout;
@@ -557,11 +566,20 @@ async fn session(shared: Arc<Shared>, tcp: TcpStream) {
     };
     let opened = tokio::select! {
         _ = shared.cancel.cancelled() => return,
-        r = opening => r,
+        r = slot.run(opening) => r,
     };
-    let Ok((stream, agreed)) = opened else {
-        Metrics::add(&shared.metrics.lanes_refused_total, 1);
-        return;
+    // Counted as established before the opening slot is freed: the two together
+    // never exceed `max_connections`.
+    let _established = Established::new(shared.established.clone());
+    drop(slot);
+    let (stream, agreed) = match opened {
+        // Displaced by a newer connection: closed unanswered.
+        None => return,
+        Some(Ok(o)) => o,
+        Some(Err(_)) => {
+            Metrics::add(&shared.metrics.lanes_refused_total, 1);
+            return;
+        }
     };
     let mut control = Control::start(
         stream,

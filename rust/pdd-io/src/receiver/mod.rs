@@ -13,7 +13,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -186,8 +186,10 @@ struct Session {
 pub const MAX_SESSIONS: usize = 1024;
 /// Data lanes one session may have open at once.
 pub const MAX_LANES_PER_SESSION: u64 = 64;
-/// Connections that may be opening (HELLO, AUTH) at once.
-pub const MAX_OPENING_CONNECTIONS: u64 = 256;
+/// Connections held opening (TLS, HELLO, AUTH) at once. Past this a new connection
+/// is still taken: an older opening one is closed to make room (`crate::admission`),
+/// so idle connections cannot keep honest peers out.
+pub const MAX_OPENING_CONNECTIONS: u64 = crate::admission::MAX_OPENING_CONNECTIONS as u64;
 
 struct TransferEntry {
     session_id: u64,
@@ -209,8 +211,9 @@ struct Shared {
     metrics: Arc<Metrics>,
     cfg: ReceiverConfig,
     next_generation: AtomicU64,
-    /// Connections still in HELLO/AUTH, against [`MAX_OPENING_CONNECTIONS`].
-    opening: AtomicU64,
+    /// Connections still opening (TLS, HELLO, AUTH), against
+    /// [`MAX_OPENING_CONNECTIONS`] and the per-source bound.
+    admission: Arc<crate::admission::Admission>,
     cancel: CancellationToken,
 }
 
@@ -272,6 +275,7 @@ impl KvReceiver {
             detail: format!("local_addr: {e}"),
         })?;
         let state = ReceiverState::new(pool.layers(), pool.pages(), pool.page_bytes())?;
+        let metrics = Arc::new(Metrics::default());
         let shared = Arc::new(Shared {
             pool,
             state: Mutex::new(state),
@@ -285,10 +289,10 @@ impl KvReceiver {
                 per_owner: HashMap::new(),
             }),
             events_changed: watch::channel(0).0,
-            metrics: Arc::new(Metrics::default()),
+            admission: crate::admission::Admission::new(metrics.clone()),
+            metrics,
             cfg,
             next_generation: AtomicU64::new(1),
-            opening: AtomicU64::new(0),
             cancel: CancellationToken::new(),
         });
         let tracker = TaskTracker::new();
@@ -301,16 +305,18 @@ impl KvReceiver {
                     accepted = listener.accept() => {
                         // Accept errors (EMFILE, aborted handshakes) are per connection.
                         if let Ok((stream, peer)) = accepted {
-                            // Each opening is bounded by hello_timeout; past this many at
-                            // once, a new connection is closed unanswered (a flood of
-                            // half-open handshakes cannot pile up tasks and sockets).
-                            let opening = &accept_shared.opening;
-                            if opening.load(Ordering::Relaxed) >= MAX_OPENING_CONNECTIONS {
-                                Metrics::add(&accept_shared.metrics.lanes_refused_total, 1);
-                                continue;
+                            // Each opening is bounded by hello_timeout, and in number: a
+                            // flood of idle connections displaces its own oldest ones,
+                            // never keeps a new peer out (`crate::admission`).
+                            let admission = &accept_shared.admission;
+                            if let Some(opening) = admission.admit(peer, usize::MAX) {
+                                conn_tracker.spawn(handle_connection(
+                                    accept_shared.clone(),
+                                    stream,
+                                    peer,
+                                    opening,
+                                ));
                             }
-                            opening.fetch_add(1, Ordering::Relaxed);
-                            conn_tracker.spawn(handle_connection(accept_shared.clone(), stream, peer));
                         }
                     }
                 }

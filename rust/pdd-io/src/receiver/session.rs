@@ -117,7 +117,12 @@ fn fail_session_transfers(
     apply(shared, &state, events);
 }
 
-pub(super) async fn handle_connection(shared: Arc<Shared>, tcp: TcpStream, peer_addr: SocketAddr) {
+pub(super) async fn handle_connection(
+    shared: Arc<Shared>,
+    tcp: TcpStream,
+    peer_addr: SocketAddr,
+    slot: crate::admission::Opening,
+) {
     lane::tune(&tcp, &shared.cfg.tuning, true);
     let hello = &lane::with_aead(&shared.cfg.hello, shared.cfg.tls.is_some());
     let timeout = shared.cfg.hello_timeout;
@@ -173,11 +178,13 @@ pub(super) async fn handle_connection(shared: Arc<Shared>, tcp: TcpStream, peer_
         let derived = lane::authenticate(&mut stream, hello, &offered, key, timeout).await?;
         Ok::<_, Error>((stream, identity, offered.agreed, live.unwrap_or(derived)))
     };
+    // Displaced by a newer connection (a flood), or the receiver closing: closed
+    // unanswered.
     let opened = tokio::select! {
         _ = shared.cancel.cancelled() => None,
-        r = opening => Some(r),
+        r = slot.run(opening) => r,
     };
-    shared.opening.fetch_sub(1, Ordering::Relaxed);
+    drop(slot);
     let (stream, identity, agreed, secret) = match opened {
         None => return,
         Some(Ok(a)) => a,

@@ -84,6 +84,8 @@ pub(super) fn stats_dict<'py>(
         ("pings_sent", s.pings_sent),
         ("rtt_us", s.rtt_us),
         ("reads_on_caller", s.reads_on_caller),
+        ("half_open", s.half_open),
+        ("half_open_evicted", s.half_open_evicted),
     ] {
         d.set_item(k, v)?;
     }
