@@ -11,8 +11,11 @@ cd "$(dirname "$0")/.."
 
 # Compiled crates are kept between runs, as the wheelhouse and uv's cache are: in a
 # fresh clone on a machine that ran this before, cargo rebuilds only this checkout's
-# own crates (their fingerprints include the checkout's path), not tokio, rustls,
-# AWS-LC's C sources or pyo3. On a fresh machine the directory starts empty.
+# own crates (its sources are newer than any artifact in the cache), not tokio,
+# rustls, AWS-LC's C sources or pyo3. On a fresh machine the directory starts empty.
+# Two checkouts must not build in one such directory at the same time: the workspace
+# crates' artifacts have the same names whatever the checkout, so one checkout's
+# build can be taken as up to date by the other's (give each its CARGO_TARGET_DIR).
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$HOME/.cache/pdd_transport/cargo-target}
 
 # Each step's header says how long the whole run has taken so far (seconds), so a slow
