@@ -15,6 +15,7 @@ __all__ = [
     "LocalReceiver", "LocalSender", "LocalInbound", "LocalOutbound", "ucx_version", "shared_buffers",
     "SharedAllocation", "KvPoll",
     "LayerComplete", "TransferComplete", "TransferFailed", "PrefixQueried", "request_id_of",
+    "transfer_activity", "wait_transfer_activity",
     "RadixCache", "RadixNode", "RadixMatch", "RadixInsert", "PrefixMirror", "chain_hashes", "Wanem",
     "PacketEmulator", "WanEstimate", "PipelinePolicy", "AnomalyPolicy", "RouteDecision",
     "kv_arrival_ms", "choose_pipeline", "is_anomaly", "route", "choose_handoff_mode",
@@ -305,6 +306,9 @@ class KvSender:
         (TCP_NOTSENT_LOWAT; 0: the whole send buffer), so copies follow the line."""
     @property
     def node_id(self) -> int: ...
+    @property
+    def connected(self) -> bool:
+        """Whether a session is up now."""
     def ensure_connected(self, timeout: float = 10.0) -> None: ...
     def wait_grant(self, request_id: _RequestKey, timeout: float = 10.0) -> OutboundTransfer: ...
     def try_grant(self, request_id: _RequestKey) -> OutboundTransfer | None:
