@@ -92,6 +92,9 @@ fn ucx_version() -> PyResult<String> {
     pdd_io::local::ucx_version().map_err(|e| PddErr(e).into())
 }
 
+/// The address prefix that names the local path (`pdd_transport.local.LOCAL_SCHEME`).
+const LOCAL_SCHEME: &str = "local://";
+
 /// The poll state of a local transfer's status; `started`: whether any page moved.
 fn poll_of(s: &LocalStatus, started: bool) -> KvPoll {
     match s {
@@ -317,8 +320,9 @@ impl LocalInbound {
         poll_of(&self.inner.status(), started)
     }
 
-    /// As `InboundTransfer.ticket`, with `"path": "local"`: a `LocalSender`
-    /// connected to `address` fills it (docs/kv.md, "Grant tickets").
+    /// As `InboundTransfer.ticket`, its address naming the local path:
+    /// `"local://host:port"` (`address`, `host:port` or already `local://`, defaults
+    /// to the receiver's bound address), for a `LocalSender` connected to `host:port`.
     #[pyo3(signature = (address = None))]
     fn ticket<'py>(
         &self,
@@ -326,9 +330,12 @@ impl LocalInbound {
         address: Option<String>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let address = address.unwrap_or_else(|| self.receiver.local_addr().to_string());
-        let d = grant_ticket(py, &self.inner.grant, address, &self.key, self.inner.peer)?;
-        d.set_item("path", "local")?;
-        Ok(d)
+        let address = if address.starts_with(LOCAL_SCHEME) {
+            address
+        } else {
+            format!("{LOCAL_SCHEME}{address}")
+        };
+        grant_ticket(py, &self.inner.grant, address, &self.key, self.inner.peer)
     }
 
     /// `{"state": "in_progress" | "complete" | "failed", ...}`.
