@@ -479,14 +479,15 @@ fn apply(shared: &Arc<Shared>, events: Vec<TransferEvent>) {
     if events.is_empty() {
         return;
     }
-    {
-        let mut q = lock(&shared.events);
-        for ev in &events {
-            if q.len() >= MAX_QUEUED_EVENTS {
-                q.pop_front();
-            }
-            q.push_back(ev.clone());
+    // The events and the statuses they settle change under the events' lock (taken
+    // before `transfers` and `sessions`, never after): whoever takes an event sees its
+    // transfer's status settled too, and a `wait()` that returned finds its event.
+    let mut q = lock(&shared.events);
+    for ev in &events {
+        if q.len() >= MAX_QUEUED_EVENTS {
+            q.pop_front();
         }
+        q.push_back(ev.clone());
     }
     for ev in events {
         let (tid, outcome) = match ev {
@@ -541,7 +542,7 @@ fn apply(shared: &Arc<Shared>, events: Vec<TransferEvent>) {
             }
         }
     }
-    // After the statuses: a woken waiter sees the transfer ended too.
+    drop(q);
     shared
         .events_changed
         .send_modify(|n| *n = n.wrapping_add(1));
