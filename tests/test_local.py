@@ -189,15 +189,167 @@ def test_wrong_source_page_count_is_refused(pair: tuple[local.LocalReceiver, loc
     out.abort()
 
 
-def test_the_local_path_refuses_an_empty_grant(pair: tuple[local.LocalReceiver, local.LocalSender, np.ndarray]) -> None:
-    # Empty grants are a WAN-lane capability; RelayDecode always takes the whole KV.
-    rx, tx, _ = pair
-    with pytest.raises(InvalidArgument, match="at least one page"):
-        rx.grant(5, [])
-    inbound = rx.grant(5, [1])  # nothing was left behind by the refusal
+def test_an_empty_grant_completes_when_the_sender_finishes(
+    pair: tuple[local.LocalReceiver, local.LocalSender, np.ndarray],
+) -> None:
+    # As on the WAN path: zero pages says "I hold all of it"; nothing is registered or
+    # put, and the grant completes with 0 bytes (no LayerComplete) once the sender
+    # finishes, not before.
+    rx, tx, mem = pair
+    inbound = rx.grant("all-cached", [], deadline_s=30)
+    out = tx.wait_grant("all-cached", timeout=10)
+    assert (inbound.page_count, out.page_count, out.layer_count) == (0, 0, LAYERS)
+    out.send_pages([], [])  # nothing to send, and allowed
+    assert not rx.wait_event(timeout=0.2), "no event before the sender finishes"
+    assert inbound.poll() == kv.KvPoll.PENDING and out.poll() == kv.KvPoll.PENDING
+    out.finish()
+    assert inbound.wait(timeout=10) == 0 and out.wait(timeout=10) == 0
+    assert inbound.poll() == kv.KvPoll.DONE and out.poll() == kv.KvPoll.DONE
+    events = rx.poll_events()
+    assert [(type(e), e.request_key) for e in events] == [(kv.TransferComplete, "all-cached")], events
+    done = events[0]
+    assert isinstance(done, kv.TransferComplete) and (done.bytes, done.blocks) == (0, 0)
+    # A grant of pages on the same session goes on as usual.
+    inbound = rx.grant(5, [1])
     out = tx.wait_grant(5, timeout=10)
-    assert (inbound.page_count, out.page_count) == (1, 1)
-    out.abort()
+    for layer in range(LAYERS):
+        out.send_layer(layer, [3])
+    out.finish()
+    assert inbound.wait(timeout=10) == LAYERS * PAGE
+    assert np.array_equal(mem[:, 1], source_backing()[:, 3])
+
+
+def test_pages_in_chunks_any_order_each_once(
+    pair: tuple[local.LocalReceiver, local.LocalSender, np.ndarray],
+) -> None:
+    # The WAN path's send_pages, on the local path: subsets, any order, each
+    # (layer, page) once; a refused call puts nothing and changes nothing.
+    rx, tx, mem = pair
+    dst, src = [3, 4, 5, 6, 7, 8], [15, 14, 13, 12, 11, 10]
+    inbound = rx.grant("chunked", dst, deadline_s=20)
+    out = tx.wait_grant("chunked", timeout=10)
+    assert out.request_key == inbound.request_key == "chunked"
+    assert out.poll() == kv.KvPoll.PENDING and inbound.poll() == kv.KvPoll.PENDING
+    out.send_pages([0, 1, 2], src[:3])  # chunk 1, every layer
+    assert out.poll() == kv.KvPoll.TRANSFERRING
+    with pytest.raises(InvalidArgument, match="already sent"):
+        out.send_pages([2, 3], [src[2], src[3]], layer=0)
+    with pytest.raises(InvalidArgument, match="twice"):
+        out.send_pages([4, 4], [1, 1], layer=0)
+    with pytest.raises(InvalidArgument, match="outside the grant"):
+        out.send_pages([6], [1], layer=0)
+    with pytest.raises(InvalidArgument, match="src_layer needs layer"):
+        out.send_pages([3], [1], src_layer=0)
+    with pytest.raises(InvalidArgument, match="not sent yet"):
+        out.finish()
+    # No layer is whole: nothing announced, the receiver has seen nothing yet.
+    assert not rx.wait_event(timeout=0.2)
+    assert inbound.poll() == kv.KvPoll.PENDING
+    out.send_pages([5, 3, 4], [src[5], src[3], src[4]], layer=2)
+    assert rx.wait_event(timeout=10)
+    assert [(type(e), getattr(e, "layer", None)) for e in rx.poll_events()] == [(kv.LayerComplete, 2)]
+    assert inbound.poll() == kv.KvPoll.TRANSFERRING
+    out.send_pages([4, 5, 3], [src[4], src[5], src[3]], layer=1, src_layer=0)
+    out.send_pages([3, 4, 5], src[3:], layer=0)  # page 3 was refused above: still sendable
+    out.finish()
+    assert inbound.wait(timeout=20) == out.wait(timeout=20) == LAYERS * len(dst) * PAGE
+    assert inbound.poll() == kv.KvPoll.DONE and out.poll() == kv.KvPoll.DONE
+    backing = source_backing()
+    for layer in range(LAYERS):
+        for i, (d, s) in enumerate(zip(dst, src)):
+            source_layer = 0 if layer == 1 and i >= 3 else layer
+            assert np.array_equal(mem[layer, d], backing[source_layer, s]), (layer, d)
+
+
+def test_sender_abort_reason_reaches_the_receiver_and_frees_the_pages(
+    pair: tuple[local.LocalReceiver, local.LocalSender, np.ndarray],
+) -> None:
+    rx, tx, _ = pair
+    inbound = rx.grant("preempted", [1, 2, 3])
+    out = tx.wait_grant("preempted", timeout=10)
+    out.send_pages([0], [0], layer=0)
+    assert out.abort("engine preempted the request") is True
+    assert out.poll() == kv.KvPoll.FAILED and out.status()["reason"] == "cancelled"
+    assert out.abort("again") is False
+    with pytest.raises(PddError) as raised:
+        inbound.wait(timeout=10)
+    assert raised.value.reason == "peer_aborted"
+    assert inbound.poll() == kv.KvPoll.FAILED
+    status = inbound.status()
+    assert status["reason"] == "peer_aborted" and "engine preempted the request" in status["message"]
+    failed = [e for e in rx.poll_events() if isinstance(e, kv.TransferFailed)]
+    assert [(e.request_key, e.reason) for e in failed] == [("preempted", "peer_aborted")]
+    assert "engine preempted the request" in failed[0].message
+    # The pages can be granted again; an old caller's bare abort() still works.
+    rx.grant("again", [1, 2, 3])
+    again = tx.wait_grant("again", timeout=10)
+    assert again.abort() is True
+    with pytest.raises(PddError, match="aborted"):
+        again.wait(timeout=10)
+
+
+def test_wait_event_wakes_on_an_event_with_the_gil_released(
+    pair: tuple[local.LocalReceiver, local.LocalSender, np.ndarray],
+) -> None:
+    import threading
+    import time
+
+    from _gil import count_while_running
+
+    rx, tx, _ = pair
+    assert rx.release_lease(1) is False  # no prefix cache, no lease to drop
+    # Nothing queued: it waits (with the GIL released) and says so.
+    assert count_while_running(lambda: rx.wait_event(timeout=0.05), 3) > 0
+    assert not rx.wait_event(timeout=0.05)
+    inbound = rx.grant(31, [1])
+    woke: list[float] = []
+
+    def waiter() -> None:
+        t0 = time.monotonic()
+        if rx.wait_event(timeout=10):
+            woke.append(time.monotonic() - t0)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.05)
+    rx.cancel(inbound.transfer_id)
+    thread.join(timeout=10)
+    assert woke and woke[0] < 5, "woken by the event, not the timeout"
+    assert rx.wait_event(timeout=0.01), "an event not taken yet answers at once"
+    assert [type(e) for e in rx.poll_events()] == [kv.TransferFailed]
+    assert not rx.wait_event(timeout=0.05)
+
+
+def test_local_tickets_name_the_path_by_address_and_a_local_sender_fills_one(
+    pair: tuple[local.LocalReceiver, local.LocalSender, np.ndarray],
+) -> None:
+    # An engine picks the path by the ticket's address alone: "local://host:port" is
+    # a LocalReceiver's grant, "host:port" a KvReceiver's.
+    import json
+
+    rx, tx, mem = pair
+    inbound = rx.grant("req-ticket", [7, 8])
+    d = inbound.ticket()
+    assert json.loads(json.dumps(d)) == d
+    assert d["address"] == "local://%s:%d" % rx.address
+    t = kv.GrantTicket.from_dict(d)
+    assert (t.path, t.connect, t.key) == ("local", "%s:%d" % rx.address, "req-ticket")
+    assert (t.layers, t.pages, t.page_bytes, t.peer) == (LAYERS, 2, PAGE, inbound.peer)
+    assert inbound.peer in rx.peers()
+    assert t.to_dict() == d
+    assert inbound.ticket(address="10.0.0.7:7200")["address"] == "local://10.0.0.7:7200"
+    assert inbound.ticket(address="local://10.0.0.7:7200")["address"] == "local://10.0.0.7:7200"
+    for bad in ("local://", "local://nohost", "local://:7200", "local://h:99999"):
+        with pytest.raises(InvalidArgument):
+            kv.GrantTicket.from_dict({**d, "address": bad})
+    wan = kv.GrantTicket.from_dict({**d, "address": "10.0.0.8:7100"})
+    assert (wan.path, wan.connect) == ("wan", "10.0.0.8:7100")
+    # A LocalSender connected to t.connect fills it from the ticket alone.
+    out = tx.wait_grant(t.key, timeout=10)
+    out.send_pages(range(t.pages), [0, 1])
+    out.finish()
+    assert inbound.wait(timeout=10) == LAYERS * 2 * PAGE
+    assert np.array_equal(mem[:, [7, 8]], source_backing()[:, [0, 1]])
 
 
 def test_a_missing_library_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -287,27 +439,28 @@ def test_prefill_role_send_is_the_dual_path_send() -> None:
     try:
         engine: Any = SimpleNamespace(config=SimpleNamespace(page_tokens=16, num_layers=LAYERS))
         role = PrefillRole(engine, to_md, to_rld, kv_bytes_per_token=1)
-        polled = local.PolledLocalReceiver(None, receiver=rld)
-        polled.grant(21, DEST, deadline_s=30)
+        rld.grant(21, DEST, deadline_s=30)
         md_in = md.grant(21, [20, 21, 22], deadline_s=30)
         assert role.send(Prefilled(Plan(21, "p_rld_md", 0), SRC, [], None), timeout=30) == []
         src = source_backing()
         assert np.array_equal(rld_mem[:, DEST], src[:, SRC])
         assert np.array_equal(md_mem[:, [20, 21, 22]], src[:, SRC[-3:]])
         assert md_in.wait(timeout=5) == LAYERS * 3 * PAGE
-        assert polled.wait_event(timeout=5)
-        evs = polled.poll_events()
-        assert not polled.wait_event(timeout=0.01)
+        assert rld.wait_event(timeout=5)
+        evs = rld.poll_events()
+        assert not rld.wait_event(timeout=0.01)
         assert [type(e) for e in evs] == [kv.LayerComplete] * LAYERS + [kv.TransferComplete], evs
-        assert (evs[-1].request_id, evs[-1].bytes) == (21, LAYERS * len(DEST) * PAGE)
+        last = evs[-1]
+        assert isinstance(last, kv.TransferComplete)
+        assert (last.request_id, last.bytes) == (21, LAYERS * len(DEST) * PAGE)
         # MD cancels the next one before any byte: only the WAN side fails (its grant
         # never comes, or comes cancelled); RLD's transfer completes meanwhile.
-        polled.grant(22, DEST, deadline_s=30)
+        rld.grant(22, DEST, deadline_s=30)
         md.cancel(md.grant(22, [20, 21, 22], deadline_s=30).transfer_id)
         failures = role.send(Prefilled(Plan(22, "p_rld_md", 0), SRC, [], None), timeout=3)
         assert [f.where for f in failures] == ["send to main"], failures
         assert failures[0].reason in ("peer_aborted", "deadline_exceeded"), failures
-        assert isinstance(polled.poll_events()[-1], kv.TransferComplete)
+        assert isinstance(rld.poll_events()[-1], kv.TransferComplete)
     finally:
         to_rld.close()
         to_md.close()

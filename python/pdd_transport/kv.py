@@ -60,7 +60,7 @@ from pdd_transport._native import (
     wait_transfer_activity,
 )
 from pdd_transport.errors import InvalidArgument
-from pdd_transport.local import DualSender
+from pdd_transport.local import LOCAL_SCHEME, DualSender
 
 __all__ = [
     "DualSender",
@@ -91,10 +91,15 @@ _U64 = 1 << 64
 
 @dataclass(frozen=True)
 class GrantTicket:
-    """What a sender needs to find and fill one grant (``InboundTransfer.ticket()``):
-    the receiver's address, the request's wire id (and its str key, if it had one),
-    the node id the grant is for, and the grant's shape. Carried as a dict in an
-    engine's request metadata; :meth:`from_dict` checks one that came from a peer."""
+    """What a sender needs to find and fill one grant (``InboundTransfer.ticket()``,
+    ``LocalInbound.ticket()``): the receiver's address, the request's wire id (and its
+    str key, if it had one), the peer the grant is for (the sender's node id on the
+    WAN path, the local receiver's number for its sender on the local path), and the
+    grant's shape. The address names the path: ``"host:port"`` a ``KvReceiver``
+    (fill it with a ``KvSender``), ``"local://host:port"`` a ``LocalReceiver`` (a
+    ``LocalSender``); :attr:`path` and :attr:`connect` read it. Carried as a dict in
+    an engine's request metadata; :meth:`from_dict` checks one that came from a
+    peer."""
 
     address: str
     request_id: int
@@ -115,9 +120,10 @@ class GrantTicket:
         address = d.get("address")
         if not isinstance(address, str):
             raise InvalidArgument(f"grant ticket address {address!r} is not host:port", "invalid_argument")
-        host, _, port = address.rpartition(":")
+        host, _, port = address.removeprefix(LOCAL_SCHEME).rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise InvalidArgument(f"grant ticket address {address!r} is not host:port", "invalid_argument")
+            raise InvalidArgument(f"grant ticket address {address!r} is not host:port or {LOCAL_SCHEME}host:port",
+                                  "invalid_argument")
         limits = {"request_id": _U64, "peer": _U64, "layers": 1 << 16, "pages": 1 << 32, "page_bytes": 1 << 32}
         ints: dict[str, int] = {}
         for name, bound in limits.items():
@@ -150,8 +156,19 @@ class GrantTicket:
 
     @property
     def key(self) -> int | str:
-        """What to pass to ``KvSender.wait_grant``: the str key, else the wire id."""
+        """What to pass to the sender's ``wait_grant``: the str key, else the wire id."""
         return self.request_key if self.request_key is not None else self.request_id
+
+    @property
+    def path(self) -> str:
+        """``"local"`` for a local-path grant (``local://`` address), else ``"wan"``."""
+        return "local" if self.address.startswith(LOCAL_SCHEME) else "wan"
+
+    @property
+    def connect(self) -> str:
+        """The ``host:port`` to connect the path's sender to (``KvSender`` or
+        ``LocalSender``), the address without its ``local://``."""
+        return self.address.removeprefix(LOCAL_SCHEME)
 
 
 def as_bytes_view(buffer: Any) -> np.ndarray[Any, np.dtype[np.uint8]]:

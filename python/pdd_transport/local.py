@@ -14,12 +14,18 @@ wheel (``pip install 'pdd_transport[ucx]'``; found in site-packages at import, s
 ``TransportError`` (``local_path_unavailable``, naming the libraries tried).
 ``PDD_UCX_LIBRARY`` names another library to load instead.
 
+The transfer handles and the receiver's events are the WAN path's
+(``docs/kv.md``): partial sends (``send_pages``), empty grants, ``abort(reason)``,
+``poll()``, ``request_key``, ``LocalReceiver.wait_event`` and grant tickets
+(``LocalInbound.ticket()``), so an engine picks a path by the receiver's address
+and nothing else.
+
 Receiver (RelayDecode)::
 
     rx = local.LocalReceiver(pool, "0.0.0.0:7200", secret=deployment_secret)
     rx.wait_peer(timeout=30)
     inbound = rx.grant(request_id, pages, deadline_s=20)
-    inbound.wait(timeout=20)
+    inbound.wait(timeout=20)              # or: rx.wait_event(timeout); rx.poll_events()
 
 Sender (Prefill), with the WAN transfer to MainDecode at the same time::
 
@@ -47,8 +53,6 @@ from pdd_transport._native import (
     LocalOutbound,
     LocalReceiver,
     LocalSender,
-    TransferComplete,
-    TransferFailed,
     add_ucx_fallback,
     shared_buffers,
     ucx_library,
@@ -57,13 +61,13 @@ from pdd_transport._native import (
 from pdd_transport.errors import InvalidArgument, PddError
 
 __all__ = [
+    "LOCAL_SCHEME",
     "DualOutcome",
     "DualSender",
     "LocalInbound",
     "LocalOutbound",
     "LocalReceiver",
     "LocalSender",
-    "PolledLocalReceiver",
     "SideOutcome",
     "available",
     "shared_buffers",
@@ -92,6 +96,12 @@ def wheel_ucx_library() -> str | None:
 _WHEEL_UCX = wheel_ucx_library()
 if _WHEEL_UCX is not None:
     add_ucx_fallback(_WHEEL_UCX)
+
+
+#: The address prefix that names the local path: a local grant's ticket carries
+#: ``"local://host:port"`` (``LocalInbound.ticket()``), so that an engine picks the
+#: path (``LocalSender`` or ``KvSender``) by the address alone.
+LOCAL_SCHEME = "local://"
 
 
 def available() -> bool:
@@ -238,64 +248,3 @@ class DualSender:
             out[name] = side.outcome or SideOutcome(False, 0, time.perf_counter() - side.started, "deadline_exceeded",
                                                     f"the {name} side did not end within the wait")
         return DualOutcome(out["local"], out["wan"])
-
-
-class PolledLocalReceiver:
-    """A :class:`LocalReceiver` with the surface engine roles use of a
-    ``kv.KvReceiver``: ``grant``, ``poll_events`` (typed events, as
-    ``KvReceiver.poll_events`` gives them), ``wait_event``, ``address``, ``close``. The local path has
-    no prefix cache, so ``release_lease`` has nothing to release."""
-
-    def __init__(self, pool: Any, listen: str = "127.0.0.1:0", *, receiver: LocalReceiver | None = None,
-                 **kwargs: Any) -> None:
-        """A new receiver over ``pool`` (``kwargs`` as for :class:`LocalReceiver`), or
-        the given ``receiver`` (``pool`` is then ignored)."""
-        self.rx = receiver if receiver is not None else LocalReceiver(pool, listen, **kwargs)
-        self._live: dict[int, LocalInbound] = {}
-        self._lock = threading.Lock()
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return self.rx.address
-
-    def wait_peer(self, timeout: float = 10.0) -> int:
-        return self.rx.wait_peer(timeout=timeout)
-
-    def grant(self, request_id: int | str | bytes, pages: Any, *, peer: int | None = None,
-              deadline_s: float | None = None) -> LocalInbound:
-        inbound = self.rx.grant(request_id, pages, peer=peer, deadline_s=deadline_s)
-        with self._lock:
-            self._live[inbound.transfer_id] = inbound
-        return inbound
-
-    def poll_events(self, max: int = 1024) -> list[Any]:
-        """Typed events, as ``kv.KvReceiver.poll_events`` gives them
-        (``LayerComplete``, ``TransferComplete``, ``TransferFailed``)."""
-        events = self.rx.poll_events(max)
-        with self._lock:
-            for ev in events:
-                if isinstance(ev, (TransferComplete, TransferFailed)):
-                    self._live.pop(ev.transfer_id, None)
-        return events
-
-    def wait_event(self, timeout: float = 10.0) -> bool:
-        """Wait up to ``timeout`` seconds for a transfer to end; True if one has (its
-        event is then waiting for :meth:`poll_events`). Looks every millisecond."""
-        deadline = time.monotonic() + timeout
-        while True:
-            with self._lock:
-                if any(t.status()["state"] != "in_progress" for t in self._live.values()):
-                    return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(left, 0.001))
-
-    def release_lease(self, lease_id: int) -> bool:
-        return False
-
-    def metrics(self) -> dict[str, int]:
-        return self.rx.metrics()
-
-    def close(self) -> None:
-        self.rx.close()

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pdd_transport import kv
-from pdd_transport.local import DualSender, LocalSender, PolledLocalReceiver
+from pdd_transport.local import DualSender, LocalReceiver, LocalSender
 from pdd_transport.policy import AnomalyPolicy, PipelinePolicy, WanEstimate, route
 from pdd_transport.radix import RadixCache
 from pdd_transport.security import NONE as NO_SECURITY
@@ -285,10 +285,10 @@ class _DecodeRole:
         self.engine = engine
         self.page_tokens = engine.config.page_tokens
         self.cache = cache
-        self.receiver: kv.KvReceiver | PolledLocalReceiver
+        self.receiver: kv.KvReceiver | LocalReceiver
         if local:
-            self.receiver = PolledLocalReceiver(engine.kv_pool(), listen, role=role, secret=security.secret,
-                                                insecure=security.insecure, tls=security.tls)
+            self.receiver = LocalReceiver(engine.kv_pool(), listen, role=role, secret=security.secret,
+                                          insecure=security.insecure, tls=security.tls)
         else:
             self.receiver = kv.KvReceiver(engine.kv_pool(), listen, prefix_cache=cache, role=role,
                                           secret=security.secret, insecure=security.insecure, tls=security.tls)

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdd_transport import _native
+from pdd_transport import _native, local
 from pdd_transport.errors import InvalidArgument, PddError
 
 __all__ = [
@@ -55,7 +55,7 @@ __all__ = [
 ]
 
 #: The address prefix that selects the local path (UCX) for a destination.
-LOCAL_SCHEME = "local://"
+LOCAL_SCHEME = local.LOCAL_SCHEME
 
 # Where one destination of a push stands.
 _WAITING_GRANT = "waiting_grant"
@@ -220,12 +220,10 @@ def is_local_address(address: str) -> bool:
 
 def _poll(out: Any) -> str:
     """"in_progress", "complete" or "failed", from a transfer handle of either path."""
-    if hasattr(out, "poll"):
-        state = out.poll()
-        if state == _native.KvPoll.DONE:
-            return "complete"
-        return "failed" if state == _native.KvPoll.FAILED else "in_progress"
-    return str(out.status()["state"])
+    state = out.poll()
+    if state == _native.KvPoll.DONE:
+        return "complete"
+    return "failed" if state == _native.KvPoll.FAILED else "in_progress"
 
 
 def _reason_of(out: Any) -> str:
@@ -236,10 +234,7 @@ def _reason_of(out: Any) -> str:
 def _abort(out: Any, reason: str) -> None:
     """Tell the peer, where the handle can (the WAN path's ABORT carries the reason)."""
     try:
-        try:
-            out.abort(reason)
-        except TypeError:  # a handle whose abort takes no reason
-            out.abort()
+        out.abort(reason)
     except PddError:
         pass  # already ended: nothing to tell
 
@@ -412,22 +407,16 @@ class Push:
                 self._flush_leg(leg)
 
     def _flush_leg(self, leg: PushLeg) -> None:
-        out, count = leg.out, leg.pages
-        partial = hasattr(out, "send_pages")
+        out = leg.out
         known = len(self._block_ids)
         for layer, ready in enumerate(self._ready):
             upto = min(ready, known) - leg.first
             if upto <= leg.sent[layer]:
                 continue
-            if not partial and upto < count:
-                continue  # a handle without partial sends takes a layer whole
             grant_pages = list(range(leg.sent[layer], upto))
             src = [self._block_ids[leg.first + p] for p in grant_pages]
             try:
-                if partial:
-                    out.send_pages(grant_pages, src, layer=layer)
-                else:
-                    out.send_layer(layer, src)
+                out.send_pages(grant_pages, src, layer=layer)
             except PddError as e:
                 self._fail(leg, f"{e.reason}: {e}")
                 return

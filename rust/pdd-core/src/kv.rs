@@ -12,7 +12,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use crate::error::{Error, Result};
-use crate::wire::{KvDone, KvGrant, KvPages, KV_PAGES_FIXED_LEN};
+use crate::wire::{KvDone, KvGrant, KvPages, LocalDone, KV_PAGES_FIXED_LEN};
 
 pub mod request_key;
 mod sender;
@@ -551,6 +551,99 @@ impl ReceiverState {
         }
         t.sender_done = Some(done.clone());
         Ok(self.try_complete(done.transfer_id))
+    }
+
+    /// A one-sided path's completion notice (the local path's LOCAL_DONE) arrived on
+    /// session `owner`: the sender wrote every page of grant layers
+    /// `layer_start..layer_start + layer_count` into the pool itself (the bytes are
+    /// there already, no block carried them) and says how many pages and bytes that
+    /// was. Each notice counts as one block; the notice that brings the last layer in
+    /// is also the sender's KV_DONE (`chunk_count` = notices, `byte_count` = bytes).
+    ///
+    /// An empty grant has no page to write: its one notice names every grant layer
+    /// with 0 pages and 0 bytes and completes it, as a KV_DONE of 0 blocks would.
+    ///
+    /// Errors (the session must end with `grant_violation`): a transfer this session
+    /// was not granted (a late notice of its own ended transfer is ignored), layers
+    /// outside the grant, a layer announced twice, an empty grant's notice not naming
+    /// exactly its layers. Counts other than the layers' pages and bytes fail the
+    /// transfer (`transfer_incomplete`, an event) and are not an error.
+    pub fn layers_written(&mut self, owner: u64, notice: &LocalDone) -> Result<Vec<TransferEvent>> {
+        let tid = notice.transfer_id;
+        let Some(t) = self.live.get_mut(&tid).filter(|t| t.owner == owner) else {
+            if self.ended_owner.get(&tid) == Some(&owner) {
+                return Ok(Vec::new());
+            }
+            return Err(Error::UnknownTransfer { transfer_id: tid });
+        };
+        let violation = |detail: String| Error::GrantViolation {
+            transfer_id: tid,
+            detail,
+        };
+        let g = &t.grant;
+        let layer_end = u32::from(notice.layer_start) + u32::from(notice.layer_count);
+        if notice.layer_count == 0 || layer_end > u32::from(g.layer_count) {
+            return Err(violation(format!(
+                "layers {}..{layer_end} outside the grant's {}",
+                notice.layer_start, g.layer_count
+            )));
+        }
+        if g.page_count == 0 && (notice.layer_start, notice.layer_count) != (0, g.layer_count) {
+            return Err(violation(format!(
+                "an empty grant's notice names layers {}..{layer_end}, not all {}",
+                notice.layer_start, g.layer_count
+            )));
+        }
+        let pages = u64::from(notice.layer_count) * u64::from(g.page_count);
+        let bytes = pages * u64::from(g.page_bytes);
+        if notice.page_count != pages || notice.byte_count != bytes {
+            let detail = format!(
+                "notice for {} layers says {} pages / {} bytes; the grant's are {pages} / {bytes}",
+                notice.layer_count, notice.page_count, notice.byte_count
+            );
+            return Ok(self.end(
+                tid,
+                Some(Error::TransferIncomplete {
+                    transfer_id: tid,
+                    detail,
+                }),
+            ));
+        }
+        let per_layer = g.page_count as usize;
+        let layers = notice.layer_start..notice.layer_start + notice.layer_count;
+        if let Some(layer) = layers.clone().find(|&l| {
+            let base = usize::from(l) * per_layer;
+            t.page_state[base..base + per_layer]
+                .iter()
+                .any(|&s| s != PAGE_PENDING)
+        }) {
+            return Err(violation(format!("layer {layer} announced twice")));
+        }
+        let mut events = Vec::new();
+        if per_layer > 0 {
+            for layer in layers {
+                let base = usize::from(layer) * per_layer;
+                t.page_state[base..base + per_layer].fill(PAGE_LANDED);
+                t.landed_per_layer[usize::from(layer)] = g.page_count;
+                events.push(TransferEvent::LayerComplete {
+                    transfer_id: tid,
+                    request_id: g.request_id,
+                    layer,
+                });
+            }
+            t.landed_total += pages;
+            t.blocks += 1;
+            t.bytes += bytes;
+        }
+        if t.landed_total == t.page_state.len() as u64 {
+            let done = KvDone {
+                transfer_id: tid,
+                chunk_count: t.blocks,
+                byte_count: t.bytes,
+            };
+            events.extend(self.sender_done(owner, &done)?);
+        }
+        Ok(events)
     }
 
     /// End a live transfer from outside (deadline, cancel, connection lost).

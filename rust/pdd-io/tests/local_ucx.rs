@@ -9,6 +9,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use pdd_core::kv::TransferEvent;
 use pdd_core::wire::handshake::LocalHello;
 use pdd_core::wire::{capability, Frame, LocalDone, Role};
 use pdd_core::Error;
@@ -778,4 +779,294 @@ async fn kept_keys_are_bounded_per_endpoint() {
         again[MAX_SESSION_KEYS], first[MAX_SESSION_KEYS],
         "past the bound: unpacked anew"
     );
+}
+
+/// Events queued at the receiver, waiting (bounded) until `n` are there.
+async fn events(rx: &LocalReceiver, n: usize) -> Vec<TransferEvent> {
+    let mut got = Vec::new();
+    while got.len() < n {
+        tokio::time::timeout(Duration::from_secs(5), rx.wait_event())
+            .await
+            .expect("an event within 5 s");
+        got.extend(rx.poll_events(n - got.len()));
+    }
+    got
+}
+
+/// Partial sends as on the WAN path: any subset of the grant's pages per call, in
+/// any order, each (layer, page) once; a refused call puts nothing and changes
+/// nothing; a layer is announced (LayerComplete at the receiver) only once every
+/// page of it is in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pages_in_chunks_any_order_each_once_fill_the_grant() {
+    let _g = ENV.lock().await;
+    if !ucx_here() {
+        return;
+    }
+    let (rx, tx) = pair().await;
+    let peer = rx.wait_peer().await;
+    let inbound = rx.grant(12, &DEST, Some(peer), None).await.unwrap();
+    let out = tx.wait_grant(12).await.unwrap();
+    let id = inbound.grant.transfer_id;
+    assert!(!out.started());
+    assert_eq!(rx.transfer_started(id), Some(false));
+    // Chunk 1 filled grant pages 4, 0, 1 (out of order), on every layer.
+    let first = [4u32, 0, 1];
+    let src = |gp: &[u32]| gp.iter().map(|&g| SRC[g as usize]).collect::<Vec<_>>();
+    out.send_pages(0..LAYERS, None, &first, &src(&first))
+        .await
+        .unwrap();
+    assert!(out.started());
+    // Refused, and nothing changes: a page again, twice in one call, outside the
+    // grant, a source page outside the pool.
+    for (layers, pages, srcs) in [
+        (0..1, vec![1u32, 2], vec![1u32, 2]),
+        (1..2, vec![3, 3], vec![3, 3]),
+        (0..1, vec![9], vec![1]),
+        (0..1, vec![2], vec![PAGES]),
+    ] {
+        let e = out
+            .send_pages(layers.clone(), None, &pages, &srcs)
+            .await
+            .unwrap_err();
+        assert_eq!(e.reason(), "invalid_argument", "{layers:?} {pages:?}: {e}");
+    }
+    assert_eq!(
+        out.finish().await.unwrap_err().reason(),
+        "invalid_argument",
+        "finish before every page went"
+    );
+    // No layer is whole yet: nothing announced, nothing at the receiver.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(rx.poll_events(16).is_empty());
+    assert_eq!(rx.transfer_started(id), Some(false));
+    // Layer 2 whole (its last pages, shuffled, from source layer 0): announced alone.
+    let rest = [8u32, 2, 7, 3, 6, 5];
+    out.send_pages(2..3, Some(0), &rest, &src(&rest))
+        .await
+        .unwrap();
+    let ev = events(&rx, 1).await;
+    assert!(
+        matches!(ev[..], [TransferEvent::LayerComplete { layer: 2, transfer_id, .. }] if transfer_id == id),
+        "{ev:?}"
+    );
+    assert_eq!(rx.transfer_started(id), Some(true));
+    assert!(matches!(inbound.status(), LocalStatus::InProgress));
+    // The refused pages are still sendable: the rest of layers 0 and 1.
+    out.send_pages(0..2, None, &rest, &src(&rest))
+        .await
+        .unwrap();
+    out.finish().await.unwrap();
+    let want = u64::from(LAYERS) * DEST.len() as u64 * u64::from(PB);
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(5), inbound.wait())
+            .await
+            .unwrap()
+            .unwrap(),
+        want
+    );
+    assert_eq!(out.wait().await.unwrap(), want);
+    let ev = events(&rx, 3).await;
+    assert!(
+        matches!(
+            ev[..],
+            [
+                TransferEvent::LayerComplete { layer: 0, .. },
+                TransferEvent::LayerComplete { layer: 1, .. },
+                TransferEvent::Complete { bytes, .. }
+            ] if bytes == want
+        ),
+        "{ev:?}"
+    );
+    let s = source();
+    for layer in 0..LAYERS {
+        for (g, (d, p)) in DEST.iter().zip(&SRC).enumerate() {
+            // Layer 2's later pages came from source layer 0.
+            let from = if layer == 2 && rest.contains(&(g as u32)) {
+                0
+            } else {
+                layer
+            };
+            assert_eq!(
+                rx.pool().copy_page(layer, *d).unwrap(),
+                s.copy_page(from, *p).unwrap(),
+                "layer {layer} page {d}"
+            );
+        }
+    }
+    tx.close().await;
+    rx.close().await;
+}
+
+/// An empty grant (no pages) is accepted as on the WAN path: nothing is registered
+/// or put, and it completes with 0 bytes when the sender finishes; a sender that did
+/// not offer empty_grant is never sent one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_grant_completes_when_the_sender_finishes() {
+    let _g = ENV.lock().await;
+    if !ucx_here() {
+        return;
+    }
+    let (rx, tx) = pair().await;
+    let peer = rx.wait_peer().await;
+    let inbound = rx.grant(13, &[], Some(peer), None).await.unwrap();
+    assert_eq!(inbound.grant.page_count, 0);
+    let out = tx.wait_grant(13).await.unwrap();
+    assert_eq!(
+        (out.grant().page_count, out.grant().layer_count),
+        (0, LAYERS)
+    );
+    // Nothing to send: a layer of it is no pages, and nothing happens yet.
+    out.send_layer(0, 0, &[]).await.unwrap();
+    out.send_pages(0..LAYERS, None, &[], &[]).await.unwrap();
+    assert!(!out.started());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(matches!(inbound.status(), LocalStatus::InProgress));
+    out.finish().await.unwrap();
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(5), inbound.wait())
+            .await
+            .unwrap()
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(5), out.wait())
+            .await
+            .unwrap()
+            .unwrap(),
+        0
+    );
+    let ev = events(&rx, 1).await;
+    assert!(
+        matches!(
+            ev[..],
+            [TransferEvent::Complete {
+                bytes: 0,
+                blocks: 0,
+                ..
+            }]
+        ),
+        "{ev:?}"
+    );
+    // A grant of pages goes on after it, on the same session.
+    let inbound = rx.grant(14, &[3], Some(peer), None).await.unwrap();
+    let out = tx.wait_grant(14).await.unwrap();
+    out.send_pages(0..LAYERS, None, &[0], &[5]).await.unwrap();
+    out.finish().await.unwrap();
+    assert_eq!(
+        inbound.wait().await.unwrap(),
+        u64::from(LAYERS) * u64::from(PB)
+    );
+    tx.close().await;
+    // A peer that did not offer empty_grant (an older sender) is refused one.
+    let (_c, _) = raw_peer(&rx).await;
+    let mut old = None;
+    for _ in 0..100 {
+        old = rx.peers().into_iter().find(|&p| p != peer);
+        if old.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let e = rx.grant(15, &[], old, None).await.err().unwrap();
+    assert_eq!(e.reason(), "invalid_argument", "{e}");
+    assert!(e.to_string().contains("empty_grant"), "{e}");
+    rx.close().await;
+}
+
+/// The sender's abort reason reaches the receiver in its failure (ABORT for the
+/// request, as on the WAN path); the pages come back; a second abort is false.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sender_abort_carries_its_reason_to_the_receiver() {
+    let _g = ENV.lock().await;
+    if !ucx_here() {
+        return;
+    }
+    let (rx, tx) = pair().await;
+    let peer = rx.wait_peer().await;
+    let inbound = rx.grant(16, &[1, 2, 3], Some(peer), None).await.unwrap();
+    let out = tx.wait_grant(16).await.unwrap();
+    out.send_pages(0..1, None, &[0], &[4]).await.unwrap();
+    assert!(out.abort("engine preempted the request"));
+    assert!(!out.abort("again"), "already ended");
+    let e = tokio::time::timeout(Duration::from_secs(5), inbound.wait())
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(e.reason(), "peer_aborted");
+    assert!(
+        e.to_string().contains("engine preempted the request"),
+        "{e}"
+    );
+    match out.status() {
+        LocalStatus::Failed(e) => {
+            assert_eq!(e.reason(), "cancelled");
+            assert!(e.to_string().contains("engine preempted"), "{e}");
+        }
+        s => panic!("{s:?}"),
+    }
+    let ev = events(&rx, 1).await;
+    assert!(
+        matches!(&ev[..], [TransferEvent::Failed { error, request_id: 16, .. }] if error.to_string().contains("engine preempted the request")),
+        "{ev:?}"
+    );
+    // The pages are free again; a reason past the frame's bound (multi-byte
+    // characters across the cut) is shortened, not refused.
+    let inbound = rx.grant(17, &[1, 2, 3], Some(peer), None).await.unwrap();
+    let out = tx.wait_grant(17).await.unwrap();
+    assert!(out.abort(&"é".repeat(2000)));
+    let e = tokio::time::timeout(Duration::from_secs(5), inbound.wait())
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(e.reason(), "peer_aborted");
+    assert!(e.to_string().contains("éé"), "{e}");
+    tx.close().await;
+    rx.close().await;
+}
+
+/// wait_event sleeps until an event is queued (no event: it does not return), and
+/// an event wakes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_event_is_woken_by_an_event() {
+    let _g = ENV.lock().await;
+    if !ucx_here() {
+        return;
+    }
+    let (rx, tx) = pair().await;
+    let rx = Arc::new(rx);
+    let peer = rx.wait_peer().await;
+    let inbound = rx.grant(18, &[1], Some(peer), None).await.unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), rx.wait_event())
+            .await
+            .is_err(),
+        "no event yet"
+    );
+    let waiter = {
+        let rx = rx.clone();
+        tokio::spawn(async move {
+            tokio::time::timeout(Duration::from_secs(10), rx.wait_event())
+                .await
+                .is_ok()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let t0 = std::time::Instant::now();
+    assert!(rx.cancel(inbound.grant.transfer_id));
+    assert!(waiter.await.unwrap(), "woken by the cancellation's event");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    // Queued and not taken: returns at once; taken: waits again.
+    tokio::time::timeout(Duration::from_millis(100), rx.wait_event())
+        .await
+        .unwrap();
+    assert_eq!(rx.poll_events(16).len(), 1);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), rx.wait_event())
+            .await
+            .is_err()
+    );
+    tx.close().await;
+    rx.close().await;
 }

@@ -117,6 +117,53 @@ macro_rules! send_layer_method {
     };
 }
 
+/// `send_pages(grant_pages, src_pages, *, layer=None, src_layer=None, timeout=60.0)`:
+/// the sender's partial send on either path (the handle's `inner` has an async
+/// `send_pages(layers, src_layer, &grant_pages, &src_pages)` and a `grant()`), the
+/// GIL released, bounded by `timeout`. `$doc` is its docstring, `$what` names it in a
+/// timeout's message.
+macro_rules! send_pages_method {
+    ($ty:ty, $doc:literal, $what:literal) => {
+        #[pyo3::pymethods]
+        impl $ty {
+            #[doc = $doc]
+            #[pyo3(signature = (grant_pages, src_pages, *, layer = None, src_layer = None, timeout = 60.0))]
+            fn send_pages(
+                &self,
+                py: pyo3::Python<'_>,
+                grant_pages: &pyo3::Bound<'_, pyo3::PyAny>,
+                src_pages: &pyo3::Bound<'_, pyo3::PyAny>,
+                layer: Option<u16>,
+                src_layer: Option<u16>,
+                timeout: f64,
+            ) -> pyo3::PyResult<()> {
+                let grant_pages = $crate::convert::u32s_from_py(grant_pages, "grant_pages")?;
+                let src_pages = $crate::convert::u32s_from_py(src_pages, "src_pages")?;
+                let layers = match layer {
+                    Some(l) => l..l.saturating_add(1),
+                    None => 0..self.inner.grant().layer_count,
+                };
+                if layer.is_none() && src_layer.is_some() {
+                    return Err($crate::errors::invalid(
+                        "src_layer needs layer: one source layer feeds one grant layer",
+                    ));
+                }
+                let t = self.inner.clone();
+                $crate::kv::wait_bounded(
+                    py,
+                    $crate::convert::seconds(timeout, "timeout")?,
+                    $what,
+                    async move {
+                        t.send_pages(layers, src_layer, &grant_pages, &src_pages)
+                            .await
+                    },
+                )
+            }
+        }
+    };
+}
+
 pub(crate) use grant_getters;
 pub(crate) use send_layer_method;
+pub(crate) use send_pages_method;
 pub(crate) use settle_waits;

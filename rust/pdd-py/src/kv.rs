@@ -413,22 +413,8 @@ impl InboundTransfer {
         py: Python<'py>,
         address: Option<String>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let g = &self.inner.grant;
-        let d = PyDict::new(py);
-        d.set_item("version", 1)?;
-        d.set_item(
-            "address",
-            address.unwrap_or_else(|| self.receiver.local_addr().to_string()),
-        )?;
-        d.set_item("request_id", g.request_id)?;
-        if self.key.bind(py).is_instance_of::<pyo3::types::PyString>() {
-            d.set_item("request_key", self.key.bind(py))?;
-        }
-        d.set_item("peer", self.inner.peer)?;
-        d.set_item("layers", g.layer_count)?;
-        d.set_item("pages", g.page_count)?;
-        d.set_item("page_bytes", g.page_bytes)?;
-        Ok(d)
+        let address = address.unwrap_or_else(|| self.receiver.local_addr().to_string());
+        grant_ticket(py, &self.inner.grant, address, &self.key, self.inner.peer)
     }
 
     /// `{"state": "in_progress"|"complete"|"failed", ...}`.
@@ -453,6 +439,29 @@ impl InboundTransfer {
         }
         Ok(d)
     }
+}
+
+/// A grant's ticket (`InboundTransfer.ticket`, `LocalInbound.ticket`): what a sender
+/// needs to find and fill it, as a JSON-safe dict.
+pub(crate) fn grant_ticket<'py>(
+    py: Python<'py>,
+    g: &pdd_core::wire::KvGrant,
+    address: String,
+    key: &Py<PyAny>,
+    peer: u64,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("version", 1)?;
+    d.set_item("address", address)?;
+    d.set_item("request_id", g.request_id)?;
+    if key.bind(py).is_instance_of::<pyo3::types::PyString>() {
+        d.set_item("request_key", key.bind(py))?;
+    }
+    d.set_item("peer", peer)?;
+    d.set_item("layers", g.layer_count)?;
+    d.set_item("pages", g.page_count)?;
+    d.set_item("page_bytes", g.page_bytes)?;
+    Ok(d)
 }
 
 /// A KV sender session connected to a receiver.
@@ -658,6 +667,15 @@ crate::handles::send_layer_method!(
      source pool layer `src_layer` (`layer` with None). Returns once queued.",
     "queueing the layer"
 );
+crate::handles::send_pages_method!(
+    OutboundTransfer,
+    "Queue grant pages `grant_pages` (grant-relative indices, any subset, any order) \
+     from source pages `src_pages` (one per grant page), on grant layer `layer` (every \
+     grant layer with None, each from the same source layer index) of source pool \
+     layer `src_layer` (`layer` with None). Each `(layer, page)` goes once per \
+     transfer; a call that repeats one queues nothing and raises.",
+    "queueing the pages"
+);
 crate::handles::settle_waits!(
     OutboundTransfer,
     "Block (GIL released) until the receiver confirms (returns bytes) or it fails.",
@@ -671,44 +689,6 @@ impl OutboundTransfer {
     #[getter]
     fn request_key(&self, py: Python<'_>) -> Py<PyAny> {
         self.key.clone_ref(py)
-    }
-
-    /// Queue grant pages `grant_pages` (grant-relative indices, any subset, any
-    /// order) from source pages `src_pages` (one per grant page), on grant layer
-    /// `layer` (every grant layer with None, each from the same source layer index)
-    /// of source pool layer `src_layer` (`layer` with None). Each `(layer, page)` goes
-    /// once per transfer; a call that repeats one queues nothing and raises.
-    #[pyo3(signature = (grant_pages, src_pages, *, layer = None, src_layer = None, timeout = 60.0))]
-    fn send_pages(
-        &self,
-        py: Python<'_>,
-        grant_pages: &Bound<'_, PyAny>,
-        src_pages: &Bound<'_, PyAny>,
-        layer: Option<u16>,
-        src_layer: Option<u16>,
-        timeout: f64,
-    ) -> PyResult<()> {
-        let grant_pages = u32s_from_py(grant_pages, "grant_pages")?;
-        let src_pages = u32s_from_py(src_pages, "src_pages")?;
-        let layers = match layer {
-            Some(l) => l..l.saturating_add(1),
-            None => 0..self.inner.grant().layer_count,
-        };
-        if layer.is_none() && src_layer.is_some() {
-            return Err(crate::errors::invalid(
-                "src_layer needs layer: one source layer feeds one grant layer",
-            ));
-        }
-        let t = self.inner.clone();
-        wait_bounded(
-            py,
-            seconds(timeout, "timeout")?,
-            "queueing the pages",
-            async move {
-                t.send_pages(layers, src_layer, &grant_pages, &src_pages)
-                    .await
-            },
-        )
     }
 
     /// Give up on the transfer: the receiver fails it with `peer_aborted` and a

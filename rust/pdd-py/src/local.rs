@@ -15,8 +15,8 @@ use pyo3::types::PyDict;
 
 use crate::convert::{address, role, seconds, u32s_from_py};
 use crate::errors::PddErr;
-use crate::kv::{metrics_dict, wait_bounded, KvPool};
-use crate::kv_events::RequestKey;
+use crate::kv::{grant_ticket, metrics_dict, wait_bounded, KvPool};
+use crate::kv_events::{poll_state, KvPoll, RequestKey};
 use crate::runtime::{block_on, runtime};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -116,6 +116,18 @@ fn add_ucx_fallback(path: &str) -> PyResult<()> {
     Ok(())
 }
 
+/// The address prefix that names the local path (`pdd_transport.local.LOCAL_SCHEME`).
+const LOCAL_SCHEME: &str = "local://";
+
+/// The poll state of a local transfer's status; `started`: whether any page moved.
+fn poll_of(s: &LocalStatus, started: bool) -> KvPoll {
+    match s {
+        LocalStatus::Complete { .. } => poll_state(Some(Ok(())), true),
+        LocalStatus::Failed(e) => poll_state(Some(Err(e)), true),
+        LocalStatus::InProgress => poll_state(None, started),
+    }
+}
+
 fn status_dict<'py>(py: Python<'py>, s: &LocalStatus) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     match s {
@@ -202,6 +214,8 @@ impl LocalReceiver {
     /// Grant `pages` (pool pages, in the order the sender fills them) on every
     /// layer to `peer` (the only sender with None): only these pages are exposed.
     /// `request_id` is an int or the engine's str/bytes key (`kv.request_id_of`).
+    /// No pages is an empty grant, as on the KV lanes: it completes with 0 bytes
+    /// once the sender finishes.
     #[pyo3(signature = (request_id, pages, *, peer = None, deadline_s = None, timeout = 10.0))]
     fn grant(
         &self,
@@ -227,7 +241,11 @@ impl LocalReceiver {
             .remember(py, t.grant.transfer_id, &request_id.key, |id| {
                 live.is_live(id)
             });
-        Ok(LocalInbound { inner: t })
+        Ok(LocalInbound {
+            inner: t,
+            receiver: self.inner.clone(),
+            key: request_id.key,
+        })
     }
 
     /// Cancel a live transfer (its keys are revoked, the sender told). False if it
@@ -255,6 +273,24 @@ impl LocalReceiver {
             .collect()
     }
 
+    /// Wait up to `timeout` seconds (GIL released) for an event; True if one is
+    /// queued. Woken by the events themselves, as `KvReceiver.wait_event`.
+    #[pyo3(signature = (timeout = 10.0))]
+    fn wait_event(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
+        let rx = self.inner.clone();
+        let t = seconds(timeout, "timeout")?;
+        block_on(py, async move {
+            tokio::time::timeout(t, rx.wait_event()).await.is_ok()
+        })
+    }
+
+    /// As `KvReceiver.release_lease`; the local path has no prefix cache, so it
+    /// never hands out a lease and there is none to drop: always False.
+    fn release_lease(&self, lease_id: u64) -> bool {
+        let _ = lease_id;
+        false
+    }
+
     /// Counters.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         metrics_dict(py, self.inner.metrics())
@@ -271,6 +307,8 @@ impl LocalReceiver {
 #[pyclass(frozen, module = "pdd_transport._native")]
 pub struct LocalInbound {
     inner: receiver::LocalInbound,
+    receiver: Arc<receiver::LocalReceiver>,
+    key: Py<PyAny>,
 }
 
 crate::handles::grant_getters!(LocalInbound, |h| h.inner.grant);
@@ -283,6 +321,47 @@ crate::handles::settle_waits!(
 
 #[pymethods]
 impl LocalInbound {
+    /// The request key the grant was made with (int, str or bytes).
+    #[getter]
+    fn request_key(&self, py: Python<'_>) -> Py<PyAny> {
+        self.key.clone_ref(py)
+    }
+
+    /// The sender it was granted to (the receiver's number for it, as `peers()`
+    /// lists).
+    #[getter]
+    fn peer(&self) -> u64 {
+        self.inner.peer
+    }
+
+    /// Where the transfer stands, without waiting. TRANSFERRING once the sender
+    /// announced a layer (its puts are invisible here until then).
+    fn poll(&self) -> KvPoll {
+        let started = self
+            .receiver
+            .transfer_started(self.inner.grant.transfer_id)
+            .unwrap_or(true);
+        poll_of(&self.inner.status(), started)
+    }
+
+    /// As `InboundTransfer.ticket`, its address naming the local path:
+    /// `"local://host:port"` (`address`, `host:port` or already `local://`, defaults
+    /// to the receiver's bound address), for a `LocalSender` connected to `host:port`.
+    #[pyo3(signature = (address = None))]
+    fn ticket<'py>(
+        &self,
+        py: Python<'py>,
+        address: Option<String>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let address = address.unwrap_or_else(|| self.receiver.local_addr().to_string());
+        let address = if address.starts_with(LOCAL_SCHEME) {
+            address
+        } else {
+            format!("{LOCAL_SCHEME}{address}")
+        };
+        grant_ticket(py, &self.inner.grant, address, &self.key, self.inner.peer)
+    }
+
     /// `{"state": "in_progress" | "complete" | "failed", ...}`.
     fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         status_dict(py, &self.inner.status())
@@ -339,14 +418,16 @@ impl LocalSender {
         timeout: f64,
     ) -> PyResult<LocalOutbound> {
         let tx = self.inner.clone();
+        let id = request_id.id;
         let out = wait_bounded(
             py,
             seconds(timeout, "timeout")?,
             "a local grant",
-            async move { tx.wait_grant(request_id.id).await },
+            async move { tx.wait_grant(id).await },
         )?;
         Ok(LocalOutbound {
             inner: Arc::new(out),
+            key: request_id.key,
         })
     }
 
@@ -359,6 +440,7 @@ impl LocalSender {
             .map_err(PddErr)?
             .map(|out| LocalOutbound {
                 inner: Arc::new(out),
+                key: request_id.key,
             }))
     }
 
@@ -378,6 +460,7 @@ impl LocalSender {
 #[pyclass(frozen, module = "pdd_transport._native")]
 pub struct LocalOutbound {
     inner: Arc<sender::LocalOutbound>,
+    key: Py<PyAny>,
 }
 
 crate::handles::grant_getters!(LocalOutbound, |h| h.inner.grant());
@@ -388,6 +471,17 @@ crate::handles::send_layer_method!(
      receiver's memory and the completion notice is queued.",
     "a local layer put"
 );
+crate::handles::send_pages_method!(
+    LocalOutbound,
+    "Put grant pages `grant_pages` (grant-relative indices, any subset, any order) from \
+     source pages `src_pages` (one per grant page), on grant layer `layer` (every grant \
+     layer with None, each from the same source layer index) of source pool layer \
+     `src_layer` (`layer` with None), as `OutboundTransfer.send_pages`: each `(layer, \
+     page)` goes once per transfer, and a call that repeats one puts nothing and raises. \
+     Returns once the bytes are in the receiver's memory and the notices of the layers \
+     it completed are queued.",
+    "a local put"
+);
 crate::handles::settle_waits!(
     LocalOutbound,
     "Wait for the receiver's confirmation (bytes) or raise why it failed.",
@@ -397,18 +491,32 @@ crate::handles::settle_waits!(
 
 #[pymethods]
 impl LocalOutbound {
-    /// Check every layer was sent.
+    /// The request key given to `wait_grant` (int, str or bytes).
+    #[getter]
+    fn request_key(&self, py: Python<'_>) -> Py<PyAny> {
+        self.key.clone_ref(py)
+    }
+
+    /// Every page of every layer was sent (raises naming how many were not); for an
+    /// empty grant, this is what completes it.
     fn finish(&self, py: Python<'_>) -> PyResult<()> {
         let out = self.inner.clone();
         block_on(py, async move { out.finish().await })?.map_err(|e| PddErr(e).into())
     }
 
-    /// Give up (the receiver is told; keys destroyed).
-    fn abort(&self) -> PyResult<()> {
+    /// Give up on the transfer: the receiver fails it with `peer_aborted` and a
+    /// message carrying `reason`; here it fails with `cancelled`; the keys are
+    /// destroyed. False if it had already ended.
+    #[pyo3(signature = (reason = "aborted"))]
+    fn abort(&self, reason: &str) -> PyResult<bool> {
         let rt = runtime()?;
         let _guard = rt.enter();
-        self.inner.abort();
-        Ok(())
+        Ok(self.inner.abort(reason))
+    }
+
+    /// Where the transfer stands, without waiting.
+    fn poll(&self) -> KvPoll {
+        poll_of(&self.inner.status(), self.inner.started())
     }
 
     /// `{"state": ...}` as for `LocalInbound.status`.

@@ -180,6 +180,19 @@ impl SenderTransfer {
         self.blocks > 0
     }
 
+    /// Whether every page of grant layer `layer` was sent (false outside the grant;
+    /// true for every layer of an empty grant, which has no page to send). A path
+    /// that announces whole layers (the local path's LOCAL_DONE) announces a layer
+    /// once this holds and the writes planned for it are done.
+    pub fn layer_sent(&self, layer: u16) -> bool {
+        if layer >= self.grant.layer_count {
+            return false;
+        }
+        let pages = self.grant.page_count as usize;
+        let row = usize::from(layer) * pages;
+        self.sent[row..row + pages].iter().all(|&s| s)
+    }
+
     /// The KV_DONE that closes the transfer, once every page of every layer was sent.
     pub fn finish(&mut self) -> Result<KvDone> {
         if self.finished {
@@ -273,6 +286,20 @@ mod tests {
         }
         // The refused pages of layer 1 are still sendable.
         assert_eq!(tx.send_pages(0..2, &[1], 64).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn a_layer_is_sent_once_every_page_of_it_was() {
+        let mut rx = ReceiverState::new(2, 16, 4).unwrap();
+        let mut tx = SenderTransfer::new(grant(&mut rx, &[1, 2, 3], 2));
+        tx.send_pages(0..2, &[2, 0], 64).unwrap();
+        assert!(!tx.layer_sent(0) && !tx.layer_sent(1));
+        tx.send_pages(1..2, &[1], 64).unwrap();
+        assert!(!tx.layer_sent(0) && tx.layer_sent(1));
+        assert!(!tx.layer_sent(2), "outside the grant");
+        // An empty grant's layers have nothing to send.
+        let empty = SenderTransfer::new(grant(&mut rx, &[], 2));
+        assert!(empty.layer_sent(0) && empty.layer_sent(1) && !empty.layer_sent(2));
     }
 
     #[test]

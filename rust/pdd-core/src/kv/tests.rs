@@ -529,3 +529,123 @@ fn an_empty_grant_with_a_done_that_claims_data_fails() {
         "{ev:?}"
     );
 }
+
+fn notice(
+    transfer_id: u64,
+    layers: std::ops::Range<u16>,
+    pages: u64,
+    page_bytes: u64,
+) -> LocalDone {
+    LocalDone {
+        transfer_id,
+        layer_start: layers.start,
+        layer_count: layers.end - layers.start,
+        page_count: pages,
+        byte_count: pages * page_bytes,
+    }
+}
+
+#[test]
+fn layer_notices_complete_a_one_sided_transfer_in_any_layer_order() {
+    let mut rx = ReceiverState::new(3, 16, 8).unwrap();
+    let g = rx.grant(7, &[4, 9], 3, 0).unwrap();
+    let id = g.transfer_id;
+    // Layer 2, then layers 0..2 in one notice: the second notice completes it.
+    let ev = rx.layers_written(0, &notice(id, 2..3, 2, 8)).unwrap();
+    assert_eq!(
+        ev,
+        vec![TransferEvent::LayerComplete {
+            transfer_id: id,
+            request_id: 7,
+            layer: 2
+        }]
+    );
+    assert!(rx.progress_of(id).unwrap() > 0, "a notice is progress");
+    let ev = rx.layers_written(0, &notice(id, 0..2, 4, 8)).unwrap();
+    assert_eq!(ev.len(), 3, "{ev:?}");
+    assert_eq!(
+        ev[2],
+        TransferEvent::Complete {
+            transfer_id: id,
+            request_id: 7,
+            bytes: 48,
+            blocks: 2
+        }
+    );
+    assert_eq!(rx.pages_held(), 0);
+    // A late notice of the ended transfer, from its session, changes nothing.
+    assert!(rx
+        .layers_written(0, &notice(id, 0..1, 2, 8))
+        .unwrap()
+        .is_empty());
+}
+
+#[test]
+fn a_layer_notice_outside_twice_or_foreign_is_a_violation_and_wrong_counts_fail() {
+    let mut rx = ReceiverState::new(2, 16, 8).unwrap();
+    let g = rx.grant_to(1, 40, 7, &[4, 9], 2, 0).unwrap();
+    let id = g.transfer_id;
+    for bad in [notice(id, 2..3, 2, 8), notice(id, 1..3, 4, 8)] {
+        assert_eq!(
+            rx.layers_written(1, &bad).unwrap_err().reason(),
+            "grant_violation"
+        );
+    }
+    // Another session: as if the transfer did not exist, and nothing changed.
+    assert_eq!(
+        rx.layers_written(2, &notice(id, 0..1, 2, 8))
+            .unwrap_err()
+            .reason(),
+        "unknown_transfer"
+    );
+    assert_eq!(rx.progress_of(id), Some(0));
+    rx.layers_written(1, &notice(id, 0..1, 2, 8)).unwrap();
+    assert_eq!(
+        rx.layers_written(1, &notice(id, 0..1, 2, 8))
+            .unwrap_err()
+            .reason(),
+        "grant_violation",
+        "a layer announced twice"
+    );
+    // One page short on layer 1: the transfer fails, the session goes on.
+    let ev = rx.layers_written(1, &notice(id, 1..2, 1, 8)).unwrap();
+    assert!(
+        matches!(&ev[..], [TransferEvent::Failed { error, .. }] if error.reason() == "transfer_incomplete"),
+        "{ev:?}"
+    );
+    assert_eq!(rx.pages_held(), 0);
+}
+
+#[test]
+fn an_empty_grant_completes_on_one_notice_naming_all_its_layers() {
+    let mut rx = ReceiverState::new(3, 4, 4).unwrap();
+    let g = rx.grant(9, &[], 3, 0).unwrap();
+    let id = g.transfer_id;
+    assert_eq!(
+        rx.layers_written(0, &notice(id, 0..1, 0, 4))
+            .unwrap_err()
+            .reason(),
+        "grant_violation",
+        "an empty grant's notice names every layer"
+    );
+    assert_eq!(
+        rx.layers_written(0, &notice(id, 0..3, 0, 4)).unwrap(),
+        vec![TransferEvent::Complete {
+            transfer_id: id,
+            request_id: 9,
+            bytes: 0,
+            blocks: 0
+        }]
+    );
+    let g = rx.grant(10, &[], 1, 0).unwrap();
+    let claims = LocalDone {
+        page_count: 0,
+        byte_count: 4,
+        ..notice(g.transfer_id, 0..1, 0, 4)
+    };
+    let ev = rx.layers_written(0, &claims).unwrap();
+    assert!(
+        matches!(&ev[..], [TransferEvent::Failed { error, .. }] if error.reason() == "transfer_incomplete"),
+        "{ev:?}"
+    );
+}

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use pdd_core::kv::{BlockDisposition, KvBlock, ReceiverState, TransferEvent};
+use pdd_core::kv::{ReceiverState, TransferEvent};
 use pdd_core::wire::handshake::LocalHello;
 use pdd_core::wire::{
     capability, Abort, Frame, KvDone, KvGrant, LocalAddr, LocalDone, LocalGrant, LocalRegion,
@@ -71,6 +71,8 @@ struct Session {
     control: lane::ControlTx,
     end: CancellationToken,
     peer_max_payload: u32,
+    /// Both sides offered `empty_grant`: a grant of zero pages may be sent.
+    empty_grant: bool,
 }
 
 fn control_max(shared: &Shared, peer: u64) -> u32 {
@@ -86,9 +88,6 @@ struct Entry {
     grant: KvGrant,
     memory: Vec<u64>,
     status: watch::Sender<LocalStatus>,
-    notices: u32,
-    layers_done: u32,
-    bytes: u64,
 }
 
 /// Transfer events kept for [`LocalReceiver::poll_events`]; past this the oldest are
@@ -97,6 +96,8 @@ pub const MAX_QUEUED_EVENTS: usize = 65_536;
 
 struct Shared {
     events: Mutex<std::collections::VecDeque<TransferEvent>>,
+    /// Bumped after events were queued ([`LocalReceiver::wait_event`]).
+    events_changed: watch::Sender<u64>,
     pool: Arc<PagePool>,
     cfg: LocalReceiverConfig,
     ucx: UcxEndpoint,
@@ -119,6 +120,9 @@ struct Shared {
 pub struct LocalInbound {
     /// The grant (what the sender was told).
     pub grant: KvGrant,
+    /// The sender's session it was granted to (the receiver's number for it, as
+    /// [`LocalReceiver::peers`] lists).
+    pub peer: u64,
     status: watch::Receiver<LocalStatus>,
 }
 
@@ -154,7 +158,7 @@ impl LocalReceiver {
                 detail: "the local path registers host memory only".into(),
             });
         }
-        cfg.hello.capabilities |= capability::LOCAL_UCX;
+        cfg.hello.capabilities |= capability::LOCAL_UCX | capability::EMPTY_GRANT;
         lane::check_exposure(
             cfg.listen,
             &cfg.hello,
@@ -173,6 +177,7 @@ impl LocalReceiver {
         let metrics = Arc::new(Metrics::default());
         let shared = Arc::new(Shared {
             events: Mutex::new(std::collections::VecDeque::new()),
+            events_changed: watch::channel(0).0,
             pool,
             cfg,
             ucx,
@@ -246,6 +251,11 @@ impl LocalReceiver {
     /// pages with UCX (pages inside a [`super::shared::SharedAllocation`] go under its
     /// key, unregistered) and sends KV_GRANT and LOCAL_GRANT. With a deadline, the
     /// transfer fails `deadline_exceeded` if it is not complete in time.
+    ///
+    /// No pages is an empty grant ("I hold all of it, send nothing"), as on the WAN
+    /// path: a KV_GRANT of 0 pages and no LOCAL_GRANT (nothing is registered); it
+    /// completes with 0 bytes and no `LayerComplete` once the sender finishes. Only
+    /// to a sender that offered `empty_grant` (this build's do).
     pub async fn grant(
         &self,
         request_id: u64,
@@ -253,13 +263,6 @@ impl LocalReceiver {
         peer: Option<u64>,
         deadline: Option<Duration>,
     ) -> Result<LocalInbound, Error> {
-        if pages.is_empty() {
-            // The local path has no empty grant (capability EMPTY_GRANT is a WAN-lane
-            // one): RelayDecode always takes the whole KV.
-            return Err(Error::InvalidArgument(
-                "a local-path grant needs at least one page".into(),
-            ));
-        }
         let shared = &self.shared;
         let (peer, control) = {
             let sessions = lock(&shared.sessions);
@@ -276,6 +279,13 @@ impl LocalReceiver {
             let s = sessions.get(&peer).ok_or_else(|| Error::ConnectionLost {
                 detail: format!("sender {peer} is not connected"),
             })?;
+            if pages.is_empty() && !s.empty_grant {
+                // An older sender would wait for a LOCAL_GRANT that never comes.
+                return Err(Error::InvalidArgument(format!(
+                    "sender {peer} does not accept an empty grant (capability empty_grant): \
+                     grant at least one page"
+                )));
+            }
             (peer, s.control.clone())
         };
         let deadline_ms =
@@ -352,28 +362,30 @@ impl LocalReceiver {
                 grant: grant.clone(),
                 memory,
                 status,
-                notices: 0,
-                layers_done: 0,
-                bytes: 0,
             },
         );
         let frame = Frame::LocalGrant(local);
-        let sent = frame
-            .validate()
-            .and_then(|()| frame.payload_len())
-            .and_then(|len| {
-                if len > control_max(shared, peer) as usize {
-                    Err(Error::LimitExceeded {
-                        what: "LOCAL_GRANT bytes (regions x keys) for the peer's max_payload"
-                            .into(),
-                        limit: u64::from(control_max(shared, peer)),
-                    })
-                } else {
-                    Ok(())
-                }
-            })
-            .and_then(|()| control.send(Frame::KvGrant(grant.clone())))
-            .and_then(|()| control.send(frame));
+        let sent = if pages.is_empty() {
+            // An empty grant: no page, no region, no LOCAL_GRANT.
+            control.send(Frame::KvGrant(grant.clone()))
+        } else {
+            frame
+                .validate()
+                .and_then(|()| frame.payload_len())
+                .and_then(|len| {
+                    if len > control_max(shared, peer) as usize {
+                        Err(Error::LimitExceeded {
+                            what: "LOCAL_GRANT bytes (regions x keys) for the peer's max_payload"
+                                .into(),
+                            limit: u64::from(control_max(shared, peer)),
+                        })
+                    } else {
+                        Ok(())
+                    }
+                })
+                .and_then(|()| control.send(Frame::KvGrant(grant.clone())))
+                .and_then(|()| control.send(frame))
+        };
         if let Err(e) = sent {
             let ev = lock(&shared.state).fail(grant.transfer_id, e.clone());
             apply(shared, ev);
@@ -393,7 +405,11 @@ impl LocalReceiver {
                 }
             });
         }
-        Ok(LocalInbound { grant, status: rx })
+        Ok(LocalInbound {
+            grant,
+            peer,
+            status: rx,
+        })
     }
 
     /// Take up to `max` transfer events (layer complete, complete, failed), oldest
@@ -404,9 +420,29 @@ impl LocalReceiver {
         q.drain(..n).collect()
     }
 
+    /// Wait until at least one event is queued (returns at once if one is): woken
+    /// by the events themselves, no polling.
+    pub async fn wait_event(&self) {
+        let mut changed = self.shared.events_changed.subscribe();
+        while lock(&self.shared.events).is_empty() {
+            if changed.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
     /// Whether `transfer_id` is still live (granted, not yet ended).
     pub fn is_live(&self, transfer_id: u64) -> bool {
         lock(&self.shared.transfers).contains_key(&transfer_id)
+    }
+
+    /// Whether a live transfer has had a layer announced yet (the sender's puts are
+    /// invisible to the receiver until its completion notice): `None` once it ended
+    /// (or never existed), else `Some(started)`.
+    pub fn transfer_started(&self, transfer_id: u64) -> Option<bool> {
+        lock(&self.shared.state)
+            .progress_of(transfer_id)
+            .map(|p| p > 0)
     }
 
     /// Cancel a transfer: it fails `cancelled`, the sender is told, the pages'
@@ -448,21 +484,28 @@ impl Drop for LocalReceiver {
 
 /// Act on transfer events: statuses, the sender's KV_DONE or ABORT, revocation.
 fn apply(shared: &Arc<Shared>, events: Vec<TransferEvent>) {
-    {
-        let mut q = lock(&shared.events);
-        for ev in &events {
-            if q.len() >= MAX_QUEUED_EVENTS {
-                q.pop_front();
-            }
-            q.push_back(ev.clone());
+    if events.is_empty() {
+        return;
+    }
+    // The events and the statuses they settle change under the events' lock (taken
+    // before `transfers` and `sessions`, never after): whoever takes an event sees its
+    // transfer's status settled too, and a `wait()` that returned finds its event.
+    let mut q = lock(&shared.events);
+    for ev in &events {
+        if q.len() >= MAX_QUEUED_EVENTS {
+            q.pop_front();
         }
+        q.push_back(ev.clone());
     }
     for ev in events {
         let (tid, outcome) = match ev {
             TransferEvent::LayerComplete { .. } => continue,
             TransferEvent::Complete {
-                transfer_id, bytes, ..
-            } => (transfer_id, Ok(bytes)),
+                transfer_id,
+                bytes,
+                blocks,
+                ..
+            } => (transfer_id, Ok((bytes, blocks))),
             TransferEvent::Failed {
                 transfer_id, error, ..
             } => (transfer_id, Err(error)),
@@ -477,13 +520,13 @@ fn apply(shared: &Arc<Shared>, events: Vec<TransferEvent>) {
             .get(&entry.session)
             .map(|s| s.control.clone());
         match outcome {
-            Ok(bytes) => {
+            Ok((bytes, notices)) => {
                 Metrics::add(&shared.metrics.transfers_completed_total, 1);
                 Metrics::add(&shared.metrics.bytes_received_total, bytes);
                 if let Some(c) = control {
                     let _ = c.send(Frame::KvDone(KvDone {
                         transfer_id: tid,
-                        chunk_count: entry.notices,
+                        chunk_count: notices,
                         byte_count: bytes,
                     }));
                 }
@@ -507,6 +550,10 @@ fn apply(shared: &Arc<Shared>, events: Vec<TransferEvent>) {
             }
         }
     }
+    drop(q);
+    shared
+        .events_changed
+        .send_modify(|n| *n = n.wrapping_add(1));
 }
 
 /// One established connection counted against `max_connections` until dropped (also
@@ -608,6 +655,7 @@ async fn session(shared: Arc<Shared>, tcp: TcpStream, slot: crate::admission::Op
             control: control.tx.clone(),
             end: control.cancel.clone(),
             peer_max_payload: agreed.peer_max_payload,
+            empty_grant: agreed.capabilities & capability::EMPTY_GRANT != 0,
         },
     );
     shared.peers_changed.notify_waiters();
@@ -674,88 +722,13 @@ async fn session(shared: Arc<Shared>, tcp: TcpStream, slot: crate::admission::Op
 }
 
 /// The sender's completion notice: its puts of grant layers
-/// `layer_start..+layer_count` were flushed. Counts that disagree with the grant
-/// fail the transfer (`transfer_incomplete`); layers outside the grant, twice, or a
-/// transfer the session was not granted end the session (`grant_violation`).
+/// `layer_start..+layer_count` were flushed (for an empty grant: the sender is done).
+/// What it means is `ReceiverState::layers_written`'s decision: counts that disagree
+/// with the grant fail the transfer (`transfer_incomplete`); layers outside the grant,
+/// twice, or a transfer the session was not granted end the session
+/// (`grant_violation`).
 fn local_done(shared: &Arc<Shared>, session: u64, done: &LocalDone) -> Result<(), Error> {
-    let tid = done.transfer_id;
-    let grant = {
-        let transfers = lock(&shared.transfers);
-        match transfers.get(&tid).filter(|t| t.session == session) {
-            Some(t) => t.grant.clone(),
-            None => {
-                // Unknown to this session, or ended: ReceiverState tells apart a
-                // late notice of our own ended transfer (ignored) from a violation.
-                let block = KvBlock {
-                    transfer_id: tid,
-                    layer_start: done.layer_start,
-                    layer_count: done.layer_count,
-                    page_start: 0,
-                    page_count: 1,
-                    page_bytes: shared.pool.page_bytes(),
-                };
-                return match lock(&shared.state).begin_block(session, &block, false)? {
-                    BlockDisposition::Drain | BlockDisposition::Duplicate => Ok(()),
-                    BlockDisposition::Land(_) => Err(Error::InvalidField {
-                        kind: pdd_core::wire::FrameKind::LocalDone,
-                        field: "transfer_id",
-                        detail: "no such transfer".into(),
-                    }),
-                };
-            }
-        }
-    };
-    let block = KvBlock {
-        transfer_id: tid,
-        layer_start: done.layer_start,
-        layer_count: done.layer_count,
-        page_start: 0,
-        page_count: grant.page_count,
-        page_bytes: grant.page_bytes,
-    };
-    let pages = u64::from(done.layer_count) * u64::from(grant.page_count);
-    let bytes = pages * u64::from(grant.page_bytes);
-    if done.page_count != pages || done.byte_count != bytes {
-        let ev = lock(&shared.state).fail(
-            tid,
-            Error::TransferIncomplete {
-                transfer_id: tid,
-                detail: format!(
-                    "LOCAL_DONE for {} layers says {} pages / {} bytes; the grant's are {pages} / {bytes}",
-                    done.layer_count, done.page_count, done.byte_count
-                ),
-            },
-        );
-        apply(shared, ev);
-        return Ok(());
-    }
-    let mut events = {
-        let mut st = lock(&shared.state);
-        match st.begin_block(session, &block, false)? {
-            BlockDisposition::Drain | BlockDisposition::Duplicate => return Ok(()),
-            BlockDisposition::Land(_) => st.finish_block(&block, Ok(())),
-        }
-    };
-    let all_in = {
-        let mut transfers = lock(&shared.transfers);
-        let Some(t) = transfers.get_mut(&tid) else {
-            return Ok(());
-        };
-        t.notices += 1;
-        t.layers_done += u32::from(done.layer_count);
-        t.bytes += bytes;
-        (t.layers_done == u32::from(grant.layer_count)).then_some((t.notices, t.bytes))
-    };
-    if let Some((notices, total)) = all_in {
-        events.extend(lock(&shared.state).sender_done(
-            session,
-            &KvDone {
-                transfer_id: tid,
-                chunk_count: notices,
-                byte_count: total,
-            },
-        )?);
-    }
+    let events = lock(&shared.state).layers_written(session, done)?;
     apply(shared, events);
     Ok(())
 }

@@ -1,14 +1,21 @@
 //! The local path's sender (Prefill): one control lane to a local receiver, one UCX
-//! endpoint to its worker; each layer is put straight from the source pool into the
-//! granted regions, flushed, then announced with LOCAL_DONE.
+//! endpoint to its worker; pages are put straight from the source pool into the
+//! granted regions, flushed, and each layer announced with LOCAL_DONE once its last
+//! page is in. Which pages went, and when a layer or the transfer is whole, is
+//! `pdd_core::kv::SenderTransfer`'s bookkeeping, the WAN sender's.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use pdd_core::kv::{PlannedBlock, SenderTransfer};
 use pdd_core::wire::handshake::LocalHello;
-use pdd_core::wire::{capability, Abort, Frame, KvGrant, LocalDone, LocalGrant, MEMORY_KIND_HOST};
+use pdd_core::wire::{
+    capability, Abort, AbortReason, Frame, KvGrant, LocalDone, LocalGrant, MEMORY_KIND_HOST,
+};
 use pdd_core::Error;
 use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
@@ -117,7 +124,7 @@ impl LocalSender {
                 detail: "the local path registers host memory only".into(),
             });
         }
-        cfg.hello.capabilities |= capability::LOCAL_UCX;
+        cfg.hello.capabilities |= capability::LOCAL_UCX | capability::EMPTY_GRANT;
         // A LOCAL_GRANT carries one key per run of granted pages: a gigabyte of
         // shuffled 4 KiB pages is 262,144 regions. The receiver is authenticated and
         // in our datacenter; its frames may take up to this.
@@ -246,13 +253,24 @@ impl LocalSender {
                 keys: keys.clone(),
             },
         );
-        let layers = usize::from(r.grant.layer_count);
+        // Per grant layer, its regions by first page (check_cover made them cover
+        // every page of the layer exactly once).
+        let mut regions = vec![Vec::new(); usize::from(r.grant.layer_count)];
+        for reg in r.regions {
+            regions[usize::from(reg.layer)].push(reg);
+        }
+        for layer in &mut regions {
+            layer.sort_unstable_by_key(|reg: &Region| reg.page_start);
+        }
         Ok(Some(LocalOutbound {
             shared: self.shared.clone(),
+            state: Arc::new(tokio::sync::Mutex::new(SenderTransfer::new(
+                r.grant.clone(),
+            ))),
             grant: r.grant,
-            regions: r.regions,
+            regions: Arc::new(regions),
             keys,
-            sent: tokio::sync::Mutex::new(vec![false; layers]),
+            started: AtomicBool::new(false),
             status: rx,
         }))
     }
@@ -273,14 +291,34 @@ impl Drop for LocalSender {
     }
 }
 
-fn end_transfer(shared: &Shared, tid: u64, status: LocalStatus) {
-    if let Some(t) = lock(&shared.transfers).remove(&tid) {
-        if let Some(keys) = lock(&t.keys).take() {
-            shared.ucx.destroy(keys);
-        }
-        let _ = t.status.send(status);
-        crate::activity::bump();
+/// End a transfer with `status`; false if it had already ended.
+fn end_transfer(shared: &Shared, tid: u64, status: LocalStatus) -> bool {
+    let Some(t) = lock(&shared.transfers).remove(&tid) else {
+        return false;
+    };
+    if let Some(keys) = lock(&t.keys).take() {
+        shared.ucx.destroy(keys);
     }
+    let _ = t.status.send(status);
+    crate::activity::bump();
+    true
+}
+
+/// Longest abort message a local sender writes (as the WAN sender's).
+const MAX_SENDER_ABORT_MESSAGE: usize = 512;
+
+/// `message` cut to at most `max` bytes, at a character boundary. Bounds only this
+/// sender's own abort message; truncating strings a peer sent is another matter
+/// (a shared helper for it is on its way into pdd-core).
+fn bounded(mut message: String, max: usize) -> String {
+    if message.len() > max {
+        let mut end = max;
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        message.truncate(end);
+    }
+    message
 }
 
 fn end_session(shared: &Shared, why: Error) {
@@ -355,6 +393,21 @@ async fn read_loop(shared: Arc<Shared>, mut control: Control) {
                             shared.pool.page_bytes()
                         ),
                     }));
+                    continue;
+                }
+                if g.page_count == 0 {
+                    // An empty grant (we offered empty_grant): no LOCAL_GRANT follows,
+                    // there is nothing to put; ready as it is.
+                    lock(&shared.ready)
+                        .entry(g.request_id)
+                        .or_default()
+                        .push(Ready {
+                            grant: g,
+                            regions: Vec::new(),
+                            keys: Vec::new(),
+                        });
+                    shared.ready_changed.notify_waiters();
+                    crate::activity::bump();
                     continue;
                 }
                 lock(&shared.half).insert(g.transfer_id, g);
@@ -474,9 +527,14 @@ async fn read_loop(shared: Arc<Shared>, mut control: Control) {
 pub struct LocalOutbound {
     shared: Arc<Shared>,
     grant: KvGrant,
-    regions: Vec<Region>,
+    /// Per grant layer, its regions by first grant page.
+    regions: Arc<Vec<Vec<Region>>>,
     keys: Arc<Mutex<Option<Vec<u64>>>>,
-    sent: tokio::sync::Mutex<Vec<bool>>,
+    /// Which pages went (the core's bookkeeping). Held from a call's planning until
+    /// its puts are flushed and its layers announced, so calls on one transfer run
+    /// one after another and a layer's LOCAL_DONE follows every put into it.
+    state: Arc<tokio::sync::Mutex<SenderTransfer>>,
+    started: AtomicBool,
     status: watch::Receiver<LocalStatus>,
 }
 
@@ -491,29 +549,61 @@ impl LocalOutbound {
         self.status.borrow().clone()
     }
 
+    /// Whether any page was sent yet (for a pending/transferring poll).
+    pub fn started(&self) -> bool {
+        self.started.load(Ordering::Relaxed)
+    }
+
     /// Put grant layer `layer` from source pool pages `src_pages` (one per grant
-    /// page, in grant order) of pool layer `src_layer`; returns once the puts are
-    /// flushed (the bytes are in the receiver's memory) and LOCAL_DONE is queued.
-    /// Runs of consecutive source pages that land in one region go as one put.
+    /// page, in grant order) of pool layer `src_layer`: [`LocalOutbound::send_pages`]
+    /// of every page of one layer.
     pub async fn send_layer(
         &self,
         layer: u16,
         src_layer: u16,
         src_pages: &[u32],
     ) -> Result<(), Error> {
-        let pool = &self.shared.pool;
-        let g = &self.grant;
-        if src_pages.len() != g.page_count as usize {
+        if src_pages.len() != self.grant.page_count as usize {
             return Err(Error::InvalidArgument(format!(
                 "{} source pages for a grant of {}",
                 src_pages.len(),
-                g.page_count
+                self.grant.page_count
             )));
         }
-        if layer >= g.layer_count {
+        let end = layer
+            .checked_add(1)
+            .ok_or_else(|| Error::InvalidArgument(format!("layer {layer} outside the grant")))?;
+        let all: Vec<u32> = (0..self.grant.page_count).collect();
+        self.send_pages(layer..end, Some(src_layer), &all, src_pages)
+            .await
+    }
+
+    /// Put grant pages `grant_pages` (grant-relative, any subset, any order) on every
+    /// grant layer of `layers`, from source pool pages `src_pages` (one per grant
+    /// page, same order) on pool layer `src_layer` (with `None`, the same index as
+    /// the grant layer; `Some` only for a single layer), as the WAN sender's
+    /// `send_pages`: each `(layer, page)` goes exactly once per transfer, and a call
+    /// that repeats one, or names one outside the grant, fails and puts nothing.
+    /// Returns once the puts are flushed (the bytes are in the receiver's memory)
+    /// and a LOCAL_DONE is queued for each layer whose last page this call put. Runs
+    /// of consecutive source pages that land in one region go as one put.
+    ///
+    /// The puts and notices run on a task of their own: a caller that stops waiting
+    /// (its timeout) leaves them to finish, so the pages it was told went do go.
+    pub async fn send_pages(
+        &self,
+        layers: Range<u16>,
+        src_layer: Option<u16>,
+        grant_pages: &[u32],
+        src_pages: &[u32],
+    ) -> Result<(), Error> {
+        let pool = &self.shared.pool;
+        let g = &self.grant;
+        if src_pages.len() != grant_pages.len() {
             return Err(Error::InvalidArgument(format!(
-                "layer {layer} outside the grant's {}",
-                g.layer_count
+                "{} source pages for {} grant pages",
+                src_pages.len(),
+                grant_pages.len()
             )));
         }
         if pool.page_bytes() != g.page_bytes {
@@ -523,12 +613,25 @@ impl LocalOutbound {
                 g.page_bytes
             )));
         }
-        let mut sent = self.sent.lock().await;
-        if sent[usize::from(layer)] {
+        if src_layer.is_some() && layers.len() != 1 {
+            return Err(Error::InvalidArgument(
+                "src_layer names one source layer: send one grant layer per call with it".into(),
+            ));
+        }
+        let last_src_layer = src_layer.unwrap_or(layers.end.saturating_sub(1));
+        if last_src_layer >= pool.layers() {
             return Err(Error::InvalidArgument(format!(
-                "layer {layer} was already sent"
+                "source layer {last_src_layer} outside the pool's {}",
+                pool.layers()
             )));
         }
+        if let Some(p) = src_pages.iter().find(|&&p| p >= pool.pages()) {
+            return Err(Error::InvalidArgument(format!(
+                "source page {p} outside the pool's {}",
+                pool.pages()
+            )));
+        }
+        let mut state = self.state.clone().lock_owned().await;
         if let LocalStatus::Failed(e) = self.status() {
             return Err(e);
         }
@@ -538,13 +641,91 @@ impl LocalOutbound {
                 detail: "the grant ended: its remote keys are revoked".into(),
             });
         }
-        let pb = u64::from(g.page_bytes);
+        let planned = state.send_pages(layers.clone(), grant_pages, u64::MAX)?;
+        if planned.is_empty() {
+            // An empty grant: nothing to put; its notice goes with finish().
+            return Ok(());
+        }
+        self.started.store(true, Ordering::Relaxed);
+        let ops = self.plan_puts(&planned, src_layer, src_pages)?;
+        let (shared, grant) = (self.shared.clone(), g.clone());
+        let task = tokio::spawn(async move {
+            // SAFETY: every op reads pages of our pool, which `shared` keeps alive
+            // across the call; the engine may not modify source pages until the
+            // transfer completes (the documented contract of send_pages).
+            let put = unsafe { shared.ucx.put_all(ops, shared.cfg.put_timeout) }.await;
+            let direct = match put {
+                Ok(direct) => direct,
+                Err(e) => {
+                    let _ = shared.control.send(Frame::Abort(Abort {
+                        request_id: grant.request_id,
+                        reason: e.abort_reason(),
+                        message: bounded(e.to_string(), MAX_SENDER_ABORT_MESSAGE),
+                    }));
+                    Metrics::add(&shared.metrics.transfers_failed_total, 1);
+                    end_transfer(&shared, grant.transfer_id, LocalStatus::Failed(e.clone()));
+                    return Err(e);
+                }
+            };
+            Metrics::add(&shared.metrics.local_direct_bytes_total, direct);
+            let pages: u64 = planned.iter().map(|p| u64::from(p.block.page_count)).sum();
+            Metrics::add(
+                &shared.metrics.bytes_sent_total,
+                pages * u64::from(grant.page_bytes),
+            );
+            // Announce the layers this call completed, consecutive ones in one notice.
+            let done: Vec<u16> = layers.filter(|&l| state.layer_sent(l)).collect();
+            drop(state);
+            for run in done.chunk_by(|a, b| *a + 1 == *b) {
+                let per_layer = u64::from(grant.page_count);
+                let n = run.len() as u64 * per_layer;
+                shared
+                    .control
+                    .send(Frame::LocalDone(LocalDone {
+                        transfer_id: grant.transfer_id,
+                        layer_start: run[0],
+                        layer_count: run.len() as u16,
+                        page_count: n,
+                        byte_count: n * u64::from(grant.page_bytes),
+                    }))
+                    .map_err(|_| dead(&shared))?;
+            }
+            Ok(())
+        });
+        task.await.unwrap_or_else(|e| {
+            Err(Error::Cancelled {
+                detail: format!("the put task ended: {e}"),
+            })
+        })
+    }
+
+    /// The puts of `planned` (from `src_pages` on `src_layer`, or each block's own
+    /// layer), runs that are consecutive on both ends merged.
+    fn plan_puts(
+        &self,
+        planned: &[PlannedBlock],
+        src_layer: Option<u16>,
+        src_pages: &[u32],
+    ) -> Result<Vec<PutOp>, Error> {
+        let pool = &self.shared.pool;
+        let pb = u64::from(self.grant.page_bytes);
         let mut ops: Vec<PutOp> = Vec::new();
-        for r in self.regions.iter().filter(|r| r.layer == layer) {
-            for i in 0..r.page_count {
-                let gp = r.page_start + i;
-                let src = pool.page_addr(src_layer, src_pages[gp as usize])?;
-                let remote = r.remote_addr + u64::from(i) * pb;
+        for PlannedBlock { block, first } in planned {
+            let layer = block.layer_start;
+            let from = src_layer.unwrap_or(layer);
+            let regions = &self.regions[usize::from(layer)];
+            for i in 0..block.page_count {
+                let gp = block.page_start + i;
+                let at = regions.partition_point(|r| r.page_start <= gp);
+                let r = regions
+                    .get(at.wrapping_sub(1))
+                    .filter(|r| gp - r.page_start < r.page_count)
+                    .ok_or_else(|| Error::GrantViolation {
+                        transfer_id: self.grant.transfer_id,
+                        detail: format!("layer {layer} page {gp} lies in no region"),
+                    })?;
+                let src = pool.page_addr(from, src_pages[first + i as usize])?;
+                let remote = r.remote_addr + u64::from(gp - r.page_start) * pb;
                 match ops.last_mut() {
                     Some(last)
                         if last.rkey == r.rkey
@@ -562,74 +743,72 @@ impl LocalOutbound {
                 }
             }
         }
-        // SAFETY: every op reads pages of our pool, which `self.shared` keeps alive
-        // across the call; the engine may not modify source pages until the
-        // transfer completes (the documented contract of send_layer).
-        let put = unsafe { self.shared.ucx.put_all(ops, self.shared.cfg.put_timeout) }.await;
-        let direct = match put {
-            Ok(direct) => direct,
-            Err(e) => {
-                let _ = self.shared.control.send(Frame::Abort(Abort {
-                    request_id: g.request_id,
-                    reason: e.abort_reason(),
-                    message: e.to_string(),
-                }));
-                Metrics::add(&self.shared.metrics.transfers_failed_total, 1);
-                end_transfer(&self.shared, g.transfer_id, LocalStatus::Failed(e.clone()));
-                return Err(e);
-            }
-        };
-        Metrics::add(&self.shared.metrics.local_direct_bytes_total, direct);
-        let pages = u64::from(g.page_count);
-        Metrics::add(&self.shared.metrics.bytes_sent_total, pages * pb);
-        sent[usize::from(layer)] = true;
-        self.shared
-            .control
-            .send(Frame::LocalDone(LocalDone {
-                transfer_id: g.transfer_id,
-                layer_start: layer,
-                layer_count: 1,
-                page_count: pages,
-                byte_count: pages * pb,
-            }))
-            .map_err(|_| {
-                lock(&self.shared.death)
-                    .clone()
-                    .unwrap_or(Error::ConnectionLost {
-                        detail: "control lane closed".into(),
-                    })
-            })
+        Ok(ops)
     }
 
-    /// Every layer was sent (nothing more goes on the wire: each layer's LOCAL_DONE
-    /// already did); an error names a layer not sent.
+    /// Every page of every layer was sent (an error says how many were not). For an
+    /// empty grant this is the transfer's one notice (LOCAL_DONE naming every layer,
+    /// 0 pages); otherwise each layer's notice went when its last page did.
     pub async fn finish(&self) -> Result<(), Error> {
-        let sent = self.sent.lock().await;
-        match sent.iter().position(|s| !s) {
-            None => Ok(()),
-            Some(l) => Err(Error::InvalidArgument(format!("layer {l} was not sent"))),
+        let mut state = self.state.lock().await;
+        if let LocalStatus::Failed(e) = self.status() {
+            return Err(e);
         }
+        state.finish()?;
+        if self.grant.page_count == 0 {
+            self.shared
+                .control
+                .send(Frame::LocalDone(LocalDone {
+                    transfer_id: self.grant.transfer_id,
+                    layer_start: 0,
+                    layer_count: self.grant.layer_count,
+                    page_count: 0,
+                    byte_count: 0,
+                }))
+                .map_err(|_| dead(&self.shared))?;
+        }
+        Ok(())
     }
 
-    /// Give up on the transfer: the receiver is told (ABORT for the request), the
-    /// keys are destroyed.
-    pub fn abort(&self) {
-        let _ = self.shared.control.send(Frame::Abort(Abort {
-            request_id: self.grant.request_id,
-            reason: pdd_core::wire::AbortReason::Cancelled,
-            message: "the sender aborted the transfer".into(),
-        }));
-        end_transfer(
+    /// Give up on the transfer: the receiver is told with an ABORT (`cancelled`,
+    /// carrying `reason`) and fails it with `peer_aborted`; here it fails with
+    /// `cancelled`; the keys are destroyed. Puts already flushed stay where they
+    /// landed (the receiver frees the pages). False if the transfer had already
+    /// ended.
+    pub fn abort(&self, reason: &str) -> bool {
+        let message = bounded(
+            format!("aborted by the sender: {reason}"),
+            MAX_SENDER_ABORT_MESSAGE,
+        );
+        let ended = end_transfer(
             &self.shared,
             self.grant.transfer_id,
             LocalStatus::Failed(Error::Cancelled {
-                detail: "the sender aborted the transfer".into(),
+                detail: message.clone(),
             }),
         );
+        if ended {
+            // Best effort: a dead session already failed the receiver's side.
+            let _ = self.shared.control.send(Frame::Abort(Abort {
+                request_id: self.grant.request_id,
+                reason: AbortReason::Cancelled,
+                message,
+            }));
+        }
+        ended
     }
 
     /// Wait for the receiver's confirmation (bytes) or the transfer's failure.
     pub async fn wait(&self) -> Result<u64, Error> {
         wait_status(self.status.clone()).await
     }
+}
+
+/// Why the control lane cannot take a frame: the session's death, if known.
+fn dead(shared: &Shared) -> Error {
+    lock(&shared.death)
+        .clone()
+        .unwrap_or(Error::ConnectionLost {
+            detail: "control lane closed".into(),
+        })
 }
