@@ -451,3 +451,37 @@ def test_dual_path_push_to_a_relay_and_a_main_decoder(prefill: tuple[Pusher, np.
     finally:
         rld_puller.close()
         rld.close()
+
+
+@pytest.mark.skipif(not local.available() and os.environ.get("PDD_REQUIRE_UCX") != "1",
+                    reason="UCX (libucp.so.0) is not installed here")
+def test_a_relay_that_restarts_gets_a_new_local_session(prefill: tuple[Pusher, np.ndarray]) -> None:
+    # A local sender's session does not come back by itself: once it died, the next
+    # push to the same address must connect afresh, not fail forever.
+    pusher, src_mem = prefill
+    pusher._local_options = {"secret": SECRET}
+    rld_pool, rld_mem = zeros_pool()
+    rld = local.LocalReceiver(rld_pool, secret=SECRET)
+    host, port = rld.address
+    address = f"local://{host}:{port}"
+    pusher.sender_for(address)
+    rld.wait_peer(timeout=10)
+    rld.close()  # RelayDecode restarts, on the same port
+    rld = local.LocalReceiver(rld_pool, f"{host}:{port}", secret=SECRET)
+    puller = Puller(rld)
+    try:
+        first = pusher.start("after-restart-1", [address], blocks=1)
+        first.blocks([3], ready=1)
+        first.end()
+        drive(pusher, [puller], lambda: not len(pusher))
+        assert first.failures and "connection_lost" in first.failures[address]
+        pull = puller.claim("after-restart-2", [5, 6])
+        second = pusher.start("after-restart-2", [address], blocks=2)
+        second.blocks([1, 2], ready=2)
+        second.end()
+        drive(pusher, [puller], lambda: not len(pusher) and not len(puller))
+        assert second.ok and pull.ok
+        assert np.array_equal(rld_mem[:, 5:7], src_mem[:, 1:3])
+    finally:
+        puller.close()
+        rld.close()

@@ -586,6 +586,14 @@ class Pusher:
                 pass
         self._senders.clear()
 
+    def _drop_sender(self, address: str, sender: Any) -> None:
+        if self._senders.get(address) is sender:
+            del self._senders[address]
+        try:
+            sender.close()
+        except PddError:
+            pass
+
     def _advance(self, push: Push, now: float) -> None:
         for leg in push.legs:
             if leg.state == _WAITING_GRANT:
@@ -617,10 +625,22 @@ class Pusher:
                     push._fail(leg, f"no confirmation within {self.deadline_s:g} s of the grant")
 
     def _await_grant(self, push: Push, leg: PushLeg, now: float) -> None:
+        sender = self._senders.get(leg.address)
+        if sender is None:  # its session died since the push started: a new one
+            try:
+                sender = self.sender_for(leg.address)
+            except PddError as e:
+                push._fail(leg, f"cannot reach {leg.address}: {e.reason}: {e}")
+                return
         try:
-            out = self._senders[leg.address].try_grant(push.key)
+            out = sender.try_grant(push.key)
         except PddError as e:
             push._fail(leg, f"no grant: {e.reason}: {e}")
+            if e.reason == "connection_lost" and is_local_address(leg.address):
+                # A local sender's session does not come back by itself (a WAN
+                # sender reconnects in try_grant): forget it, so that the next push
+                # to this address connects afresh instead of failing forever.
+                self._drop_sender(leg.address, sender)
             return
         if out is not None:
             push._take_grant(leg, out, now)

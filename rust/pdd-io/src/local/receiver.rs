@@ -269,6 +269,14 @@ impl LocalReceiver {
             let peer = match peer {
                 Some(p) => p,
                 None if sessions.len() == 1 => *sessions.keys().next().unwrap_or(&0),
+                // As on the WAN receiver: no sender yet is a lost connection (a caller
+                // retries while the prefill side connects), several is the caller's
+                // mistake.
+                None if sessions.is_empty() => {
+                    return Err(Error::ConnectionLost {
+                        detail: "no sender is connected".into(),
+                    })
+                }
                 None => {
                     return Err(Error::InvalidArgument(format!(
                         "{} senders connected: name the peer",
