@@ -232,16 +232,20 @@ class PdCluster:
         self.wan: Wanem | None = None
         p_cores, d_cores = split_cores()
         try:
+            # With a RelayDecode, four engines share the two cores, each of vLLM's workers
+            # busy-polling for a second after its steps: a transport thread can then wait
+            # seconds for its core, so sessions end after 15 s of silence, not 5.
+            dead_after = 15.0 if relay else 5.0
             # Sessions end after the library's default 5 s of silence. 2 s failed a CI run:
             # three CPU engines on two loaded cores starved both sides' runtimes for 2 s
             # mid-prefill ("peer silent for 2s"), and D recomputed the 2,000-token prompt.
             self.decode = Engine("decode", base_port + 2, self.model, log_dir,
-                                 pdd_config(roles[1], pdd_listen="127.0.0.1:0", pdd_dead_after_s=5.0, pdd_allow_debug=True),
+                                 pdd_config(roles[1], pdd_listen="127.0.0.1:0", pdd_dead_after_s=dead_after, pdd_allow_debug=True),
                                  env={"PDD_VLLM_TRACE": "1"}, cores=d_cores)  # fmt: skip
             self.engines.append(self.decode)
             # P prefills in chunks of 512 tokens: each chunk's pages go out as soon as each
             # layer has computed them (PDD_VLLM_TRACE=1 logs every send).
-            self.prefill = Engine("prefill", base_port + 1, self.model, log_dir, pdd_config(roles[0], pdd_listen="127.0.0.1:0", pdd_dead_after_s=5.0),
+            self.prefill = Engine("prefill", base_port + 1, self.model, log_dir, pdd_config(roles[0], pdd_listen="127.0.0.1:0", pdd_dead_after_s=dead_after),
                                   env={"PDD_VLLM_TRACE": "1"}, extra_args=["--max-num-batched-tokens", "512"], cores=p_cores)  # fmt: skip
             self.engines.append(self.prefill)
             # RelayDecode (PDD): a decode instance next to P, its KV over the local path
@@ -249,10 +253,13 @@ class PdCluster:
             self.relay: Engine | None = None
             if relay:
                 self.relay = Engine("relay", base_port + 3, self.model, log_dir,
-                                    pdd_config("kv_consumer", pdd_listen="127.0.0.1:0", pdd_path="local", pdd_dead_after_s=5.0),
+                                    pdd_config("kv_consumer", pdd_listen="127.0.0.1:0", pdd_path="local", pdd_dead_after_s=dead_after),
                                     env={"PDD_VLLM_TRACE": "1"}, cores=p_cores)  # fmt: skip
                 self.engines.append(self.relay)
-            self.plain = Engine("plain", base_port, self.model, log_dir, cores=p_cores) if plain else None
+            # The plain reference (one thread, as every engine here) runs on MD's core
+            # when RLD shares P's, so that no core holds three engines.
+            plain_cores = d_cores if relay else p_cores
+            self.plain = Engine("plain", base_port, self.model, log_dir, cores=plain_cores) if plain else None
             if self.plain is not None:
                 self.engines.append(self.plain)
             for e in self.engines:

@@ -50,6 +50,13 @@ def dual_push(cluster: vllm_pd.PdCluster, prompt: list[int], max_tokens: int) ->
     return out["rld"], out["md"], prefill
 
 
+def relay_trace(cluster: vllm_pd.PdCluster) -> tuple[int, int]:
+    """RLD's loads so far: (landed, failed), from its connector's trace."""
+    assert cluster.relay is not None
+    log = cluster.relay.log_path.read_text(errors="replace")
+    return log.count(" d_loaded "), log.count(" d_failed ")
+
+
 def test_dual_path_push_gives_relay_every_block_and_main_decode_its_share(cluster: vllm_pd.PdCluster) -> None:
     length = 900
     prompt = prompt_ids(length, 310)
@@ -93,19 +100,22 @@ def test_each_decoder_is_sent_only_what_it_lacks(cluster: vllm_pd.PdCluster) -> 
     assert "d_loaded" in relay_log
 
 
-@pytest.mark.parametrize("mode,tokens,policy", [
-    ("one_shot", 24, {}),
-    # A low threshold and small chunks make the backlog RLD builds while MD loads its KV
-    # over the 30 ms WAN a Catch-Up: chunks handed while RLD keeps decoding.
-    ("catch_up", 48, {"catch_up_threshold_tokens": 2, "level_tokens": 1, "chunk_tokens": 4}),
+@pytest.mark.parametrize("mode,tokens,load,policy", [
+    # RLD reports itself busy: One-Shot whatever the backlog, RLD stops at the cut.
+    ("one_shot", 300, 0.95, {}),
+    # Idle RLD, a low threshold and small chunks: the backlog RLD builds while MD loads
+    # its KV over the 30 ms WAN goes over in chunks while RLD keeps decoding.
+    ("catch_up", 400, 0.0, {"catch_up_threshold_tokens": 8, "level_tokens": 2, "chunk_tokens": 32}),
 ])
-def test_rld_decodes_at_once_and_hands_md_token_ids(cluster: vllm_pd.PdCluster, mode: str, tokens: int,
+def test_rld_decodes_at_once_and_hands_md_token_ids(cluster: vllm_pd.PdCluster, mode: str, tokens: int, load: float,
                                                     policy: dict[str, int]) -> None:
     assert cluster.relay is not None and cluster.wan is not None
     prompt = prompt_ids(700, 330 + tokens)
     want = cluster.plain_complete(prompt, tokens)["choices"][0]["token_ids"]
+    loaded_before, failed_before = relay_trace(cluster)
     main = MainAgent(cluster.decode.url, timeout=120)
     relay = RelayAgent(cluster.relay.url, main.address, policy=HandoffPolicy(**policy) if policy else None, timeout=120)
+    relay.set_load(load)
     try:
         proxy = PddProxy(cluster.prefill.url, relay, main, md_kv_address=cluster.wan.address_str,
                          rld_kv_address=cluster.relay.kv_address(), model="tiny", timeout=120)
@@ -119,9 +129,13 @@ def test_rld_decodes_at_once_and_hands_md_token_ids(cluster: vllm_pd.PdCluster, 
     # KV from their IDs) after it.
     assert r.token_ids == want
     n = r.decoded_by.count("rld")
-    assert r.decoded_by == ["rld"] * n + ["md"] * (tokens - n)
+    assert 0 < n < tokens and r.decoded_by == ["rld"] * n + ["md"] * (tokens - n), (n, r.handoffs)
     assert r.mode == mode and r.handoffs and r.handoffs[-1][2]
+    assert sum(count for _, count, _ in r.handoffs) == n
     if mode == "catch_up":
         assert len(r.handoffs) >= 2
-    # RLD loaded the prompt's KV over the local path (its whole blocks counted cached).
-    assert r.rld_cached_tokens == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    # RLD loaded the prompt's KV over the local path (its stream was cut before vLLM's
+    # usage chunk, so its trace says so: one more load, no failed one).
+    assert relay_trace(cluster) == (loaded_before + 1, failed_before)
+    for engine in (cluster.prefill, cluster.decode, cluster.relay):
+        assert wait_usage_zero(engine) == 0.0

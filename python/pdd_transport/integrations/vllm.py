@@ -371,7 +371,7 @@ class _WorkerSide:
 
 
 def _trace_send(push: Push, address: str, layer: int, first: int, end: int) -> None:
-    _trace(f"p_sent layer={layer} pages={first}..{end}", push.key)
+    _trace(f"p_sent layer={layer} pages={first}..{end} to={address}", push.key)
 
 
 # ---------------------------------------------------------------- the connector
