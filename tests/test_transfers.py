@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from pdd_transport import InvalidArgument, kv, local
+from pdd_transport import InvalidArgument, TransportError, kv, local
 from pdd_transport.transfers import (
     Pull,
     Puller,
@@ -466,8 +466,16 @@ def test_a_relay_that_restarts_gets_a_new_local_session(prefill: tuple[Pusher, n
     address = f"local://{host}:{port}"
     pusher.sender_for(address)
     rld.wait_peer(timeout=10)
-    rld.close()  # RelayDecode restarts, on the same port
-    rld = local.LocalReceiver(rld_pool, f"{host}:{port}", secret=SECRET)
+    rld.close()  # RelayDecode restarts, on the same port (free once its old lanes closed)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            rld = local.LocalReceiver(rld_pool, f"{host}:{port}", secret=SECRET)
+            break
+        except TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
     puller = Puller(rld)
     try:
         first = pusher.start("after-restart-1", [address], blocks=1)

@@ -213,6 +213,12 @@ def publish_address(address: str, env: str = "PDD_VLLM_ADDRESS_FILE") -> None:
     os.replace(tmp, path)
 
 
+def _check_bounds(grant_timeout_s: float, deadline_s: float) -> None:
+    for name, value in (("grant_timeout_s", grant_timeout_s), ("deadline_s", deadline_s)):
+        if not value > 0 or value == float("inf"):
+            raise InvalidArgument(f"{name} must be a finite number of seconds > 0, got {value!r}", "invalid_argument")
+
+
 def is_local_address(address: str) -> bool:
     """Whether ``address`` names the local path (``local://host:port``)."""
     return address.startswith(LOCAL_SCHEME)
@@ -454,10 +460,7 @@ class Pusher:
         clock: Callable[[], float] = time.monotonic,
         on_send: Callable[[Push, str, int, int, int], None] | None = None,
     ):
-        for name, value in (("grant_timeout_s", grant_timeout_s), ("deadline_s", deadline_s)):
-            if not value > 0 or value == float("inf"):
-                raise InvalidArgument(f"{name} must be a finite number of seconds > 0, got {value!r}",
-                                      "invalid_argument")
+        _check_bounds(grant_timeout_s, deadline_s)
         self._on_send = on_send
         self.pool = pool
         self.layers = int(pool.layers)
@@ -694,10 +697,7 @@ class Puller:
         clock: Callable[[], float] = time.monotonic,
         owns_receiver: bool = False,
     ):
-        for name, value in (("grant_timeout_s", grant_timeout_s), ("deadline_s", deadline_s)):
-            if not value > 0 or value == float("inf"):
-                raise InvalidArgument(f"{name} must be a finite number of seconds > 0, got {value!r}",
-                                      "invalid_argument")
+        _check_bounds(grant_timeout_s, deadline_s)
         self.receiver = receiver
         self._owns_receiver = owns_receiver
         self.grant_timeout_s = float(grant_timeout_s)

@@ -43,6 +43,21 @@ __all__ = ["MainAgent", "PddProxy", "PddResult", "RelayAgent"]
 Emit = Callable[[int, int, str], None]  # (output position, token id, who: "rld" | "md")
 
 
+def _emitter(emit: Emit, first: int, who: str) -> Callable[[list[int]], bool]:
+    """A stream's token callback that gives each token to ``emit`` at the output
+    positions from ``first`` on."""
+    position = first
+
+    def on_tokens(ids: list[int]) -> bool:
+        nonlocal position
+        for t in ids:
+            emit(position, t, who)
+            position += 1
+        return True
+
+    return on_tokens
+
+
 class _Dispatch:
     """One handoff link's events, routed to per-request queues by a thread of its own."""
 
@@ -147,17 +162,8 @@ class MainAgent:
                     # the whole turn for the next one.
                     post_json(self.md_url, "/v1/completions", dict(extended, max_tokens=1), self.timeout)
                     return
-                position = len(handed)
-
-                def on_tokens(ids: list[int]) -> bool:
-                    nonlocal position
-                    for t in ids:
-                        emit(position, t, "md")
-                        position += 1
-                    return True
-
                 stream_completion(self.md_url, dict(extended, max_tokens=remaining), self.timeout,
-                                  on_tokens=on_tokens)
+                                  on_tokens=_emitter(emit, len(handed), "md"))
                 return
         except Exception as e:  # an engine call failed mid-way: the client sees what arrived
             result.md_error = result.md_error or f"{type(e).__name__}: {e}"
@@ -237,18 +243,9 @@ class RelayAgent:
                       done: list[int], emit: Emit) -> None:
         if len(done) >= max_tokens:
             return
-        position = len(done)
-
-        def on_tokens(ids: list[int]) -> bool:
-            nonlocal position
-            for t in ids:
-                emit(position, t, "rld")
-                position += 1
-            return True
-
         rest = dict(body, prompt=prompt + done, max_tokens=max_tokens - len(done))
         rest.pop("kv_transfer_params", None)  # RLD's own prefix cache holds the prompt now
-        stream_completion(self.rld_url, rest, self.timeout, on_tokens=on_tokens)
+        stream_completion(self.rld_url, rest, self.timeout, on_tokens=_emitter(emit, len(done), "rld"))
 
     def set_load(self, load: float) -> None:
         """RLD's utilisation (0..1), which the handoff policy reads."""
