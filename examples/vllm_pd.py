@@ -225,7 +225,8 @@ class PdCluster:
     address via ``Engine.kv_address``), so the two can swap parts per request."""
 
     def __init__(self, log_dir: Path, *, rtt_ms: float = 30.0, rate_gbit: float = 1.0, plain: bool = True, base_port: int = 18100, start_timeout: float = 240.0,
-                 roles: tuple[str, str] = ("kv_producer", "kv_consumer"), relay: bool = False):  # fmt: skip
+                 roles: tuple[str, str] = ("kv_producer", "kv_consumer"), relay: bool = False,
+                 jitter_ms: float = 0.0):  # fmt: skip
         self.model = build_tiny_model()
         self.log_dir = log_dir
         self.engines: list[Engine] = []
@@ -264,7 +265,7 @@ class PdCluster:
                 self.engines.append(self.plain)
             for e in self.engines:
                 e.wait_ready(start_timeout)
-            self.wan = Wanem(self.decode.kv_address(), rtt_ms=rtt_ms, rate_gbit=rate_gbit)
+            self.wan = Wanem(self.decode.kv_address(), rtt_ms=rtt_ms, rate_gbit=rate_gbit, jitter_ms=jitter_ms)
             self.proxy = PdProxy(self.prefill.url, self.decode.url, self.wan.address_str, model="tiny", timeout=60.0)
         except BaseException:
             self.close()
