@@ -346,15 +346,15 @@ async fn read_loop(shared: Arc<Shared>, mut control: Control) {
             Frame::KvGrant(g) => {
                 if g.page_bytes != shared.pool.page_bytes() {
                     // Answered with an ABORT for the request: we cannot fill it.
-                    let _ = shared.control.send(Frame::Abort(Abort {
-                        request_id: g.request_id,
-                        reason: pdd_core::wire::AbortReason::Internal,
-                        message: format!(
+                    let _ = shared.control.send(Frame::Abort(Abort::new(
+                        g.request_id,
+                        pdd_core::wire::AbortReason::Internal,
+                        format!(
                             "page_bytes {} but our pool's are {}",
                             g.page_bytes,
                             shared.pool.page_bytes()
                         ),
-                    }));
+                    )));
                     continue;
                 }
                 lock(&shared.half).insert(g.transfer_id, g);
@@ -385,11 +385,11 @@ async fn read_loop(shared: Arc<Shared>, mut control: Control) {
                 {
                     Ok(k) => k,
                     Err(e) => {
-                        let _ = shared.control.send(Frame::Abort(Abort {
-                            request_id: grant.request_id,
-                            reason: e.abort_reason(),
-                            message: e.to_string(),
-                        }));
+                        let _ = shared.control.send(Frame::Abort(Abort::new(
+                            grant.request_id,
+                            e.abort_reason(),
+                            e.to_string(),
+                        )));
                         continue;
                     }
                 };
@@ -569,11 +569,11 @@ impl LocalOutbound {
         let direct = match put {
             Ok(direct) => direct,
             Err(e) => {
-                let _ = self.shared.control.send(Frame::Abort(Abort {
-                    request_id: g.request_id,
-                    reason: e.abort_reason(),
-                    message: e.to_string(),
-                }));
+                let _ = self.shared.control.send(Frame::Abort(Abort::new(
+                    g.request_id,
+                    e.abort_reason(),
+                    e.to_string(),
+                )));
                 Metrics::add(&self.shared.metrics.transfers_failed_total, 1);
                 end_transfer(&self.shared, g.transfer_id, LocalStatus::Failed(e.clone()));
                 return Err(e);
@@ -614,11 +614,11 @@ impl LocalOutbound {
     /// Give up on the transfer: the receiver is told (ABORT for the request), the
     /// keys are destroyed.
     pub fn abort(&self) {
-        let _ = self.shared.control.send(Frame::Abort(Abort {
-            request_id: self.grant.request_id,
-            reason: pdd_core::wire::AbortReason::Cancelled,
-            message: "the sender aborted the transfer".into(),
-        }));
+        let _ = self.shared.control.send(Frame::Abort(Abort::new(
+            self.grant.request_id,
+            pdd_core::wire::AbortReason::Cancelled,
+            "the sender aborted the transfer",
+        )));
         end_transfer(
             &self.shared,
             self.grant.transfer_id,
