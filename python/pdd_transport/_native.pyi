@@ -13,7 +13,7 @@ __all__ = [
     "SEALED_LANE_CRYPTO", "encode_frame", "decode_frame", "encode_handoff", "negotiate_hello",
     "FrameDecoder", "KvPool", "KvReceiver", "KvSender", "InboundTransfer", "OutboundTransfer",
     "LocalReceiver", "LocalSender", "LocalInbound", "LocalOutbound", "ucx_version", "shared_buffers",
-    "SharedAllocation", "KvPoll",
+    "SharedAllocation", "KvPoll", "transfer_activity", "wait_transfer_activity",
     "LayerComplete", "TransferComplete", "TransferFailed", "PrefixQueried", "request_id_of",
     "RadixCache", "RadixNode", "RadixMatch", "RadixInsert", "PrefixMirror", "chain_hashes", "Wanem",
     "PacketEmulator", "WanEstimate", "PipelinePolicy", "AnomalyPolicy", "RouteDecision",
@@ -102,6 +102,14 @@ class KvPool:
     def memory_kind(self) -> str: ...
 
 _RequestKey: TypeAlias = int | str | bytes
+
+def transfer_activity() -> int:
+    """The process's transfer doorbell: bumped by every KV sender when a grant arrives
+    or a transfer settles."""
+
+def wait_transfer_activity(seen: int, timeout: float) -> int:
+    """Wait (GIL released) until the doorbell differs from ``seen`` or ``timeout`` s
+    pass; the counter then (``seen`` on a timeout)."""
 
 def request_id_of(key: _RequestKey) -> int:
     """The 64-bit wire id of a request key (int: itself; str: its UTF-8 bytes; bytes:
@@ -299,6 +307,12 @@ class KvSender:
     def node_id(self) -> int: ...
     def ensure_connected(self, timeout: float = 10.0) -> None: ...
     def wait_grant(self, request_id: _RequestKey, timeout: float = 10.0) -> OutboundTransfer: ...
+    def try_grant(self, request_id: _RequestKey) -> OutboundTransfer | None:
+        """The grant if it has arrived, else None, without waiting (with no live
+        session, one reconnect starts in the background); a closed sender raises."""
+    @property
+    def connected(self) -> bool:
+        """Whether a session is up now."""
     def query_prefix(
         self,
         request_id: _RequestKey,
@@ -835,7 +849,8 @@ def shared_buffers(layers: int, layer_bytes: int) -> list[npt.NDArray[np.uint8]]
     """``layers`` zeroed uint8 arrays of ``layer_bytes`` each, in one allocation UCX
     made (shared memory on one host; its base object is a :class:`SharedAllocation`):
     a ``LocalReceiver`` over a pool of them grants pages without registering them,
-    and a local sender on the same host copies into them directly."""
+    and a local sender on the same host copies into them directly. More than the
+    machine's physical memory in all is ``InvalidArgument``."""
 
 @final
 class SharedAllocation:
@@ -905,6 +920,8 @@ class LocalSender:
         put_timeout_s: float = 30.0,
     ) -> LocalSender: ...
     def wait_grant(self, request_id: _RequestKey, timeout: float = 10.0) -> LocalOutbound: ...
+    def try_grant(self, request_id: _RequestKey) -> LocalOutbound | None:
+        """The grant if it has arrived, else None, without waiting; raises once the session died."""
     def metrics(self) -> dict[str, int]: ...
     def close(self) -> None: ...
 
