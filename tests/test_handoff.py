@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from _gil import count_while_running
 from pdd_transport import (
     DeadlineExceeded,
     Handoff,
@@ -286,23 +287,19 @@ def test_close_wakes_waiters_and_iteration_ends() -> None:
 
 
 def test_waiting_releases_the_gil() -> None:
+    """`next_event` waits with the GIL released (method: tests/_gil.py): another
+    Python thread runs while it waits. With the GIL held through the wait, that
+    thread never runs during it (the count is 0)."""
     pair = HandoffPair()
-    relay = pair.relay
-    relay.open(1, PROMPT)
-    started = threading.Event()
+    for side in (pair.relay, pair.main):
 
-    def wait() -> None:
-        started.set()
-        relay.next_event(0.5)
+        def wait(busy_poll: float, side: RelayLink | MainLink = side) -> None:
+            # Nothing is queued: each call waits its whole 20 ms and returns None.
+            assert side.next_event(0.02, busy_poll=busy_poll) is None
 
-    t = threading.Thread(target=wait)
-    t.start()
-    started.wait(5.0)
-    counted = 0
-    while t.is_alive() and counted < 50_000_000:
-        counted += 1  # runs only while the waiter does not hold the GIL
-    t.join(5.0)
-    assert counted > 1_000
+        assert count_while_running(lambda: wait(0.0), repeats=10) > 5
+        # Spinning first (busy_poll) releases it too.
+        assert count_while_running(lambda: wait(0.01), repeats=10) > 5
 
 
 def test_async_events_on_the_pair() -> None:

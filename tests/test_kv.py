@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from _gil import count_while_running
 from pdd_transport import DeadlineExceeded, InvalidArgument, TransportError, kv
 from pdd_transport.wanem import Wanem
 
@@ -194,16 +195,25 @@ def test_deadline_fails_both_sides(pair: tuple[kv.KvReceiver, kv.KvSender, np.nd
 
 
 def test_waiting_releases_the_gil(pair: tuple[kv.KvReceiver, kv.KvSender, np.ndarray, np.ndarray]) -> None:
-    """A thread blocked in wait() must not stop this thread from sending the KV it
-    waits for: with the GIL held, this test would deadlock (and time out)."""
+    """Both ends' `wait` block with the GIL released (method: tests/_gil.py): another
+    Python thread runs while they wait. With the GIL held through the wait, that
+    thread hardly runs during them (it counted 1 when tried; released, thousands)."""
     rx, tx, _, _ = pair
     inbound = rx.grant(11, [6, 7])
-    result: list[int] = []
-    waiter = threading.Thread(target=lambda: result.append(inbound.wait(timeout=20)))
-    waiter.start()
-    send_all(tx, 11, [8, 9]).wait(timeout=20)
-    waiter.join(timeout=20)
-    assert result == [LAYERS * 2 * PAGE]
+    out = tx.wait_grant(11, timeout=10)
+
+    def wait_out(handle: kv.InboundTransfer | kv.OutboundTransfer) -> None:
+        # Nothing was sent: each wait runs its whole 20 ms out.
+        with pytest.raises(DeadlineExceeded):
+            handle.wait(timeout=0.02)
+
+    assert count_while_running(lambda: wait_out(inbound), repeats=10) > 5
+    assert count_while_running(lambda: wait_out(out), repeats=10) > 5
+    # And the transfer the waits were about still completes.
+    for layer in range(out.layer_count):
+        out.send_layer(layer, np.array([8, 9], dtype=np.int64))
+    out.finish()
+    assert inbound.wait(timeout=20) == LAYERS * 2 * PAGE
 
 
 def test_async_waits(pair: tuple[kv.KvReceiver, kv.KvSender, np.ndarray, np.ndarray]) -> None:

@@ -854,7 +854,8 @@ def shared_buffers(layers: int, layer_bytes: int) -> list[npt.NDArray[np.uint8]]
     """``layers`` zeroed uint8 arrays of ``layer_bytes`` each, in one allocation UCX
     made (shared memory on one host; its base object is a :class:`SharedAllocation`):
     a ``LocalReceiver`` over a pool of them grants pages without registering them,
-    and a local sender on the same host copies into them directly."""
+    and a local sender on the same host copies into them directly. More than the
+    machine's physical memory in all is ``InvalidArgument``."""
 
 @final
 class SharedAllocation:
@@ -936,7 +937,8 @@ class LocalSender:
         put_timeout_s: float = 30.0,
     ) -> LocalSender: ...
     def wait_grant(self, request_id: _RequestKey, timeout: float = 10.0) -> LocalOutbound: ...
-    def try_grant(self, request_id: _RequestKey) -> LocalOutbound | None: ...
+    def try_grant(self, request_id: _RequestKey) -> LocalOutbound | None:
+        """The grant if it has arrived, else None, without waiting; raises once the session died."""
     def metrics(self) -> dict[str, int]: ...
     def close(self) -> None: ...
 

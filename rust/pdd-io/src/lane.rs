@@ -538,16 +538,7 @@ async fn within<T>(
 
 /// The ABORT that tells a peer why we are closing (connection-wide).
 pub fn abort_for(err: &Error) -> Frame {
-    let mut message = err.to_string();
-    message.truncate(pdd_core::wire::MAX_ABORT_MESSAGE_LEN);
-    while !message.is_char_boundary(message.len()) {
-        message.pop();
-    }
-    Frame::Abort(Abort {
-        request_id: 0,
-        reason: err.abort_reason(),
-        message,
-    })
+    Frame::Abort(Abort::new(0, err.abort_reason(), err.to_string()))
 }
 
 /// Frames a control lane may hold queued but not yet taken by the socket. A peer

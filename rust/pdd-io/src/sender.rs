@@ -17,7 +17,8 @@ use futures_util::StreamExt;
 use pdd_core::kv::{KvBlock, PlannedBlock, SenderTransfer};
 use pdd_core::prefix::{verify_reply, VerifiedPrefix};
 use pdd_core::wire::handshake::{AuthBytes, LocalHello};
-use pdd_core::wire::{Abort, AbortReason, Frame, KvGrant, KV_PAGES_FIXED_LEN};
+use pdd_core::wire::MAX_ABORT_MESSAGE_LEN;
+use pdd_core::wire::{text, Abort, AbortReason, Frame, KvGrant, KV_PAGES_FIXED_LEN};
 use pdd_core::wire::{PrefixQuery, PrefixReply};
 use pdd_core::Error;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -903,21 +904,23 @@ impl OutboundTransfer {
         if !matches!(self.status(), OutboundStatus::InProgress) {
             return false;
         }
-        let mut message = format!("aborted by the sender: {message}");
-        message.truncate(512);
-        while !message.is_char_boundary(message.len()) {
-            message.pop();
-        }
+        // Any text of any length from the caller: cut to what ABORT carries, at a
+        // character boundary (pdd_core::wire::text).
+        let abort = Abort::new(
+            self.grant.request_id,
+            AbortReason::Cancelled,
+            format!(
+                "aborted by the sender: {}",
+                text::cut(message, MAX_ABORT_MESSAGE_LEN)
+            ),
+        );
+        let detail = abort.message.clone();
         // Best effort: a dead session already failed the receiver's side.
-        let _ = self.conn.control.send(Frame::Abort(Abort {
-            request_id: self.grant.request_id,
-            reason: AbortReason::Cancelled,
-            message: message.clone(),
-        }));
+        let _ = self.conn.control.send(Frame::Abort(abort));
         let failed = fail_transfer(
             &self.shared,
             self.grant.transfer_id,
-            &Error::Cancelled { detail: message },
+            &Error::Cancelled { detail },
         );
         self.conn.lanes_ctl.prune(&self.shared);
         failed

@@ -390,6 +390,74 @@ async fn completion_notice_with_wrong_counts_fails_the_transfer() {
     rx.close().await;
 }
 
+/// A sender aborts a request in the longest message the wire carries, all in
+/// multi-byte characters: the receiver fails the transfer with the peer's words
+/// intact, answers with its own ABORT (quoting them behind its own words, cut at a
+/// character, so it decodes), and serves the next grant. It used to cut that answer
+/// by byte count and panic its control task.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_longest_non_ascii_abort_is_reported_not_a_panic() {
+    let _g = ENV.lock().await;
+    if !ucx_here() {
+        return;
+    }
+    let rx = LocalReceiver::start(
+        pool(|_, _| 0),
+        LocalReceiverConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            LocalHello::new(Role::RelayDecode, capability::KV_STREAM),
+        ),
+    )
+    .await
+    .unwrap();
+    let (mut c, first) = raw_peer(&rx).await;
+    assert!(matches!(first, Frame::LocalAddr(_)), "{first:?}");
+    let peer = rx.wait_peer().await;
+    let max = pdd_core::wire::MAX_ABORT_MESSAGE_LEN;
+    for (i, unit) in ["é", "€", "😀"].into_iter().enumerate() {
+        for prefix in ["", "x", "xy", "xyz"] {
+            let long = format!("{prefix}{}", unit.repeat(max));
+            let words = pdd_core::wire::text::cut(&long, max).to_owned();
+            let request = 10 + i as u64 * 4 + prefix.len() as u64;
+            let inbound = rx.grant(request, &[1, 2], Some(peer), None).await.unwrap();
+            let Frame::KvGrant(_) = next_non_ping(&mut c).await else {
+                panic!("KV_GRANT first")
+            };
+            let Frame::LocalGrant(_) = next_non_ping(&mut c).await else {
+                panic!("then LOCAL_GRANT")
+            };
+            let abort = Frame::Abort(pdd_core::wire::Abort {
+                request_id: request,
+                reason: pdd_core::wire::AbortReason::Cancelled,
+                message: words.clone(),
+            });
+            lane::write_frame(&mut c.stream, &abort, 1 << 24)
+                .await
+                .unwrap();
+            let e = tokio::time::timeout(Duration::from_secs(5), inbound.wait())
+                .await
+                .expect("the receiver reports the peer's ABORT")
+                .unwrap_err();
+            match &e {
+                Error::PeerAborted { message, .. } => assert_eq!(message, &words),
+                other => panic!("expected the peer's ABORT, got {other:?}"),
+            }
+            match tokio::time::timeout(Duration::from_secs(5), next_non_ping(&mut c))
+                .await
+                .expect("the receiver answers")
+            {
+                Frame::Abort(a) => {
+                    assert_eq!(a.request_id, request);
+                    assert!(a.message.len() <= max);
+                    assert!(e.to_string().starts_with(&a.message));
+                }
+                f => panic!("expected our ABORT for the request, got {f:?}"),
+            }
+        }
+    }
+    rx.close().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completion_notice_outside_the_grant_ends_the_session() {
     let _g = ENV.lock().await;

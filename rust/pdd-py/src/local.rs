@@ -51,7 +51,8 @@ impl SharedAllocation {
 /// `layers` zeroed uint8 arrays of `layer_bytes` each, in one allocation UCX made
 /// (shared memory on one host): a `LocalReceiver` over a pool of them grants pages
 /// without registering them, and a local sender on the same host copies into them
-/// directly (one copy, nothing for the receiver to do). See docs/kv.md.
+/// directly (one copy, nothing for the receiver to do). See docs/kv.md. More than
+/// the machine's physical memory is refused (`InvalidArgument`).
 #[pyfunction]
 #[pyo3(signature = (layers, layer_bytes))]
 fn shared_buffers(py: Python<'_>, layers: usize, layer_bytes: usize) -> PyResult<Vec<Py<PyAny>>> {

@@ -98,15 +98,11 @@ fn fingerprint(token_ids: &[u32]) -> u64 {
 /// An ABORT frame with the message cut (at a character boundary) to what the wire
 /// carries.
 fn abort_frame(request_id: u64, reason: AbortReason, message: &str) -> Abort {
-    let mut end = message.len().min(MAX_ABORT_MESSAGE_LEN);
-    while !message.is_char_boundary(end) {
-        end -= 1;
-    }
-    Abort {
+    Abort::new(
         request_id,
         reason,
-        message: message[..end].to_owned(),
-    }
+        crate::wire::text::cut(message, MAX_ABORT_MESSAGE_LEN),
+    )
 }
 
 /// A frame that reaches a machine whose handoff is over: anything but an ABORT is
@@ -181,11 +177,18 @@ mod tests {
 
     #[test]
     fn abort_message_is_cut_at_a_char_boundary() {
-        let long = "é".repeat(MAX_ABORT_MESSAGE_LEN);
-        let a = abort_frame(7, AbortReason::Cancelled, &long);
-        assert!(a.message.len() <= MAX_ABORT_MESSAGE_LEN);
-        assert!(a.message.chars().all(|c| c == 'é'));
-        assert!(Frame::Abort(a).validate().is_ok());
+        // 2-, 3- and 4-byte characters behind 0..=3 ASCII bytes: the bound falls
+        // inside a character in most of these.
+        for unit in ["é", "€", "😀"] {
+            for prefix in ["", "x", "xy", "xyz"] {
+                let long = format!("{prefix}{}", unit.repeat(MAX_ABORT_MESSAGE_LEN));
+                let a = abort_frame(7, AbortReason::Cancelled, &long);
+                assert!(a.message.len() <= MAX_ABORT_MESSAGE_LEN);
+                assert!(a.message.len() > MAX_ABORT_MESSAGE_LEN - 4);
+                assert!(long.starts_with(&a.message));
+                assert!(Frame::Abort(a).validate().is_ok());
+            }
+        }
     }
 
     #[test]

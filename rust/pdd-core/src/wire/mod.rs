@@ -17,6 +17,7 @@ pub mod handshake;
 mod reader;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod text;
 pub mod tokens;
 
 pub use codec::{

@@ -543,16 +543,13 @@ fn apply(shared: &Arc<Shared>, events: Vec<TransferEvent>) {
             Err(e) => {
                 Metrics::add(&shared.metrics.transfers_failed_total, 1);
                 if let Some(c) = control {
-                    let mut message = e.to_string();
-                    message.truncate(pdd_core::wire::MAX_ABORT_MESSAGE_LEN);
-                    while !message.is_char_boundary(message.len()) {
-                        message.pop();
-                    }
-                    let _ = c.send(Frame::Abort(Abort {
-                        request_id: entry.grant.request_id,
-                        reason: e.abort_reason(),
-                        message,
-                    }));
+                    // `e` may carry a peer's ABORT message (up to the wire's bound,
+                    // any characters) behind our own words: cut at a character.
+                    let _ = c.send(Frame::Abort(Abort::new(
+                        entry.grant.request_id,
+                        e.abort_reason(),
+                        e.to_string(),
+                    )));
                 }
                 let _ = entry.status.send(LocalStatus::Failed(e));
             }

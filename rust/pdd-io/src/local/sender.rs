@@ -307,20 +307,6 @@ fn end_transfer(shared: &Shared, tid: u64, status: LocalStatus) -> bool {
 /// Longest abort message a local sender writes (as the WAN sender's).
 const MAX_SENDER_ABORT_MESSAGE: usize = 512;
 
-/// `message` cut to at most `max` bytes, at a character boundary. Bounds only this
-/// sender's own abort message; truncating strings a peer sent is another matter
-/// (a shared helper for it is on its way into pdd-core).
-fn bounded(mut message: String, max: usize) -> String {
-    if message.len() > max {
-        let mut end = max;
-        while !message.is_char_boundary(end) {
-            end -= 1;
-        }
-        message.truncate(end);
-    }
-    message
-}
-
 fn end_session(shared: &Shared, why: Error) {
     lock(&shared.death).get_or_insert(why.clone());
     let ids: Vec<u64> = lock(&shared.transfers).keys().copied().collect();
@@ -384,15 +370,15 @@ async fn read_loop(shared: Arc<Shared>, mut control: Control) {
             Frame::KvGrant(g) => {
                 if g.page_bytes != shared.pool.page_bytes() {
                     // Answered with an ABORT for the request: we cannot fill it.
-                    let _ = shared.control.send(Frame::Abort(Abort {
-                        request_id: g.request_id,
-                        reason: pdd_core::wire::AbortReason::Internal,
-                        message: format!(
+                    let _ = shared.control.send(Frame::Abort(Abort::new(
+                        g.request_id,
+                        pdd_core::wire::AbortReason::Internal,
+                        format!(
                             "page_bytes {} but our pool's are {}",
                             g.page_bytes,
                             shared.pool.page_bytes()
                         ),
-                    }));
+                    )));
                     continue;
                 }
                 if g.page_count == 0 {
@@ -438,11 +424,11 @@ async fn read_loop(shared: Arc<Shared>, mut control: Control) {
                 {
                     Ok(k) => k,
                     Err(e) => {
-                        let _ = shared.control.send(Frame::Abort(Abort {
-                            request_id: grant.request_id,
-                            reason: e.abort_reason(),
-                            message: e.to_string(),
-                        }));
+                        let _ = shared.control.send(Frame::Abort(Abort::new(
+                            grant.request_id,
+                            e.abort_reason(),
+                            e.to_string(),
+                        )));
                         continue;
                     }
                 };
@@ -657,11 +643,11 @@ impl LocalOutbound {
             let direct = match put {
                 Ok(direct) => direct,
                 Err(e) => {
-                    let _ = shared.control.send(Frame::Abort(Abort {
-                        request_id: grant.request_id,
-                        reason: e.abort_reason(),
-                        message: bounded(e.to_string(), MAX_SENDER_ABORT_MESSAGE),
-                    }));
+                    let _ = shared.control.send(Frame::Abort(Abort::new(
+                        grant.request_id,
+                        e.abort_reason(),
+                        e.to_string(),
+                    )));
                     Metrics::add(&shared.metrics.transfers_failed_total, 1);
                     end_transfer(&shared, grant.transfer_id, LocalStatus::Failed(e.clone()));
                     return Err(e);
@@ -776,7 +762,9 @@ impl LocalOutbound {
     /// landed (the receiver frees the pages). False if the transfer had already
     /// ended.
     pub fn abort(&self, reason: &str) -> bool {
-        let message = bounded(
+        // The caller's words cut between characters (pdd_core::wire::text), as on
+        // the WAN sender.
+        let message = pdd_core::wire::text::cut_owned(
             format!("aborted by the sender: {reason}"),
             MAX_SENDER_ABORT_MESSAGE,
         );
@@ -789,11 +777,11 @@ impl LocalOutbound {
         );
         if ended {
             // Best effort: a dead session already failed the receiver's side.
-            let _ = self.shared.control.send(Frame::Abort(Abort {
-                request_id: self.grant.request_id,
-                reason: AbortReason::Cancelled,
+            let _ = self.shared.control.send(Frame::Abort(Abort::new(
+                self.grant.request_id,
+                AbortReason::Cancelled,
                 message,
-            }));
+            )));
         }
         ended
     }

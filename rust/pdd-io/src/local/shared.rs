@@ -169,14 +169,37 @@ static ALLOCATIONS: Mutex<Vec<Exposed>> = Mutex::new(Vec::new());
 /// of another endpoint's puts, each bounded by its own timeout).
 pub const ALLOCATE_BOUND: Duration = Duration::from_secs(60);
 
+/// This machine's physical memory in bytes, where the OS says.
+fn physical_memory() -> Option<usize> {
+    // SAFETY: sysconf only reads the system's configuration.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    let (pages, page) = (usize::try_from(pages).ok()?, usize::try_from(page).ok()?);
+    (pages > 0 && page > 0).then(|| pages.saturating_mul(page))
+}
+
 impl SharedAllocation {
     /// Allocate `len` bytes (zeroed) through the process's UCX worker and populate
     /// them, so the first transfer into them pays no page faults.
+    ///
+    /// More than the machine's physical memory is refused (`InvalidArgument`): UCX
+    /// backs the allocation with shared memory (a tmpfs file) and fills it as it
+    /// maps it, so a request for terabytes filled /dev/shm and had the process killed
+    /// for want of memory instead of failing.
     pub fn new(len: usize) -> Result<SharedAllocation, Error> {
         if len == 0 {
             return Err(Error::InvalidArgument(
                 "an allocation needs >= 1 byte".into(),
             ));
+        }
+        if let Some(max) = physical_memory().filter(|&max| len > max) {
+            return Err(Error::InvalidArgument(format!(
+                "an allocation of {len} bytes is more than this machine's {max} bytes of memory"
+            )));
         }
         let worker = worker()?;
         let (tx, rx) = mpsc::channel();
@@ -299,6 +322,17 @@ pub(super) fn allocate_one(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Refused before UCX is asked (so this runs without UCX too): a terabyte request
+    /// once filled /dev/shm and had the process killed.
+    #[test]
+    fn an_allocation_past_physical_memory_is_refused() {
+        let max = physical_memory().expect("Linux says how much memory it has");
+        for len in [max + 1, max.saturating_mul(4), usize::MAX] {
+            let e = SharedAllocation::new(len).unwrap_err();
+            assert_eq!(e.reason(), "invalid_argument", "{e}");
+        }
+    }
 
     #[test]
     fn only_shared_mappings_are_taken_from_proc_maps() {

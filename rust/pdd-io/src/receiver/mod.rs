@@ -558,11 +558,11 @@ impl KvReceiver {
     pub async fn close(&self, bound: Duration) -> Result<(), Error> {
         self.shared.cancel.cancel();
         for s in lock(&self.shared.sessions).values() {
-            let _ = s.control.send(Frame::Abort(Abort {
-                request_id: 0,
-                reason: pdd_core::wire::AbortReason::Shutdown,
-                message: "receiver closing".into(),
-            }));
+            let _ = s.control.send(Frame::Abort(Abort::new(
+                0,
+                pdd_core::wire::AbortReason::Shutdown,
+                "receiver closing",
+            )));
             s.cancel.cancel();
         }
         {
@@ -668,16 +668,11 @@ fn apply(shared: &Shared, state: &ReceiverState, events: Vec<TransferEvent>) {
                         .get(&t.session_id)
                         .filter(|s| s.generation == t.generation && !told_by_peer)
                     {
-                        let mut message = error.to_string();
-                        message.truncate(512);
-                        while !message.is_char_boundary(message.len()) {
-                            message.pop();
-                        }
-                        let _ = s.control.send(Frame::Abort(Abort {
-                            request_id: *request_id,
-                            reason: error.abort_reason(),
-                            message,
-                        }));
+                        let _ = s.control.send(Frame::Abort(Abort::new(
+                            *request_id,
+                            error.abort_reason(),
+                            error.to_string(),
+                        )));
                     }
                     t.status.send_replace(TransferStatus::Failed(error.clone()));
                 }

@@ -402,13 +402,11 @@ async fn control_session(
                 Err(e) => {
                     // A query this cache cannot answer (page size): refuse the request,
                     // keep the session.
-                    let mut message = e.to_string();
-                    message.truncate(512);
-                    let _ = tx.send(Frame::Abort(Abort {
-                        request_id: q.request_id,
-                        reason: e.abort_reason(),
-                        message,
-                    }));
+                    let _ = tx.send(Frame::Abort(Abort::new(
+                        q.request_id,
+                        e.abort_reason(),
+                        e.to_string(),
+                    )));
                 }
             },
             Frame::Abort(a) => {
