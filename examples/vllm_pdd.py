@@ -2,7 +2,8 @@
 
 Starts four vLLM servers of a tiny random-weight Llama (``vllm_pd.PdCluster`` with a
 RelayDecode): a plain reference, P, MainDecode (behind ``pdd_transport.wanem``, 30 ms
-RTT +-5 ms, 1 Gbit/s by default) and RelayDecode (next to P, local path). It replays a
+RTT +-5 ms, 0.2 Gbit/s by default: the tiny model's 1 KB of KV per token over it takes
+the seconds per token of the paper's ~50 KB over 10 Gbit/s) and RelayDecode (next to P, local path). It replays a
 multi-turn agentic workload (a long system prefix shared by every conversation, turns
 that grow by the previous answer and a new message, short outputs) twice:
 
@@ -77,8 +78,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         decoded = {"rld": 0, "md": 0}
         extend_tokens = 0
         exactly_once = True
-        handoff_bytes: list[float] = []
+        handoff_bytes: list[int] = []
+        handoff_tokens: list[int] = []
         requests = 0
+        mismatches: list[dict[str, Any]] = []
         for turn in range(args.turns):
             for conv in range(args.conversations):
                 order = modes if (turn + conv) % 2 == 0 else modes[::-1]
@@ -93,10 +96,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if mode == "pd":
                         r = pd.complete({"prompt": prompt, "max_tokens": args.tokens, "temperature": 0, "ignore_eos": True})
                         tokens, ttft, err = r.token_ids, r.ttft_s, r.prefill_error
+                        by: list[str] = ["md"] * len(tokens)
                     else:
                         res = pdd.complete(prompt, args.tokens, temperature=0, ignore_eos=True)
                         tokens, ttft = res.token_ids, res.ttft_s
                         err = res.prefill_error or res.md_error or res.rld_error
+                        by = res.decoded_by
                         n = res.decoded_by.count("rld")
                         exactly_once &= (len(tokens) == args.tokens
                                          and res.decoded_by == ["rld"] * n + ["md"] * (args.tokens - n))
@@ -106,11 +111,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         decoded["md"] += args.tokens - n
                         extend_tokens += sum(count for _, count, _ in res.handoffs)
                         if n:
-                            handoff_bytes.append((_c2u(handoff_wan) - hand_before) * 100.0 / n)
+                            handoff_bytes.append(_c2u(handoff_wan) - hand_before)
+                            handoff_tokens.append(n)
                     o["wan"] += _c2u(cluster.wan) - wan_before
                     o["full"] += (len(prompt) - 1) // BLOCK_SIZE * vllm_pd.kv_bytes_per_block()
                     o["equal"] &= tokens == want
                     o["errors"] += int(err is not None or tokens != want)
+                    if tokens != want:
+                        at = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), min(len(tokens), len(want)))
+                        mismatches.append({"mode": mode, "conversation": conv, "turn": turn, "position": at,
+                                           "decoded_by": by[at] if at < len(by) else None, "error": err})
                     o["ttft"].append(float(ttft or 0.0))
                     history[(mode, conv)] = prompt + want
                     requests += 1
@@ -124,10 +134,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "handoffs": handoffs,
             "tokens_decoded": decoded,
             "md_extend_tokens_computed": extend_tokens,
-            # Handoff link bytes RLD -> MD per 100 handed tokens (frames, acks excluded).
-            "handoff_wan_bytes_per_100_tokens": statistics.median(handoff_bytes) if handoff_bytes else None,
+            # Handoff link bytes RLD -> MD during each PDD request (HANDOFF frames and
+            # whatever else RLD sent then: PINGs, its ABORTs) and the tokens it handed.
+            "handoff_wan_bytes": handoff_bytes,
+            "handoff_tokens": handoff_tokens,
+            "handoff_wan_bytes_median": statistics.median(handoff_bytes) if handoff_bytes else None,
             "requests": requests,
             "errors": sum(out[m]["errors"] for m in modes),
+            # Each answer that differs from the plain instance's: where, and who decoded
+            # that token (a near-tie can flip where MD computed handed tokens in a batch).
+            "mismatches": mismatches,
             "ttft_all_s": {m: out[m]["ttft"] for m in modes},
             "line": {"rtt_ms": args.rtt_ms, "jitter_ms": args.jitter_ms, "rate_gbit": args.rate_gbit},
             "workload": {"conversations": args.conversations, "turns": args.turns, "system_tokens": args.system_tokens,
@@ -151,12 +167,14 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--rtt-ms", type=float, default=30.0)
     ap.add_argument("--jitter-ms", type=float, default=5.0)
-    ap.add_argument("--rate-gbit", type=float, default=1.0)
+    # The tiny model holds 1 KB of KV per token: 0.2 Gbit/s gives it the seconds per
+    # token of the paper's ~50 KB per token over 10 Gbit/s.
+    ap.add_argument("--rate-gbit", type=float, default=0.2)
     ap.add_argument("--conversations", type=int, default=4)
     ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--system-tokens", type=int, default=1024)
-    ap.add_argument("--first-tokens", type=int, default=256)
-    ap.add_argument("--turn-tokens", type=int, default=128)
+    ap.add_argument("--system-tokens", type=int, default=2048)
+    ap.add_argument("--first-tokens", type=int, default=512)
+    ap.add_argument("--turn-tokens", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=96, help="output tokens per request")
     ap.add_argument("--log-dir", default=None)
     args = ap.parse_args()
