@@ -938,6 +938,31 @@ def _local_handles(h: H, o: Outcome) -> None:
         call(h, o, out.abort)
 
 
+@spec("LocalInbound.poll", "LocalInbound.ticket", "LocalOutbound.poll")
+def _local_reads(h: H, o: Outcome) -> None:
+    w = world()
+    with w.transfer(local=True) as (inbound, out):
+        call(h, o, inbound.poll)
+        call(h, o, inbound.ticket, address=P(st.one_of(st.none(), st.just("local://10.0.0.1:7200")), TEXT))
+        call(h, o, out.poll)
+
+
+@spec("LocalOutbound.send_pages")
+def _local_send_pages(h: H, o: Outcome) -> None:
+    w = world()
+    with w.transfer(local=True) as (inbound, out):
+        call(h, o, out.send_pages, P(st.sampled_from([[0, 1], [1, 0]]), st.one_of(PAGES_EDGE, st.just([0]))), SRC_PAGES,
+             layer=P(st.sampled_from([None, 0, 1]), INTS), src_layer=P(st.sampled_from([None, 0, 1]), INTS),
+             timeout=TRANSFER_TIMEOUT)
+
+
+@spec("LocalReceiver.wait_event", "LocalReceiver.release_lease")
+def _lrx_waits(h: H, o: Outcome) -> None:
+    w = world()
+    call(h, o, w.lrx.wait_event, timeout=WAIT)
+    call(h, o, w.lrx.release_lease, U64)
+
+
 @spec("LocalOutbound.send_layer")
 def _local_send_layer(h: H, o: Outcome) -> None:
     w = world()
@@ -956,10 +981,18 @@ def _shared_buffers(h: H, o: Outcome) -> None:
     call(h, o, N.shared_buffers, SIZES, P(st.sampled_from([0, 1, 4096, 65536]), HUGE))
 
 
-@spec("ucx_version", "transfer_activity")
+@spec("ucx_version", "ucx_library", "transfer_activity")
 def _no_arg_functions(h: H, o: Outcome) -> None:
     call(h, o, N.ucx_version)
+    call(h, o, N.ucx_library)
     call(h, o, N.transfer_activity)
+
+
+@spec("add_ucx_fallback")
+def _ucx_fallback(h: H, o: Outcome) -> None:
+    # Read by the process's first UCX load only, which happened long before: any path
+    # is kept or refused, nothing loads.
+    call(h, o, N.add_ucx_fallback, P(st.just("/nonexistent/libucp.so.0"), TEXT))
 
 
 @spec("wait_transfer_activity")

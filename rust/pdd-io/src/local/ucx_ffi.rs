@@ -297,11 +297,13 @@ static FALLBACKS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new
 static NAMED: std::sync::Mutex<Vec<(String, &'static Api)>> = std::sync::Mutex::new(Vec::new());
 
 /// Add `path` to the libraries tried when the system's `libucp.so.0` cannot be
-/// loaded. Only the first load in a process reads the list: a later call changes
-/// nothing once UCX was loaded (or failed to load).
+/// loaded (at most 16; more are ignored). Only the first load in a process reads the
+/// list: a later call changes nothing once UCX was loaded (or failed to load).
 pub fn add_fallback(path: &str) {
     let mut list = FALLBACKS.lock().unwrap_or_else(|p| p.into_inner());
-    if !list.iter().any(|p| p == path) {
+    // A process has one or two candidates (the wheel's); past a few, a caller is
+    // looping: the list stays bounded.
+    if list.len() < 16 && !list.iter().any(|p| p == path) {
         list.push(path.to_owned());
     }
 }
