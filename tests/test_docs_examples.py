@@ -46,8 +46,9 @@ BLOCKS = _blocks()
 def test_blocks_are_found_and_most_run() -> None:
     assert len(BLOCKS) >= 10
     no_run = [where for where, _, reason in BLOCKS if reason is not None]
-    # The exceptions stay few: a block that can run here should.
-    assert len(no_run) <= 7, no_run
+    # The exceptions stay few: a block that can run here should (the eighth: PDD on
+    # three vLLM engines, docs/vllm.md, which tests/vllm runs for real).
+    assert len(no_run) <= 8, no_run
 
 
 @pytest.mark.parametrize("where, code, reason", BLOCKS, ids=[b[0] for b in BLOCKS])
