@@ -588,7 +588,7 @@ async fn control_loop(
             socket,
             outgoing,
             writer_conn.cancel.clone(),
-            heartbeat,
+            Some(heartbeat),
             writer_metrics,
             now_ns,
         )

@@ -153,9 +153,16 @@ impl Control {
         let death = Arc::new(Mutex::new(None));
         let (wc, wd) = (cancel.clone(), death.clone());
         tokio::spawn(async move {
-            let outcome =
-                lane::control_writer(writer, socket, rx, wc.clone(), heartbeat, metrics, now_ns)
-                    .await;
+            let outcome = lane::control_writer(
+                writer,
+                socket,
+                rx,
+                wc.clone(),
+                Some(heartbeat),
+                metrics,
+                now_ns,
+            )
+            .await;
             if let Err(detail) = outcome {
                 lock(&wd).get_or_insert(Error::ConnectionLost { detail });
                 wc.cancel();
