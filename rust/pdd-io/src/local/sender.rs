@@ -152,8 +152,8 @@ impl LocalSender {
             connected.stream,
             cfg.hello.max_payload,
             connected.agreed.peer_max_payload,
-            cfg.heartbeat,
-            cfg.dead_after,
+            Some(cfg.heartbeat),
+            Some(cfg.dead_after),
             metrics.clone(),
             &cancel,
         );

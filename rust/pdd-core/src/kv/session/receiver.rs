@@ -166,6 +166,7 @@ pub struct ReceiverEndpoint {
     next_generation: u64,
     next_lane: u64,
     closed: bool,
+    max_sessions: usize,
 }
 
 /// Most random draws [`ReceiverEndpoint::grant`] makes for a transfer id not in use.
@@ -192,7 +193,15 @@ impl ReceiverEndpoint {
             next_generation: 1,
             next_lane: 1,
             closed: false,
+            max_sessions: MAX_SESSIONS,
         })
+    }
+
+    /// Bound the live sessions at `max` instead of [`MAX_SESSIONS`] (an endpoint
+    /// whose connections are bounded elsewhere, as the local path's are).
+    pub fn with_max_sessions(mut self, max: usize) -> ReceiverEndpoint {
+        self.max_sessions = max;
+        self
     }
 
     /// The pool bookkeeping (read only: every change goes through this machine).
@@ -266,9 +275,9 @@ impl ReceiverEndpoint {
             (_, Some((_, owner))) if owner != identity => Err(Error::AuthFailed {
                 detail: "that session belongs to another TLS identity",
             }),
-            (false, None) if self.live.len() >= MAX_SESSIONS => Err(Error::LimitExceeded {
+            (false, None) if self.live.len() >= self.max_sessions => Err(Error::LimitExceeded {
                 what: "sessions on this receiver".into(),
-                limit: MAX_SESSIONS as u64,
+                limit: self.max_sessions as u64,
             }),
             (false, None) => Ok(LaneKey::Root),
             (false, Some(_)) => Err(Error::AuthFailed {
@@ -318,10 +327,10 @@ impl ReceiverEndpoint {
                 detail: "the session changed during the handshake",
             });
         }
-        if current.is_none() && self.live.len() >= MAX_SESSIONS {
+        if current.is_none() && self.live.len() >= self.max_sessions {
             return Err(Error::LimitExceeded {
                 what: "sessions on this receiver".into(),
-                limit: MAX_SESSIONS as u64,
+                limit: self.max_sessions as u64,
             });
         }
         if let Some(old) = current {
