@@ -725,9 +725,16 @@ fn grants_go_only_to_live_sessions_that_can_take_them() {
     // Another session may hold the same request.
     open(&mut rx, 2, WAN, ms(0));
     rx.grant(2, 7, &[2], 1, None, ms(0), ids()).unwrap();
-    // An id source that repeats an id in use is refused, not looped on forever.
+    // An id drawn that is in use is drawn again; a source that only repeats one is
+    // refused, not looped on forever.
     let used = rx.grant(2, 8, &[3], 1, None, ms(0), || 0x42).unwrap();
     assert_eq!(used.transfer_id, 0x42);
+    let mut draws = [0x42, 0x42, 0x43].into_iter();
+    let again = rx
+        .grant(2, 10, &[5], 1, None, ms(0), || draws.next().unwrap_or(0x42))
+        .unwrap();
+    assert_eq!(again.transfer_id, 0x43);
+    rx.fail_transfer(0x43, Error::Cancelled { detail: "done".into() });
     let e = rx.grant(2, 9, &[4], 1, None, ms(0), || 0x42).unwrap_err();
     assert_eq!(e.reason(), "invalid_argument");
     assert_eq!(rx.state().pages_held(), 3);

@@ -945,12 +945,12 @@ impl ReceiverEndpoint {
         tell_peer: bool,
         violation: bool,
     ) {
+        // `sessions` holds exactly the live instances: one found is the one live
+        // under its id.
         let Some(s) = self.sessions.remove(&session.generation) else {
             return;
         };
-        if self.live.get(&session.id) == Some(&session.generation) {
-            self.live.remove(&session.id);
-        }
+        self.live.remove(&session.id);
         if tell_peer {
             self.transmit.push_back((
                 session,

@@ -502,10 +502,9 @@ impl SenderSession {
             &format!("aborted by the sender: {message}"),
             MAX_TRANSFER_ABORT_MESSAGE,
         );
+        // (A transfer in progress implies a live connection: its end fails them all.)
         let detail = message.message.clone();
-        if self.conn.is_some() {
-            self.transmit.push_back(Frame::Abort(message));
-        }
+        self.transmit.push_back(Frame::Abort(message));
         self.fail(transfer_id, Error::Cancelled { detail });
         true
     }
