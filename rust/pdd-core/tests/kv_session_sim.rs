@@ -156,7 +156,7 @@ fn a_receiver_session_pings_from_its_opening_and_answers_pings() {
 
 #[test]
 fn a_silent_sender_is_dead_at_the_bound_after_its_last_frame() {
-    let (mut rx, h, _lane, _t, _b) = one_grant(None);
+    let (mut rx, h, lane, _t, blocks) = one_grant(None);
     rx.handle_frame(
         h,
         Frame::Ping(Ping {
@@ -180,6 +180,9 @@ fn a_silent_sender_is_dead_at_the_bound_after_its_last_frame() {
     assert!(!rx.is_live(h));
     assert_eq!(rx.timers_armed(), 0, "every timer of the session stops");
     assert_eq!(rx.state().pages_held(), 0);
+    // Its lanes stop: a block still read on one is refused, not drained.
+    let err = rx.begin_block(&lane, &blocks[0], false).unwrap_err();
+    assert_eq!(err.reason(), "connection_lost");
 }
 
 #[test]
@@ -734,7 +737,12 @@ fn grants_go_only_to_live_sessions_that_can_take_them() {
         .grant(2, 10, &[5], 1, None, ms(0), || draws.next().unwrap_or(0x42))
         .unwrap();
     assert_eq!(again.transfer_id, 0x43);
-    rx.fail_transfer(0x43, Error::Cancelled { detail: "done".into() });
+    rx.fail_transfer(
+        0x43,
+        Error::Cancelled {
+            detail: "done".into(),
+        },
+    );
     let e = rx.grant(2, 9, &[4], 1, None, ms(0), || 0x42).unwrap_err();
     assert_eq!(e.reason(), "invalid_argument");
     assert_eq!(rx.state().pages_held(), 3);
@@ -899,7 +907,12 @@ fn wire_grant(transfer_id: u64, request_id: u64, pages: u32) -> pdd_core::wire::
 
 /// A connected sender (2 lanes) that took a grant of two pages and sent them all.
 fn sending() -> (SenderSession, u64) {
-    let mut tx = sender(WAN, 2, ms(0));
+    sending_on(2)
+}
+
+/// The same on `lanes` data lanes.
+fn sending_on(lanes: u16) -> (SenderSession, u64) {
+    let mut tx = sender(WAN, lanes, ms(0));
     tx.handle_frame(Frame::KvGrant(wire_grant(55, 7, 2)), ms(1));
     let (_, e) = drain_tx(&mut tx, ms(1));
     assert_eq!(e, vec![SenderEvent::GrantArrived { request_id: 7 }]);
@@ -1520,4 +1533,72 @@ fn a_deadline_and_a_cancel_and_an_abort_each_end_their_transfer_on_both_sides() 
         "{rx}"
     );
     assert!(tx_.starts_with("cancelled"), "{tx_}");
+}
+
+#[test]
+fn a_session_that_ends_leaves_no_timer_behind() {
+    let (mut rx, h, lane, mut t, blocks) = one_grant(Some(5_000));
+    // A tail bound (KV_DONE with a page missing), a deadline, a revocation waiting
+    // for its lane, the session's own PING and dead-peer timers.
+    land_all(&mut rx, &lane, &blocks[..1]);
+    rx.handle_frame(h, Frame::KvDone(t.finish().unwrap()), ms(1));
+    rx.handle_frame(h, Frame::LaneRevoke(LaneRevoke { lane: 1 }), ms(2));
+    assert_eq!(rx.timers_armed(), 5);
+    rx.handle_frame(
+        h,
+        Frame::Abort(Abort {
+            request_id: 0,
+            reason: AbortReason::Shutdown,
+            message: "bye".into(),
+        }),
+        ms(3),
+    );
+    assert_eq!(rx.timers_armed(), 0);
+    assert!(ends(&drain_rx(&mut rx, ms(3)).1).len() == 1);
+}
+
+#[test]
+fn after_a_revocation_the_other_lanes_stall_clocks_start_again() {
+    let (mut tx, _) = sending_on(3);
+    tx.lane_samples(&[loaded(1), loaded(1), loaded(1)], ms(0));
+    // Lane 1 stalls while lanes 2 and 3 move: lane 1 is revoked at 200.
+    tx.lane_samples(&[loaded(1), loaded(2), loaded(2)], ms(200));
+    assert_eq!(
+        drain_tx(&mut tx, ms(200)).1,
+        vec![SenderEvent::StopLane { lane: 1 }]
+    );
+    // Lane 2 stalls during the revocation while lane 3 moves: one revocation at a
+    // time, so nothing more now.
+    tx.lane_samples(&[loaded(1), loaded(2), loaded(3)], ms(450));
+    assert_eq!(drain_tx(&mut tx, ms(450)), (vec![], vec![]));
+    tx.handle_frame(Frame::LaneRevoked(LaneRevoke { lane: 1 }), ms(460));
+    drain_tx(&mut tx, ms(460));
+    // After the release, lane 2's stall is measured afresh: not revoked at once...
+    tx.lane_samples(&[loaded(1), loaded(2), loaded(4)], ms(470));
+    assert_eq!(drain_tx(&mut tx, ms(470)), (vec![], vec![]));
+    // ...but a stall bound later.
+    tx.lane_samples(&[loaded(1), loaded(2), loaded(5)], ms(660));
+    assert_eq!(
+        drain_tx(&mut tx, ms(660)).1,
+        vec![SenderEvent::StopLane { lane: 2 }]
+    );
+}
+
+#[test]
+fn a_lane_that_was_idle_is_stalled_only_a_bound_after_it_got_bytes_to_deliver() {
+    let (mut tx, _) = sending_on(2);
+    let idle = LaneSample {
+        progress: 5,
+        loaded: false,
+    };
+    tx.lane_samples(&[idle, loaded(1)], ms(0));
+    tx.lane_samples(&[idle, loaded(2)], ms(300));
+    // Loaded now, with its progress unchanged since it went idle: not stalled yet.
+    tx.lane_samples(&[loaded(5), loaded(3)], ms(310));
+    assert_eq!(drain_tx(&mut tx, ms(310)), (vec![], vec![]));
+    tx.lane_samples(&[loaded(5), loaded(4)], ms(510));
+    assert_eq!(
+        drain_tx(&mut tx, ms(510)).1,
+        vec![SenderEvent::StopLane { lane: 1 }]
+    );
 }

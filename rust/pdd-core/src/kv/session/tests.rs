@@ -34,6 +34,11 @@ fn abort_messages_are_cut_at_a_char_boundary() {
     assert_eq!(a.reason, AbortReason::Cancelled);
     let long = abort_for(0, &e, usize::MAX);
     assert!(long.message.len() <= MAX_ABORT_MESSAGE_LEN);
+    // The cut falls inside a character ("cancelled: " is 11 bytes, then 2-byte
+    // characters): it moves back to that character's start, one byte, no further.
+    let full = e.to_string();
+    assert!(!full.is_char_boundary(MAX_TRANSFER_ABORT_MESSAGE));
+    assert_eq!(a.message, full[..MAX_TRANSFER_ABORT_MESSAGE - 1]);
 }
 
 #[test]
