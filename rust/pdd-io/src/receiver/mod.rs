@@ -247,7 +247,8 @@ impl KvReceiver {
     /// Bind and start accepting on the current tokio runtime.
     pub async fn start(pool: Arc<PagePool>, mut cfg: ReceiverConfig) -> Result<KvReceiver, Error> {
         cfg.validate()?;
-        // This build answers LANE_REVOKE (see `revoke.rs`); a sender that does not
+        // This build answers LANE_REVOKE (the session machine decides how); a sender
+        // that does not
         // offer it too never sends one.
         cfg.hello.capabilities |= pdd_core::wire::capability::LANE_FAILOVER;
         // It may grant zero pages ("nothing to send") to a sender that offers it too.
