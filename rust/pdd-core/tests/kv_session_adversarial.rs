@@ -539,7 +539,7 @@ proptest! {
         let mut ours: Option<KvDone> = None;
         for (i, f) in frames.into_iter().enumerate() {
             if i == finish_at && tx.in_progress(55) {
-                ours = Some(tx.finish(55).unwrap());
+                ours = tx.finish(55).unwrap();
             }
             let confirming = matches!(&f, Frame::KvDone(d) if Some(d) == ours.as_ref());
             tx.handle_frame(f, ms(i as u64));

@@ -985,7 +985,10 @@ fn a_silent_receiver_is_dead_at_the_bound_and_its_grants_are_void() {
 fn the_receivers_kv_done_completes_only_what_we_finished_as_sent() {
     // Confirmed with our counts: complete.
     let (mut tx, tid) = sending();
-    let done = tx.finish(tid).unwrap();
+    let done = tx
+        .finish(tid)
+        .unwrap()
+        .expect("the WAN path confirms our KV_DONE");
     assert_eq!(
         drain_tx(&mut tx, ms(2)).0,
         vec![Frame::KvDone(done.clone())]
@@ -1600,5 +1603,248 @@ fn a_lane_that_was_idle_is_stalled_only_a_bound_after_it_got_bytes_to_deliver() 
     assert_eq!(
         drain_tx(&mut tx, ms(510)).1,
         vec![SenderEvent::StopLane { lane: 1 }]
+    );
+}
+
+// ---- the local path's sender ----
+
+fn local_regions(tid: u64, layers: u16, pages: u32) -> pdd_core::wire::LocalGrant {
+    pdd_core::wire::LocalGrant {
+        transfer_id: tid,
+        regions: (0..layers)
+            .map(|layer| pdd_core::wire::LocalRegion {
+                layer,
+                page_start: 0,
+                page_count: pages,
+                remote_addr: 0x1000,
+                rkey: bytes::Bytes::from_static(b"k"),
+            })
+            .collect(),
+    }
+}
+
+fn local_grant(tid: u64, request: u64, layers: u16, pages: u32) -> pdd_core::wire::KvGrant {
+    pdd_core::wire::KvGrant {
+        layer_count: layers,
+        ..wire_grant(tid, request, pages)
+    }
+}
+
+#[test]
+fn a_local_grant_is_taken_only_once_its_regions_cover_it() {
+    let mut tx = sender(LOCAL, 0, ms(0));
+    tx.handle_frame(Frame::KvGrant(local_grant(5, 7, 2, 3)), ms(1));
+    let (_, e) = drain_tx(&mut tx, ms(1));
+    assert_eq!(e, vec![SenderEvent::GrantArrived { request_id: 7 }]);
+    assert_eq!(tx.pending_grant(7).map(|g| g.transfer_id), Some(5));
+    assert!(tx.take_grant(7).is_none(), "no regions yet");
+    tx.handle_frame(Frame::LocalGrant(local_regions(5, 2, 3)), ms(2));
+    let (_, e) = drain_tx(&mut tx, ms(2));
+    assert!(
+        matches!(&e[..], [SenderEvent::RegionsArrived { grant, .. }] if grant.transfer_id == 5)
+    );
+    assert!(tx.take_grant(7).is_some());
+    // Regions that miss a page, or a LOCAL_GRANT with no KV_GRANT: the session ends.
+    for (kv_grant, regions) in [
+        (true, local_regions(6, 1, 3)),
+        (true, local_regions(6, 2, 2)),
+        (false, local_regions(6, 2, 3)),
+    ] {
+        let mut tx = sender(LOCAL, 0, ms(0));
+        if kv_grant {
+            tx.handle_frame(Frame::KvGrant(local_grant(6, 8, 2, 3)), ms(1));
+        }
+        tx.handle_frame(Frame::LocalGrant(regions), ms(2));
+        let (f, e) = drain_tx(&mut tx, ms(2));
+        assert_eq!(
+            tx_ended(&e).map(|e| e.reason()),
+            Some("invalid_field"),
+            "{e:?}"
+        );
+        assert_eq!(tx_aborts(&f), vec![(0, "protocol_error")]);
+    }
+    // On a WAN session a LOCAL_GRANT is a frame it does not take.
+    let mut tx = sender(WAN, 1, ms(0));
+    tx.handle_frame(Frame::LocalGrant(local_regions(6, 1, 1)), ms(1));
+    assert!(tx_ended(&drain_tx(&mut tx, ms(1)).1).is_some());
+}
+
+#[test]
+fn local_layers_are_announced_once_each_and_confirmed_by_their_totals() {
+    let pb = u64::from(PAGE_BYTES);
+    for confirm in ["ours", "early", "other"] {
+        let mut tx = sender(LOCAL, 0, ms(0));
+        tx.handle_frame(Frame::KvGrant(local_grant(5, 7, 2, 2)), ms(1));
+        tx.handle_frame(Frame::LocalGrant(local_regions(5, 2, 2)), ms(1));
+        tx.take_grant(7).unwrap();
+        drain_tx(&mut tx, ms(1));
+        tx.send_pages(5, 0..1, &[1], 1 << 20).unwrap();
+        tx.layers_put(5, 0..1).unwrap();
+        assert!(
+            drain_tx(&mut tx, ms(2)).0.is_empty(),
+            "layer 0 is not complete"
+        );
+        if confirm == "early" {
+            tx.handle_frame(
+                Frame::KvDone(KvDone {
+                    transfer_id: 5,
+                    chunk_count: 0,
+                    byte_count: 0,
+                }),
+                ms(3),
+            );
+            assert_eq!(
+                tx_ends(&drain_tx(&mut tx, ms(3)).1)[0].1,
+                "transfer_incomplete"
+            );
+            continue;
+        }
+        tx.send_pages(5, 0..2, &[0], 1 << 20).unwrap();
+        tx.send_pages(5, 1..2, &[1], 1 << 20).unwrap();
+        tx.layers_put(5, 0..2).unwrap();
+        tx.layers_put(5, 0..2).unwrap();
+        let (f, _) = drain_tx(&mut tx, ms(4));
+        assert_eq!(
+            f,
+            vec![Frame::LocalDone(LocalDone {
+                transfer_id: 5,
+                layer_start: 0,
+                layer_count: 2,
+                page_count: 4,
+                byte_count: 4 * pb,
+            })],
+            "one notice for the run of layers, once"
+        );
+        assert_eq!(
+            tx.finish(5).unwrap(),
+            Some(KvDone {
+                transfer_id: 5,
+                chunk_count: 1,
+                byte_count: 4 * pb
+            })
+        );
+        assert!(
+            drain_tx(&mut tx, ms(4)).0.is_empty(),
+            "no KV_DONE on the local path"
+        );
+        let chunks = if confirm == "ours" { 1 } else { 2 };
+        tx.handle_frame(
+            Frame::KvDone(KvDone {
+                transfer_id: 5,
+                chunk_count: chunks,
+                byte_count: 4 * pb,
+            }),
+            ms(5),
+        );
+        let want = if confirm == "ours" {
+            "complete"
+        } else {
+            "transfer_incomplete"
+        };
+        assert_eq!(tx_ends(&drain_tx(&mut tx, ms(5)).1)[0].1, want);
+    }
+}
+
+#[test]
+fn an_empty_local_grant_takes_one_notice_when_the_sender_finishes() {
+    let mut tx = sender(LOCAL, 0, ms(0));
+    tx.handle_frame(Frame::KvGrant(local_grant(5, 7, 3, 0)), ms(1));
+    assert!(
+        tx.take_grant(7).is_some(),
+        "no LOCAL_GRANT for an empty grant"
+    );
+    drain_tx(&mut tx, ms(1));
+    tx.finish(5).unwrap();
+    assert_eq!(
+        drain_tx(&mut tx, ms(2)).0,
+        vec![Frame::LocalDone(LocalDone {
+            transfer_id: 5,
+            layer_start: 0,
+            layer_count: 3,
+            page_count: 0,
+            byte_count: 0,
+        })]
+    );
+}
+
+#[test]
+fn a_refused_grant_is_answered_and_its_late_regions_dropped() {
+    let mut tx = sender(LOCAL, 0, ms(0));
+    tx.handle_frame(Frame::KvGrant(local_grant(5, 7, 1, 2)), ms(1));
+    drain_tx(&mut tx, ms(1));
+    let why = Error::InvalidArgument("page_bytes 16 but our pool's are 32".into());
+    assert!(tx.refuse_grant(7, &why));
+    assert!(!tx.refuse_grant(7, &why));
+    assert_eq!(
+        tx_aborts(&drain_tx(&mut tx, ms(2)).0),
+        vec![(7, "internal")]
+    );
+    tx.handle_frame(Frame::LocalGrant(local_regions(5, 1, 2)), ms(3));
+    assert_eq!(drain_tx(&mut tx, ms(3)), (vec![], vec![]));
+    assert!(tx.is_connected() && tx.take_grant(7).is_none());
+    // The receiver's ABORT of a request drops its half-arrived grant too.
+    tx.handle_frame(Frame::KvGrant(local_grant(6, 8, 1, 2)), ms(4));
+    tx.handle_frame(
+        Frame::Abort(Abort {
+            request_id: 8,
+            reason: AbortReason::Cancelled,
+            message: "gone".into(),
+        }),
+        ms(5),
+    );
+    assert!(tx.pending_grant(8).is_none());
+    tx.handle_frame(Frame::LocalGrant(local_regions(6, 1, 2)), ms(6));
+    assert!(
+        tx_ended(&drain_tx(&mut tx, ms(6)).1).is_some(),
+        "its LOCAL_GRANT is now unknown"
+    );
+}
+
+#[test]
+fn a_failed_put_fails_the_transfer_and_tells_the_receiver_why() {
+    let mut tx = sender(LOCAL, 0, ms(0));
+    tx.handle_frame(Frame::KvGrant(local_grant(5, 7, 1, 2)), ms(1));
+    tx.handle_frame(Frame::LocalGrant(local_regions(5, 1, 2)), ms(1));
+    tx.take_grant(7).unwrap();
+    drain_tx(&mut tx, ms(1));
+    let e = Error::DeadlineExceeded {
+        what: "put within 30s".into(),
+    };
+    assert!(tx.fail_transfer(5, e.clone()));
+    assert!(!tx.fail_transfer(5, e));
+    let (f, ev) = drain_tx(&mut tx, ms(2));
+    assert_eq!(tx_aborts(&f), vec![(7, "deadline_exceeded")]);
+    assert_eq!(tx_ends(&ev), vec![(5, "deadline_exceeded".to_string())]);
+}
+
+#[test]
+fn a_local_sender_and_receiver_agree_on_a_transfer() {
+    // Both machines of the local path, frames handed across by hand.
+    let mut rx = receiver();
+    let h = open(&mut rx, 1, LOCAL, ms(0));
+    let g = rx.grant(1, 7, &[3, 4, 5], 2, None, ms(0), ids()).unwrap();
+    let mut tx = sender(LOCAL, 0, ms(0));
+    let (f, _) = drain_rx(&mut rx, ms(0));
+    for (_, frame) in f {
+        tx.handle_frame(frame, ms(1));
+    }
+    tx.handle_frame(Frame::LocalGrant(local_regions(g.transfer_id, 2, 3)), ms(1));
+    let tid = tx.take_grant(7).unwrap().transfer_id;
+    for (layers, pages) in [(0..2, vec![2u32]), (1..2, vec![0, 1]), (0..1, vec![1, 0])] {
+        tx.send_pages(tid, layers.clone(), &pages, 1 << 20).unwrap();
+        tx.layers_put(tid, layers).unwrap();
+    }
+    tx.finish(tid).unwrap();
+    for frame in drain_tx(&mut tx, ms(2)).0 {
+        rx.handle_frame(h, frame, ms(2));
+    }
+    let (f, e) = drain_rx(&mut rx, ms(2));
+    assert_eq!(ends(&e), vec![(tid, "complete".to_string())]);
+    for (_, frame) in f {
+        tx.handle_frame(frame, ms(3));
+    }
+    assert_eq!(
+        tx_ends(&drain_tx(&mut tx, ms(3)).1),
+        vec![(tid, "complete".to_string())]
     );
 }

@@ -872,6 +872,9 @@ impl Sim {
                     self.place(tx, j);
                 }
             }
+            SenderEvent::RegionsArrived { .. } => {
+                self.problems.push("regions on a WAN session".into());
+            }
             SenderEvent::TransferComplete { .. }
             | SenderEvent::TransferFailed { .. }
             | SenderEvent::RequestAborted { .. }

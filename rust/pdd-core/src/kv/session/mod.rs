@@ -35,7 +35,7 @@ mod receiver;
 mod sender;
 
 pub use receiver::{LaneHandle, LaneKey, ReceiverEndpoint, ReceiverEvent, SessionHandle};
-pub use sender::{LaneSample, SenderEvent, SenderSession};
+pub use sender::{check_cover, LaneSample, SenderEvent, SenderSession};
 
 /// Sessions one receiver holds at once; a new one past this is refused
 /// (`limit_exceeded`, told to the peer as `resource_exhausted`).

@@ -1,8 +1,11 @@
 //! The sender's side of one KV session (and of its reconnects): grants in,
 //! transfers planned by [`SenderTransfer`], the receiver's confirmations checked,
-//! liveness, and lane failover's decisions.
+//! liveness, and lane failover's decisions. On a session that negotiated
+//! `local_ucx` (the local path), also: a grant's LOCAL_GRANT paired with its
+//! KV_GRANT and checked to cover it, and the LOCAL_DONE notices that announce its
+//! layers.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::Range;
 use std::time::Duration;
 
@@ -13,8 +16,8 @@ use crate::error::{Error, Result};
 use crate::kv::{PlannedBlock, SenderTransfer};
 use crate::time::Timestamp;
 use crate::wire::{
-    capability, AbortReason, Frame, FrameKind, KvDone, KvGrant, LaneRevoke, Ping, PrefixReply,
-    MAX_ABORT_MESSAGE_LEN,
+    capability, AbortReason, Frame, FrameKind, KvDone, KvGrant, LaneRevoke, LocalDone, LocalGrant,
+    Ping, PrefixReply, MAX_ABORT_MESSAGE_LEN,
 };
 
 /// One data lane's state as the I/O layer measured it: how far its bytes got
@@ -32,10 +35,20 @@ pub struct LaneSample {
 /// Something the sender's I/O layer or engine acts on.
 #[derive(Debug, Clone, PartialEq)]
 pub enum SenderEvent {
-    /// A grant for `request_id` arrived ([`SenderSession::take_grant`] takes it).
+    /// A grant for `request_id` arrived ([`SenderSession::pending_grant`] shows it,
+    /// [`SenderSession::take_grant`] takes it; on the local path, once its
+    /// [`SenderEvent::RegionsArrived`] came, unless it is empty).
     GrantArrived {
         /// Its request.
         request_id: u64,
+    },
+    /// Local path: a grant's LOCAL_GRANT came and covers it exactly; the grant may be
+    /// taken now (once the I/O layer has its remote keys).
+    RegionsArrived {
+        /// The grant.
+        grant: KvGrant,
+        /// Its regions.
+        regions: LocalGrant,
     },
     /// The receiver confirmed a transfer: every page landed and verified, and its
     /// counts are the ones sent.
@@ -114,8 +127,25 @@ struct Conn {
 #[derive(Debug)]
 struct Outbound {
     transfer: SenderTransfer,
-    /// Our KV_DONE, once sent.
+    /// What the receiver must confirm: our KV_DONE once sent (on the local path,
+    /// the notices and bytes of the LOCAL_DONEs, once every layer was announced).
     done: Option<KvDone>,
+    /// Local path: layers announced by a LOCAL_DONE, and the notices' totals.
+    announced: Vec<bool>,
+    notices: u32,
+    notice_bytes: u64,
+}
+
+impl Outbound {
+    fn new(grant: KvGrant) -> Outbound {
+        Outbound {
+            announced: vec![false; usize::from(grant.layer_count)],
+            transfer: SenderTransfer::new(grant),
+            done: None,
+            notices: 0,
+            notice_bytes: 0,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -144,6 +174,10 @@ pub struct SenderSession {
     connects: u64,
     /// Grants arrived and not taken, by request.
     grants: HashMap<u64, KvGrant>,
+    /// Local path: grants whose LOCAL_GRANT has not come yet, by transfer id.
+    half: HashMap<u64, KvGrant>,
+    /// Local path: grants refused before their LOCAL_GRANT came (it is dropped).
+    refused: HashSet<u64>,
     /// Transfers taken and in progress, by transfer id.
     transfers: HashMap<u64, Outbound>,
     queue: TimerQueue<Timer>,
@@ -170,6 +204,8 @@ impl SenderSession {
             conn: None,
             connects: 0,
             grants: HashMap::new(),
+            half: HashMap::new(),
+            refused: HashSet::new(),
             transfers: HashMap::new(),
             queue: TimerQueue::default(),
             transmit: VecDeque::new(),
@@ -235,12 +271,14 @@ impl SenderSession {
             return;
         };
         let failover = conn.capabilities & capability::LANE_FAILOVER != 0;
+        let local = conn.capabilities & capability::LOCAL_UCX != 0;
         self.queue
             .set(Timer::Dead, now.saturating_add(self.timers.dead_after));
         match frame {
             Frame::KvGrant(g) => {
                 let id = g.transfer_id;
                 if self.transfers.contains_key(&id)
+                    || self.half.contains_key(&id)
                     || self.grants.values().any(|o| o.transfer_id == id)
                 {
                     let e = Error::InvalidField {
@@ -252,9 +290,37 @@ impl SenderSession {
                     return;
                 }
                 let request_id = g.request_id;
-                self.grants.insert(request_id, g);
+                if local && g.page_count > 0 {
+                    // Takeable once its LOCAL_GRANT has come.
+                    self.half.insert(id, g);
+                } else {
+                    self.grants.insert(request_id, g);
+                }
                 self.events
                     .push_back(SenderEvent::GrantArrived { request_id });
+            }
+            Frame::LocalGrant(l) if local => {
+                if self.refused.remove(&l.transfer_id) {
+                    return;
+                }
+                let Some(g) = self.half.remove(&l.transfer_id) else {
+                    let e = Error::InvalidField {
+                        kind: FrameKind::LocalGrant,
+                        field: "transfer_id",
+                        detail: "LOCAL_GRANT without its KV_GRANT".into(),
+                    };
+                    self.end(e, true);
+                    return;
+                };
+                if let Err(e) = check_cover(&g, &l) {
+                    self.end(e, true);
+                    return;
+                }
+                self.grants.insert(g.request_id, g.clone());
+                self.events.push_back(SenderEvent::RegionsArrived {
+                    grant: g,
+                    regions: l,
+                });
             }
             Frame::KvDone(d) => self.confirmed(&d),
             Frame::LaneRevoked(r) if failover => {
@@ -282,6 +348,7 @@ impl SenderSession {
             Frame::Abort(a) => {
                 let error = peer_aborted(&a);
                 self.grants.retain(|_, g| g.request_id != a.request_id);
+                self.half.retain(|_, g| g.request_id != a.request_id);
                 let mut ids: Vec<u64> = self
                     .transfers
                     .iter()
@@ -442,14 +509,48 @@ impl SenderSession {
     /// connection's end voids its grants): the transfer is in progress from here.
     pub fn take_grant(&mut self, request_id: u64) -> Option<KvGrant> {
         let grant = self.grants.remove(&request_id)?;
-        self.transfers.insert(
-            grant.transfer_id,
-            Outbound {
-                transfer: SenderTransfer::new(grant.clone()),
-                done: None,
-            },
-        );
+        self.transfers
+            .insert(grant.transfer_id, Outbound::new(grant.clone()));
         Some(grant)
+    }
+
+    /// The grant for `request_id` that arrived and was not taken yet (on the local
+    /// path, also one whose LOCAL_GRANT has not come).
+    pub fn pending_grant(&self, request_id: u64) -> Option<&KvGrant> {
+        self.grants
+            .get(&request_id)
+            .or_else(|| self.half.values().find(|g| g.request_id == request_id))
+    }
+
+    /// Refuse the grant for `request_id` that was not taken (we cannot fill it: a
+    /// page size not ours, its remote keys that would not unpack): the receiver is
+    /// told with an ABORT for the request saying why. False if there was none.
+    pub fn refuse_grant(&mut self, request_id: u64, error: &Error) -> bool {
+        let found = match self.grants.remove(&request_id) {
+            Some(_) => true,
+            None => {
+                let half: Vec<u64> = self
+                    .half
+                    .iter()
+                    .filter(|(_, g)| g.request_id == request_id)
+                    .map(|(&id, _)| id)
+                    .collect();
+                for id in &half {
+                    // Its LOCAL_GRANT may still come: dropped then.
+                    self.half.remove(id);
+                    self.refused.insert(*id);
+                }
+                !half.is_empty()
+            }
+        };
+        if found {
+            self.transmit.push_back(Frame::Abort(abort_for(
+                request_id,
+                error,
+                MAX_TRANSFER_ABORT_MESSAGE,
+            )));
+        }
+        found
     }
 
     /// Whether `transfer_id` is in progress.
@@ -479,13 +580,102 @@ impl SenderSession {
     }
 
     /// Every page went: queue our KV_DONE (its counts are what the receiver must
-    /// confirm).
-    pub fn finish(&mut self, transfer_id: u64) -> Result<KvDone> {
+    /// confirm). On the local path no KV_DONE goes: the layers' LOCAL_DONEs said it
+    /// ([`layers_put`](Self::layers_put)); an empty grant's one LOCAL_DONE, naming
+    /// every layer with no page, goes now. Returns what the receiver must confirm
+    /// (on the local path, `None` until every layer was announced).
+    pub fn finish(&mut self, transfer_id: u64) -> Result<Option<KvDone>> {
+        let local = self.is_local();
         let o = self.outbound(transfer_id)?;
         let done = o.transfer.finish()?;
+        if !local {
+            o.done = Some(done.clone());
+            self.transmit.push_back(Frame::KvDone(done.clone()));
+            return Ok(Some(done));
+        }
+        let g = o.transfer.grant().clone();
+        if g.page_count > 0 {
+            return Ok(o.done.clone());
+        }
+        o.announced.fill(true);
+        let done = KvDone {
+            transfer_id,
+            chunk_count: 0,
+            byte_count: 0,
+        };
         o.done = Some(done.clone());
-        self.transmit.push_back(Frame::KvDone(done.clone()));
-        Ok(done)
+        self.transmit.push_back(Frame::LocalDone(LocalDone {
+            transfer_id,
+            layer_start: 0,
+            layer_count: g.layer_count,
+            page_count: 0,
+            byte_count: 0,
+        }));
+        Ok(Some(done))
+    }
+
+    /// Local path: the puts of a `send_pages` call on `layers` are flushed (the bytes
+    /// are in the receiver's memory). Every layer of them whose pages have all been
+    /// sent, and not announced yet, is announced now, a LOCAL_DONE per run of
+    /// consecutive layers with their page and byte counts.
+    pub fn layers_put(&mut self, transfer_id: u64, layers: Range<u16>) -> Result<()> {
+        let o = self.outbound(transfer_id)?;
+        let g = o.transfer.grant().clone();
+        let fresh: Vec<u16> = layers
+            .filter(|&l| {
+                o.transfer.layer_sent(l) && o.announced.get(usize::from(l)) == Some(&false)
+            })
+            .collect();
+        let mut notices = Vec::new();
+        for run in fresh.chunk_by(|a, b| *a + 1 == *b) {
+            let count = run.len() as u16;
+            let pages = u64::from(count) * u64::from(g.page_count);
+            let bytes = pages * u64::from(g.page_bytes);
+            for &l in run {
+                o.announced[usize::from(l)] = true;
+            }
+            o.notices += 1;
+            o.notice_bytes += bytes;
+            notices.push(LocalDone {
+                transfer_id,
+                layer_start: run[0],
+                layer_count: count,
+                page_count: pages,
+                byte_count: bytes,
+            });
+        }
+        if o.announced.iter().all(|&a| a) && o.done.is_none() {
+            o.done = Some(KvDone {
+                transfer_id,
+                chunk_count: o.notices,
+                byte_count: o.notice_bytes,
+            });
+        }
+        self.transmit
+            .extend(notices.into_iter().map(Frame::LocalDone));
+        Ok(())
+    }
+
+    /// Fail a transfer in progress from here (a put that failed): the receiver is
+    /// told with an ABORT for its request saying why. False if it had ended.
+    pub fn fail_transfer(&mut self, transfer_id: u64, error: Error) -> bool {
+        let Some(o) = self.transfers.get(&transfer_id) else {
+            return false;
+        };
+        let request_id = o.transfer.grant().request_id;
+        self.transmit.push_back(Frame::Abort(abort_for(
+            request_id,
+            &error,
+            MAX_TRANSFER_ABORT_MESSAGE,
+        )));
+        self.fail(transfer_id, error);
+        true
+    }
+
+    fn is_local(&self) -> bool {
+        self.conn
+            .as_ref()
+            .is_some_and(|c| c.capabilities & capability::LOCAL_UCX != 0)
     }
 
     /// Give a transfer up: the receiver is told (ABORT `cancelled` carrying
@@ -613,6 +803,8 @@ impl SenderSession {
             self.queue.clear(t);
         }
         self.grants.clear();
+        self.half.clear();
+        self.refused.clear();
         self.events.push_back(SenderEvent::SessionEnded {
             error: error.clone(),
         });
@@ -620,4 +812,40 @@ impl SenderSession {
             self.fail(id, error.clone());
         }
     }
+}
+
+/// Check that a LOCAL_GRANT covers every page of every layer of its grant exactly
+/// once, with no page outside it.
+pub fn check_cover(grant: &KvGrant, local: &LocalGrant) -> Result<()> {
+    let bad = |detail: String| Error::InvalidField {
+        kind: FrameKind::LocalGrant,
+        field: "regions",
+        detail,
+    };
+    let mut by_layer: Vec<Vec<(u32, u32)>> = vec![Vec::new(); usize::from(grant.layer_count)];
+    for r in &local.regions {
+        let slot = by_layer
+            .get_mut(usize::from(r.layer))
+            .ok_or_else(|| bad(format!("layer {} outside the grant", r.layer)))?;
+        slot.push((r.page_start, r.page_count));
+    }
+    for (layer, mut spans) in by_layer.into_iter().enumerate() {
+        spans.sort_unstable();
+        let mut next = 0u64;
+        for (start, count) in spans {
+            if u64::from(start) != next {
+                return Err(bad(format!(
+                    "layer {layer}: pages from {next} not covered exactly once"
+                )));
+            }
+            next += u64::from(count);
+        }
+        if next != u64::from(grant.page_count) {
+            return Err(bad(format!(
+                "layer {layer}: regions cover {next} pages, the grant has {}",
+                grant.page_count
+            )));
+        }
+    }
+    Ok(())
 }
