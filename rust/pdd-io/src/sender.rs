@@ -546,6 +546,8 @@ fn flush(shared: &Arc<Shared>, m: &mut SenderSession) {
             SenderEvent::Rtt(rtt) => {
                 Metrics::set(&shared.metrics.rtt_us, rtt.as_micros() as u64);
             }
+            // Only on a local-path session (`local/sender.rs`).
+            SenderEvent::RegionsArrived { .. } => {}
             SenderEvent::PrefixReply(r) => {
                 // A reply after its query timed out has nobody waiting: dropped.
                 if let Some((_, waiter)) = lock(&shared.queries).remove(&r.query_id) {
