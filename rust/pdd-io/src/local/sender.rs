@@ -741,8 +741,11 @@ impl LocalOutbound {
     /// 0 pages); otherwise each layer's notice went when its last page did.
     pub async fn finish(&self) -> Result<(), Error> {
         let _serial = self.serial.lock().await;
-        if let LocalStatus::Failed(e) = self.status() {
-            return Err(e);
+        match self.status() {
+            LocalStatus::Failed(e) => return Err(e),
+            // The last layer's notice already completed it: every page went.
+            LocalStatus::Complete { .. } => return Ok(()),
+            LocalStatus::InProgress => {}
         }
         let tid = self.grant.transfer_id;
         with_machine(&self.shared, |m| m.finish(tid))
