@@ -1663,10 +1663,91 @@ fn a_local_grant_is_taken_only_once_its_regions_cover_it() {
         );
         assert_eq!(tx_aborts(&f), vec![(0, "protocol_error")]);
     }
+    // Regions with a gap, or on a layer the grant does not have: the session ends.
+    let gap = pdd_core::wire::LocalGrant {
+        transfer_id: 6,
+        regions: vec![
+            pdd_core::wire::LocalRegion {
+                page_count: 1,
+                ..local_regions(6, 1, 1).regions[0].clone()
+            },
+            pdd_core::wire::LocalRegion {
+                page_start: 2,
+                page_count: 1,
+                ..local_regions(6, 1, 1).regions[0].clone()
+            },
+        ],
+    };
+    let mut extra = local_regions(6, 1, 2);
+    extra.regions.push(pdd_core::wire::LocalRegion {
+        layer: 5,
+        ..extra.regions[0].clone()
+    });
+    for regions in [gap, extra] {
+        let mut tx = sender(LOCAL, 0, ms(0));
+        tx.handle_frame(Frame::KvGrant(local_grant(6, 8, 1, 2)), ms(1));
+        tx.handle_frame(Frame::LocalGrant(regions.clone()), ms(2));
+        let e = tx_ended(&drain_tx(&mut tx, ms(2)).1);
+        assert_eq!(e.map(|e| e.reason()), Some("invalid_field"), "{regions:?}");
+    }
+    // A transfer id granted again while its LOCAL_GRANT has not come: the session
+    // ends.
+    let mut tx = sender(LOCAL, 0, ms(0));
+    tx.handle_frame(Frame::KvGrant(local_grant(6, 8, 1, 2)), ms(1));
+    tx.handle_frame(Frame::KvGrant(local_grant(6, 9, 1, 2)), ms(2));
+    assert!(tx_ended(&drain_tx(&mut tx, ms(2)).1).is_some());
     // On a WAN session a LOCAL_GRANT is a frame it does not take.
     let mut tx = sender(WAN, 1, ms(0));
     tx.handle_frame(Frame::LocalGrant(local_regions(6, 1, 1)), ms(1));
-    assert!(tx_ended(&drain_tx(&mut tx, ms(1)).1).is_some());
+    let e = tx_ended(&drain_tx(&mut tx, ms(1)).1).expect("ended");
+    assert!(
+        e.to_string()
+            .contains("not expected on a KV sender's control lane"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_half_arrived_grant_dies_with_its_connection() {
+    let mut tx = sender(LOCAL, 0, ms(0));
+    tx.handle_frame(Frame::KvGrant(local_grant(6, 8, 1, 2)), ms(1));
+    tx.close_session(
+        Error::ConnectionLost {
+            detail: "reset".into(),
+        },
+        false,
+    );
+    tx.connected(LOCAL, 0, ms(2)).unwrap();
+    drain_tx(&mut tx, ms(2));
+    // Its LOCAL_GRANT on the new connection belongs to no KV_GRANT of it.
+    tx.handle_frame(Frame::LocalGrant(local_regions(6, 1, 2)), ms(3));
+    let e = tx_ended(&drain_tx(&mut tx, ms(3)).1).expect("ended");
+    assert!(e.to_string().contains("without its KV_GRANT"), "{e}");
+    // Nor does a grant refused on the old connection excuse one on the new.
+    let mut tx = sender(LOCAL, 0, ms(0));
+    tx.handle_frame(Frame::KvGrant(local_grant(7, 9, 1, 2)), ms(1));
+    tx.refuse_grant(9, &Error::InvalidArgument("no".into()));
+    tx.close_session(
+        Error::ConnectionLost {
+            detail: "reset".into(),
+        },
+        false,
+    );
+    tx.connected(LOCAL, 0, ms(2)).unwrap();
+    drain_tx(&mut tx, ms(2));
+    tx.handle_frame(Frame::LocalGrant(local_regions(7, 1, 2)), ms(3));
+    assert!(tx_ended(&drain_tx(&mut tx, ms(3)).1).is_some());
+}
+
+#[test]
+fn a_refused_grant_cannot_be_taken() {
+    for caps in [WAN, LOCAL] {
+        let mut tx = sender(caps, 1, ms(0));
+        tx.handle_frame(Frame::KvGrant(local_grant(6, 8, 1, 0)), ms(1));
+        assert!(tx.refuse_grant(8, &Error::InvalidArgument("no".into())));
+        assert!(tx.take_grant(8).is_none());
+        assert!(tx.pending_grant(8).is_none());
+    }
 }
 
 #[test]
