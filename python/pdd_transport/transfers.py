@@ -639,10 +639,11 @@ class Pusher:
             out = sender.try_grant(push.key)
         except PddError as e:
             push._fail(leg, f"no grant: {e.reason}: {e}")
-            if e.reason == "connection_lost" and is_local_address(leg.address):
-                # A local sender's session does not come back by itself (a WAN
-                # sender reconnects in try_grant): forget it, so that the next push
-                # to this address connects afresh instead of failing forever.
+            if is_local_address(leg.address):
+                # A local sender's try_grant raises only once its session died (lost,
+                # or ended by the receiver), and it does not come back by itself (a WAN
+                # sender reconnects in try_grant): forget it, so that the next push to
+                # this address connects afresh instead of failing forever.
                 self._drop_sender(leg.address, sender)
             return
         if out is not None:
