@@ -11,7 +11,6 @@
 
 pub mod activity;
 pub mod admission;
-mod clock;
 pub mod codec;
 pub mod config;
 pub mod event_queue;
