@@ -23,7 +23,6 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import vllm_pd  # noqa: E402
 
-
 # PDD_VLLM_PDD=1 adds the RelayDecode engine and runs tests/vllm/test_pdd.py. Not in CI
 # yet: in CI's fresh-clone run the local path between P and RLD stalled for 5-15 s with
 # four engines on two cores (RLD recomputed, the handoff tests failed), where two runs
