@@ -16,6 +16,7 @@ use crate::wire::{KvDone, KvGrant, KvPages, LocalDone, KV_PAGES_FIXED_LEN};
 
 pub mod request_key;
 mod sender;
+pub mod session;
 
 pub use request_key::request_id_of;
 pub use sender::{PlannedBlock, SenderTransfer};
@@ -675,6 +676,11 @@ impl ReceiverState {
     /// The request of a live transfer.
     pub fn request_of(&self, transfer_id: u64) -> Option<u64> {
         self.live.get(&transfer_id).map(|t| t.grant.request_id)
+    }
+
+    /// The grant of a live transfer.
+    pub fn grant_of(&self, transfer_id: u64) -> Option<&KvGrant> {
+        self.live.get(&transfer_id).map(|t| &t.grant)
     }
 
     fn release_pages(&mut self, transfer_id: u64, pages: &[u32]) {

@@ -625,25 +625,38 @@ impl ControlTx {
     }
 }
 
-/// The writer half of a control lane: sends queued frames as they come and a PING
-/// every `heartbeat` (with the kernel's RTT sampled into `metrics`), until `cancel`
-/// (then it flushes what is queued, an ABORT saying why included, for at most
-/// 200 ms) or the queue closes. `Err` carries why a write failed.
+/// The writer half of a control lane: sends queued frames as they come and, with a
+/// `heartbeat`, a PING of its own every interval (a lane whose session machine
+/// sends its own PINGs passes `None`), until `cancel` (then it flushes what is
+/// queued, an ABORT saying why included, for at most 200 ms) or the queue closes.
+/// Every PING written, whoever made it, is counted and samples the kernel's RTT
+/// into `metrics`. `Err` carries why a write failed.
 pub async fn control_writer<W: AsyncWrite + Unpin>(
     mut writer: tokio_util::codec::FramedWrite<W, crate::codec::WireCodec>,
     socket: std::os::fd::RawFd,
     mut outgoing: ControlRx,
     cancel: tokio_util::sync::CancellationToken,
-    heartbeat: Duration,
+    heartbeat: Option<Duration>,
     metrics: std::sync::Arc<crate::metrics::Metrics>,
     now_ns: fn() -> u64,
 ) -> Result<(), String> {
     use futures_util::SinkExt;
 
-    let mut tick = tokio::time::interval(heartbeat);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut tick = heartbeat.map(|h| {
+        let mut t = tokio::time::interval(h);
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        t
+    });
     let mut nonce = 0u64;
     loop {
+        let ticked = async {
+            match tick.as_mut() {
+                Some(t) => {
+                    t.tick().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
         let (frame, queued) = tokio::select! {
             // Queued frames first: an ABORT queued with the cancel is still sent.
             biased;
@@ -666,15 +679,17 @@ pub async fn control_writer<W: AsyncWrite + Unpin>(
                 let _ = tokio::time::timeout(Duration::from_millis(200), last_words).await;
                 return Ok(());
             }
-            _ = tick.tick() => {
+            _ = ticked => {
                 nonce += 1;
-                crate::metrics::Metrics::add(&metrics.pings_sent_total, 1);
-                if let Some(s) = tcp_stats_fd(socket) {
-                    crate::metrics::Metrics::set(&metrics.tcp_rtt_us, u64::from(s.rtt_us));
-                }
                 (Frame::Ping(pdd_core::wire::Ping { nonce, sent_at_ns: now_ns() }), false)
             }
         };
+        if matches!(frame, Frame::Ping(_)) {
+            crate::metrics::Metrics::add(&metrics.pings_sent_total, 1);
+            if let Some(s) = tcp_stats_fd(socket) {
+                crate::metrics::Metrics::set(&metrics.tcp_rtt_us, u64::from(s.rtt_us));
+            }
+        }
         // A write blocked by a peer that stops reading still ends at `cancel`; one
         // that can go through (an ABORT queued just before the cancel) goes first.
         let sent = tokio::select! {

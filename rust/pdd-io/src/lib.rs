@@ -11,6 +11,7 @@
 
 pub mod activity;
 pub mod admission;
+mod clock;
 pub mod codec;
 pub mod config;
 pub mod event_queue;

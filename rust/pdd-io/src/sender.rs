@@ -6,6 +6,15 @@
 //! computed over those same slices. Blocks are striped over the data lanes
 //! round-robin; small frames (grants, KV_DONE, PING) never queue behind bulk data
 //! because they use the control lane.
+//!
+//! What the session decides (grants arriving, which transfer is in progress, the
+//! receiver's confirmation checked against what was sent, ABORT both ways,
+//! heartbeats, the dead-peer bound, when a stalled lane is revoked and when its
+//! blocks go again, how long a failed data lane waits for the receiver's reason) is
+//! `pdd_core::kv::session::SenderSession`'s; every task here feeds it what happened
+//! and [`flush`]es what it said, and one timer task sleeps until its
+//! `poll_timeout`. The blocks' bytes, the lanes' sockets and which block went on
+//! which lane (`failover.rs`) are this crate's.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -13,24 +22,24 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures_util::StreamExt;
-use pdd_core::kv::{KvBlock, PlannedBlock, SenderTransfer};
+use pdd_core::kv::session::{SenderSession, SessionTimers};
+use pdd_core::kv::{KvBlock, PlannedBlock};
 use pdd_core::prefix::{verify_reply, VerifiedPrefix};
 use pdd_core::wire::handshake::{AuthBytes, LocalHello};
-use pdd_core::wire::MAX_ABORT_MESSAGE_LEN;
-use pdd_core::wire::{text, Abort, AbortReason, Frame, KvGrant, KV_PAGES_FIXED_LEN};
+use pdd_core::wire::{AbortReason, Frame, KvGrant, KV_PAGES_FIXED_LEN};
 use pdd_core::wire::{PrefixQuery, PrefixReply};
 use pdd_core::Error;
-use tokio::sync::{mpsc, oneshot, watch};
-use tokio_util::codec::{FramedRead, FramedWrite};
+use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio_util::sync::CancellationToken;
 
 mod failover;
+mod session;
 mod writer;
 
+use session::{control_loop, flush, with_machine};
 use writer::{lane_writer, Protection};
 
-use crate::codec::{CodecError, WireCodec};
+use crate::clock;
 use crate::lane::{self, LaneKey, LaneStream, SocketTuning, TlsConfig};
 use crate::metrics::Metrics;
 use crate::pool::PagePool;
@@ -131,10 +140,13 @@ struct Job {
 }
 
 struct Conn {
+    /// The machine's connection instance this is (`SenderSession::connects`).
+    generation: u64,
     control: lane::ControlTx,
     lanes: Vec<mpsc::Sender<Job>>,
     next_lane: AtomicUsize,
-    /// Per-lane stop tokens, failover book-keeping (`failover.rs`).
+    /// Per-lane stop tokens, the log of which block went on which lane
+    /// (`failover.rs`).
     lanes_ctl: failover::Lanes,
     cancel: CancellationToken,
     peer_max_payload: u32,
@@ -151,7 +163,6 @@ impl Conn {
 }
 
 struct OutboundEntry {
-    request_id: u64,
     /// When the grant was taken up (`wait_grant` returned it).
     started: Instant,
     status: watch::Sender<OutboundStatus>,
@@ -161,7 +172,15 @@ struct Shared {
     pool: Arc<PagePool>,
     cfg: SenderConfig,
     conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
-    grants: Mutex<HashMap<u64, KvGrant>>,
+    /// The session machine. Lock order: machine, then live, outbound, queries.
+    machine: Mutex<SenderSession>,
+    /// The connection the machine's frames go to (set with `connected`, cleared
+    /// when it ends).
+    live: Mutex<Option<Arc<Conn>>>,
+    /// The machine's next timeout as the timer task last armed it (nanoseconds;
+    /// `u64::MAX`: none), and its doorbell when an earlier one appears.
+    armed: std::sync::atomic::AtomicU64,
+    timer_wake: Notify,
     grants_changed: watch::Sender<u64>,
     outbound: Mutex<HashMap<u64, OutboundEntry>>,
     metrics: Arc<Metrics>,
@@ -196,8 +215,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 fn now_ns() -> u64 {
-    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    START.get_or_init(Instant::now).elapsed().as_nanos() as u64
+    clock::now().as_nanos()
 }
 
 impl KvSender {
@@ -214,11 +232,16 @@ impl KvSender {
         } else {
             cfg.hello.capabilities &= !pdd_core::wire::capability::SEALED_LANES;
         }
+        let timers = SessionTimers::new(cfg.heartbeat, cfg.dead_after);
+        let machine = SenderSession::new(timers, cfg.lane_stall())?;
         let shared = Arc::new(Shared {
             pool,
             cfg,
             conn: tokio::sync::Mutex::new(None),
-            grants: Mutex::new(HashMap::new()),
+            machine: Mutex::new(machine),
+            live: Mutex::new(None),
+            armed: std::sync::atomic::AtomicU64::new(u64::MAX),
+            timer_wake: Notify::new(),
             grants_changed: watch::channel(0).0,
             outbound: Mutex::new(HashMap::new()),
             metrics: Arc::new(Metrics::default()),
@@ -227,6 +250,29 @@ impl KvSender {
             queries: Mutex::new(HashMap::new()),
             next_query: std::sync::atomic::AtomicU64::new(1),
             session_secret: Mutex::new(None),
+        });
+        // The machine's timers, for the sender's whole life: sleep until its next
+        // one, or until a call armed an earlier one.
+        let timer_shared = shared.clone();
+        tokio::spawn(async move {
+            let shared = timer_shared;
+            loop {
+                let next = {
+                    let m = lock(&shared.machine);
+                    let next = m.poll_timeout();
+                    shared
+                        .armed
+                        .store(next.map_or(u64::MAX, |t| t.as_nanos()), Ordering::Relaxed);
+                    next
+                };
+                tokio::select! {
+                    _ = shared.cancel.cancelled() => break,
+                    _ = shared.timer_wake.notified() => {}
+                    _ = clock::sleep_until(next) => {
+                        with_machine(&shared, |m| m.handle_timeout(clock::now()));
+                    }
+                }
+            }
         });
         let sender = KvSender { shared };
         sender.ensure_connected().await?;
@@ -319,23 +365,32 @@ impl KvSender {
     }
 
     /// Takes `request_id`'s grant out of the arrived ones, as an outbound transfer on
-    /// `conn`.
+    /// `conn` (only if `conn` is the machine's live connection: a grant belongs to
+    /// the connection it came on).
     fn take_grant(&self, conn: &Arc<Conn>, request_id: u64) -> Option<OutboundTransfer> {
-        let grant = lock(&self.shared.grants).remove(&request_id)?;
+        let mut m = lock(&self.shared.machine);
+        if m.connects() != conn.generation || !m.is_connected() {
+            return None;
+        }
+        let grant = m.take_grant(request_id)?;
         let (status, rx) = watch::channel(OutboundStatus::InProgress);
         lock(&self.shared.outbound).insert(
             grant.transfer_id,
             OutboundEntry {
-                request_id,
                 started: Instant::now(),
                 status,
             },
         );
+        Metrics::set(
+            &self.shared.metrics.transfers_in_flight,
+            lock(&self.shared.outbound).len() as u64,
+        );
+        flush(&self.shared, &mut m);
+        drop(m);
         Some(OutboundTransfer {
             shared: self.shared.clone(),
             conn: conn.clone(),
             started: AtomicBool::new(false),
-            state: tokio::sync::Mutex::new(SenderTransfer::new(grant.clone())),
             grant,
             status: rx,
         })
@@ -398,63 +453,14 @@ impl KvSender {
         if let Some(c) = self.shared.conn.lock().await.take() {
             c.cancel.cancel();
         }
-        fail_outbound(
-            &self.shared,
-            &Error::Cancelled {
-                detail: "sender closed".into(),
-            },
-            None,
-        );
+        // The session ends and every transfer fails `cancelled`.
+        with_machine(&self.shared, |m| m.close());
     }
 }
 
 impl Drop for KvSender {
     fn drop(&mut self) {
         self.shared.cancel.cancel();
-    }
-}
-
-fn fail_outbound(shared: &Shared, error: &Error, request: Option<u64>) {
-    let mut outbound = lock(&shared.outbound);
-    let ids: Vec<u64> = outbound
-        .iter()
-        .filter(|(_, e)| request.is_none_or(|r| r == e.request_id))
-        .map(|(&id, _)| id)
-        .collect();
-    for id in ids {
-        if let Some(e) = outbound.remove(&id) {
-            Metrics::add(&shared.metrics.transfers_failed_total, 1);
-            e.status.send_replace(OutboundStatus::Failed(error.clone()));
-            crate::activity::bump();
-        }
-    }
-    Metrics::set(&shared.metrics.transfers_in_flight, outbound.len() as u64);
-}
-
-/// Fail one transfer (if still live). True if it was.
-fn fail_transfer(shared: &Shared, transfer_id: u64, error: &Error) -> bool {
-    let mut outbound = lock(&shared.outbound);
-    let Some(e) = outbound.remove(&transfer_id) else {
-        return false;
-    };
-    Metrics::add(&shared.metrics.transfers_failed_total, 1);
-    e.status.send_replace(OutboundStatus::Failed(error.clone()));
-    crate::activity::bump();
-    Metrics::set(&shared.metrics.transfers_in_flight, outbound.len() as u64);
-    true
-}
-
-fn fail_queries(shared: &Shared, error: &Error, request: Option<u64>) {
-    let mut queries = lock(&shared.queries);
-    let ids: Vec<u64> = queries
-        .iter()
-        .filter(|(_, (r, _))| request.is_none_or(|want| want == *r))
-        .map(|(&id, _)| id)
-        .collect();
-    for id in ids {
-        if let Some((_, waiter)) = queries.remove(&id) {
-            let _ = waiter.send(Err(error.clone()));
-        }
     }
 }
 
@@ -519,7 +525,8 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
         lanes.push(tx);
         lane_rxs.push(rx);
     }
-    let conn = Arc::new(Conn {
+    let mut conn = Conn {
+        generation: 0,
         control: control_tx,
         lanes,
         next_lane: AtomicUsize::new(0),
@@ -527,7 +534,17 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
         cancel: cancel.clone(),
         peer_max_payload: agreed.peer_max_payload,
         death: Mutex::new(None),
-    });
+    };
+    // The machine's new connection instance: its heartbeats and bounds start now.
+    let conn = {
+        let mut m = lock(&shared.machine);
+        m.connected(agreed.capabilities, cfg.lanes, clock::now())?;
+        conn.generation = m.connects();
+        let conn = Arc::new(conn);
+        *lock(&shared.live) = Some(conn.clone());
+        flush(shared, &mut m);
+        conn
+    };
     for (idx, ((stream, protection), rx)) in data_streams.into_iter().zip(lane_rxs).enumerate() {
         let (shared, conn) = (shared.clone(), conn.clone());
         match stream {
@@ -553,155 +570,6 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
         control_rx,
     ));
     Ok(conn)
-}
-
-/// How long a data lane that failed waits for the control lane to report the
-/// receiver's reason before its own error ends the session.
-const PEER_REASON_GRACE: Duration = Duration::from_millis(250);
-
-fn kill(conn: &Conn, error: Error) {
-    let mut death = lock(&conn.death);
-    if death.is_none() {
-        *death = Some(error);
-    }
-    conn.cancel.cancel();
-}
-
-async fn control_loop(
-    shared: Arc<Shared>,
-    conn: Arc<Conn>,
-    stream: LaneStream,
-    outgoing: lane::ControlRx,
-) {
-    let max = shared.cfg.hello.max_payload;
-    let socket = {
-        use std::os::fd::AsRawFd;
-        stream.tcp().as_raw_fd()
-    };
-    let (rd, wr) = tokio::io::split(stream);
-    let mut reader = FramedRead::new(rd, WireCodec::new(max, conn.peer_max_payload));
-    let writer = FramedWrite::new(wr, WireCodec::new(max, conn.peer_max_payload));
-    let writer_conn = conn.clone();
-    let (heartbeat, writer_metrics) = (shared.cfg.heartbeat, shared.metrics.clone());
-    let writer = tokio::spawn(async move {
-        let outcome = lane::control_writer(
-            writer,
-            socket,
-            outgoing,
-            writer_conn.cancel.clone(),
-            heartbeat,
-            writer_metrics,
-            now_ns,
-        )
-        .await;
-        if let Err(detail) = outcome {
-            kill(&writer_conn, Error::ConnectionLost { detail });
-        }
-    });
-    let dead_after = shared.cfg.dead_after;
-    let reason = loop {
-        let next = tokio::select! {
-            _ = conn.cancel.cancelled() => break if conn.control.overflowed() {
-                conn.control.overflow_error()
-            } else {
-                conn.dead_error()
-            },
-            n = tokio::time::timeout(dead_after, reader.next()) => n,
-        };
-        let frame = match next {
-            Err(_) => {
-                break Error::ConnectionLost {
-                    detail: format!("receiver silent for {dead_after:?}"),
-                }
-            }
-            Ok(None) => {
-                break Error::ConnectionLost {
-                    detail: "receiver closed the control lane".into(),
-                }
-            }
-            Ok(Some(Err(CodecError::Io(e)))) => {
-                break Error::ConnectionLost {
-                    detail: format!("control lane: {e}"),
-                }
-            }
-            Ok(Some(Err(CodecError::Protocol(e)))) => {
-                let _ = conn.control.send(lane::abort_for(&e));
-                break e;
-            }
-            Ok(Some(Ok(f))) => f,
-        };
-        match frame {
-            Frame::KvGrant(g) => {
-                lock(&shared.grants).insert(g.request_id, g);
-                shared.grants_changed.send_modify(|n| *n += 1);
-                crate::activity::bump();
-            }
-            Frame::KvDone(done) => {
-                // The receiver confirms a transfer landed and verified.
-                let mut outbound = lock(&shared.outbound);
-                if let Some(e) = outbound.remove(&done.transfer_id) {
-                    Metrics::add(&shared.metrics.transfers_completed_total, 1);
-                    shared.metrics.transfer_seconds.observe(e.started.elapsed());
-                    e.status.send_replace(OutboundStatus::Complete {
-                        bytes: done.byte_count,
-                    });
-                    crate::activity::bump();
-                }
-                Metrics::set(&shared.metrics.transfers_in_flight, outbound.len() as u64);
-                drop(outbound);
-                conn.lanes_ctl.prune(&shared);
-            }
-            Frame::LaneRevoked(r) if conn.lanes_ctl.enabled => {
-                conn.lanes_ctl.revoked(r.lane);
-            }
-            Frame::PrefixReply(r) => {
-                // A reply after its query timed out has nobody waiting: dropped.
-                if let Some((_, waiter)) = lock(&shared.queries).remove(&r.query_id) {
-                    let _ = waiter.send(Ok(r));
-                }
-            }
-            Frame::Abort(a) => {
-                let err = Error::PeerAborted {
-                    reason: a.reason,
-                    message: a.message,
-                };
-                if a.request_id == 0 {
-                    break err;
-                }
-                lock(&shared.grants).retain(|_, g| g.request_id != a.request_id);
-                fail_queries(&shared, &err, Some(a.request_id));
-                fail_outbound(&shared, &err, Some(a.request_id));
-                conn.lanes_ctl.prune(&shared);
-            }
-            Frame::Ping(p) => {
-                let _ = conn.control.send(Frame::Pong(p));
-            }
-            Frame::Pong(p) => {
-                Metrics::set(
-                    &shared.metrics.rtt_us,
-                    now_ns().saturating_sub(p.sent_at_ns) / 1000,
-                );
-            }
-            other => {
-                let e = Error::InvalidField {
-                    kind: other.kind(),
-                    field: "kind",
-                    detail: "not expected on a KV sender's control lane".into(),
-                };
-                let _ = conn.control.send(lane::abort_for(&e));
-                break e;
-            }
-        }
-    };
-    if !shared.cancel.is_cancelled() {
-        Metrics::add(&shared.metrics.sessions_lost_total, 1);
-    }
-    kill(&conn, reason.clone());
-    let _ = writer.await;
-    // Grants of the dead session are void; the receiver failed them too.
-    lock(&shared.grants).clear();
-    fail_queries(&shared, &reason, None);
-    fail_outbound(&shared, &reason, None);
 }
 
 /// Queue `job` on the next lane, round robin, that has room in its queue; when every
@@ -773,7 +641,6 @@ async fn queue_on_a_free_lane(conn: &Conn, mut job: Job) -> Result<(), Error> {
 pub struct OutboundTransfer {
     shared: Arc<Shared>,
     conn: Arc<Conn>,
-    state: tokio::sync::Mutex<SenderTransfer>,
     started: AtomicBool,
     grant: KvGrant,
     status: watch::Receiver<OutboundStatus>,
@@ -871,11 +738,11 @@ impl OutboundTransfer {
         let max_block = u64::from(self.shared.cfg.max_block_bytes)
             .min(cap)
             .min(1000 * u64::from(self.grant.page_bytes));
-        let planned = self
-            .state
-            .lock()
-            .await
-            .send_pages(layers, grant_pages, max_block)?;
+        let tid = self.grant.transfer_id;
+        let planned = with_machine(&self.shared, |m| {
+            m.send_pages(tid, layers, grant_pages, max_block)
+        })
+        .map_err(|e| self.ended_error().unwrap_or(e))?;
         self.started.store(true, Ordering::Relaxed);
         for PlannedBlock { block, first } in planned {
             let from = src_layer.unwrap_or(block.layer_start);
@@ -901,38 +768,30 @@ impl OutboundTransfer {
     /// `cancelled`. Blocks already queued still reach the receiver, which drains
     /// them. False if the transfer had already ended.
     pub fn abort(&self, message: &str) -> bool {
-        if !matches!(self.status(), OutboundStatus::InProgress) {
-            return false;
-        }
-        // Any text of any length from the caller: cut to what ABORT carries, at a
-        // character boundary (pdd_core::wire::text).
-        let abort = Abort::new(
-            self.grant.request_id,
-            AbortReason::Cancelled,
-            format!(
-                "aborted by the sender: {}",
-                text::cut(message, MAX_ABORT_MESSAGE_LEN)
-            ),
-        );
-        let detail = abort.message.clone();
-        // Best effort: a dead session already failed the receiver's side.
-        let _ = self.conn.control.send(Frame::Abort(abort));
-        let failed = fail_transfer(
-            &self.shared,
-            self.grant.transfer_id,
-            &Error::Cancelled { detail },
-        );
-        self.conn.lanes_ctl.prune(&self.shared);
-        failed
+        let tid = self.grant.transfer_id;
+        with_machine(&self.shared, |m| m.abort(tid, message))
     }
 
     /// Every layer is queued: tell the receiver how many blocks and bytes to expect.
     pub async fn finish(&self) -> Result<(), Error> {
-        let done = self.state.lock().await.finish()?;
-        self.conn
-            .control
-            .send(Frame::KvDone(done))
-            .map_err(|_| self.conn.dead_error())
+        let tid = self.grant.transfer_id;
+        with_machine(&self.shared, |m| m.finish(tid))
+            .map(|_| ())
+            .map_err(|e| self.ended_error().unwrap_or(e))
+    }
+
+    /// Why the transfer ended, if it did (its session's death, the receiver's ABORT,
+    /// our own abort): what a call on an ended transfer reports.
+    fn ended_error(&self) -> Option<Error> {
+        match self.status() {
+            OutboundStatus::Failed(e) => Some(e),
+            OutboundStatus::Complete { .. } => None,
+            OutboundStatus::InProgress => self
+                .conn
+                .cancel
+                .is_cancelled()
+                .then(|| self.conn.dead_error()),
+        }
     }
 
     /// Wait for the receiver to confirm the transfer (bytes), or for its failure.

@@ -442,19 +442,18 @@ async fn a_peers_longest_non_ascii_abort_is_reported_not_a_panic() {
                 Error::PeerAborted { message, .. } => assert_eq!(message, &words),
                 other => panic!("expected the peer's ABORT, got {other:?}"),
             }
-            match tokio::time::timeout(Duration::from_secs(5), next_non_ping(&mut c))
-                .await
-                .expect("the receiver answers")
-            {
-                Frame::Abort(a) => {
-                    assert_eq!(a.request_id, request);
-                    assert!(a.message.len() <= max);
-                    assert!(e.to_string().starts_with(&a.message));
-                }
-                f => panic!("expected our ABORT for the request, got {f:?}"),
-            }
+            // The receiver's control task lived through it (no panic): the next grant
+            // of the loop reaches this peer. (Since both paths drive one session
+            // machine, a peer's ABORT is not answered with an ABORT, as on the WAN.)
+            assert!(e.to_string().contains(&words));
         }
     }
+    let last = rx.grant(99, &[1, 2], Some(peer), None).await.unwrap();
+    let Frame::KvGrant(g) = next_non_ping(&mut c).await else {
+        panic!("the session still grants after every ABORT")
+    };
+    assert_eq!(g.request_id, 99);
+    drop(last);
     rx.close().await;
 }
 

@@ -121,13 +121,15 @@ pub(crate) fn now_ns() -> u64 {
     START.get_or_init(Instant::now).elapsed().as_nanos() as u64
 }
 
-/// A control lane after its opening: a writer task (queued frames and PINGs) and
-/// the reading half, which answers PINGs itself.
+/// A control lane after its opening: a writer task (queued frames and, with a
+/// heartbeat, PINGs) and the reading half, which (in [`Control::next`]) answers
+/// PINGs itself. A lane whose session machine keeps its liveness has neither a
+/// heartbeat nor a dead-peer bound here, and reads with [`Control::next_frame`].
 pub(crate) struct Control {
     pub tx: ControlTx,
     pub cancel: CancellationToken,
     reader: FramedRead<ReadHalf<LaneStream>, WireCodec>,
-    dead_after: Duration,
+    dead_after: Option<Duration>,
     death: Arc<Mutex<Option<Error>>>,
 }
 
@@ -136,8 +138,8 @@ impl Control {
         stream: LaneStream,
         max_payload: u32,
         peer_max_payload: u32,
-        heartbeat: Duration,
-        dead_after: Duration,
+        heartbeat: Option<Duration>,
+        dead_after: Option<Duration>,
         metrics: Arc<Metrics>,
         parent: &CancellationToken,
     ) -> Control {
@@ -173,47 +175,54 @@ impl Control {
     /// The next frame that is not a PING or PONG, or why the lane ended.
     pub async fn next(&mut self) -> Result<Frame, Error> {
         loop {
-            let next = tokio::select! {
-                _ = self.cancel.cancelled() => {
-                    return Err(lock(&self.death).clone().unwrap_or_else(|| {
-                        if self.tx.overflowed() {
-                            self.tx.overflow_error()
-                        } else {
-                            Error::Cancelled { detail: "session closed".into() }
-                        }
-                    }));
-                }
-                n = tokio::time::timeout(self.dead_after, self.reader.next()) => n,
-            };
-            let frame = match next {
-                Err(_) => {
-                    return Err(Error::ConnectionLost {
-                        detail: format!("peer silent for {:?}", self.dead_after),
-                    })
-                }
-                Ok(None) => {
-                    return Err(Error::ConnectionLost {
-                        detail: "peer closed the control lane".into(),
-                    })
-                }
-                Ok(Some(Err(CodecError::Io(e)))) => {
-                    return Err(Error::ConnectionLost {
-                        detail: format!("control lane: {e}"),
-                    })
-                }
-                Ok(Some(Err(CodecError::Protocol(e)))) => {
-                    let _ = self.tx.send(lane::abort_for(&e));
-                    return Err(e);
-                }
-                Ok(Some(Ok(f))) => f,
-            };
-            match frame {
+            match self.next_frame().await? {
                 Frame::Ping(p) => {
                     let _ = self.tx.send(Frame::Pong(p));
                 }
                 Frame::Pong(_) => {}
                 f => return Ok(f),
             }
+        }
+    }
+
+    /// The next frame, whatever it is, or why the lane ended (a frame that could not
+    /// be decoded was answered with an ABORT saying why).
+    pub async fn next_frame(&mut self) -> Result<Frame, Error> {
+        let dead_after = self.dead_after;
+        let reader = &mut self.reader;
+        let read = async move {
+            match dead_after {
+                Some(d) => tokio::time::timeout(d, reader.next()).await,
+                None => Ok(reader.next().await),
+            }
+        };
+        let next = tokio::select! {
+            _ = self.cancel.cancelled() => {
+                return Err(lock(&self.death).clone().unwrap_or_else(|| {
+                    if self.tx.overflowed() {
+                        self.tx.overflow_error()
+                    } else {
+                        Error::Cancelled { detail: "session closed".into() }
+                    }
+                }));
+            }
+            n = read => n,
+        };
+        match next {
+            Err(_) => Err(Error::ConnectionLost {
+                detail: format!("peer silent for {:?}", dead_after.unwrap_or_default()),
+            }),
+            Ok(None) => Err(Error::ConnectionLost {
+                detail: "peer closed the control lane".into(),
+            }),
+            Ok(Some(Err(CodecError::Io(e)))) => Err(Error::ConnectionLost {
+                detail: format!("control lane: {e}"),
+            }),
+            Ok(Some(Err(CodecError::Protocol(e)))) => {
+                let _ = self.tx.send(lane::abort_for(&e));
+                Err(e)
+            }
+            Ok(Some(Ok(f))) => Ok(f),
         }
     }
 

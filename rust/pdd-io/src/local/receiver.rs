@@ -1,6 +1,14 @@
 //! The local path's receiver (RelayDecode): listens for a sender's control lane,
 //! grants pages, exposes exactly the granted pages to the sender's puts, and checks
 //! the sender's completion notices against the grant.
+//!
+//! The session is the WAN receiver's machine (`pdd_core::kv::session::
+//! ReceiverEndpoint`, on sessions that negotiated `local_ucx`): it decides what
+//! LOCAL_DONE, ABORT and every other frame mean, sends the PINGs, keeps the
+//! dead-peer bound and each grant's deadline, and queues the KV_DONE or ABORT that
+//! ends each transfer. Here: UCX (registering exactly the granted pages before the
+//! grant is announced, revoking them when the transfer ends, before the sender
+//! hears of its end), the control lane's bytes, statuses and the event queue.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -9,11 +17,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use pdd_core::kv::{ReceiverState, TransferEvent};
+use pdd_core::kv::session::{self as core_session, ReceiverEndpoint, SessionTimers};
+use pdd_core::kv::TransferEvent;
 use pdd_core::wire::handshake::LocalHello;
-use pdd_core::wire::{
-    capability, Abort, Frame, KvDone, KvGrant, LocalAddr, LocalDone, LocalGrant, LocalRegion,
-};
+use pdd_core::wire::{capability, Frame, KvGrant, LocalAddr, LocalGrant, LocalRegion};
 use pdd_core::Error;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Notify};
@@ -21,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::ucx::UcxEndpoint;
 use super::{lock, runs, wait_status, Control, LocalStatus};
+use crate::clock;
 use crate::lane::{self, LaneStream, SocketTuning, TlsConfig};
 use crate::metrics::Metrics;
 use crate::pool::{MemoryKind, PagePool};
@@ -67,12 +75,11 @@ impl LocalReceiverConfig {
     }
 }
 
+/// The I/O side of one session (the machine holds the rest).
 struct Session {
     control: lane::ControlTx,
     end: CancellationToken,
     peer_max_payload: u32,
-    /// Both sides offered `empty_grant`: a grant of zero pages may be sent.
-    empty_grant: bool,
 }
 
 fn control_max(shared: &Shared, peer: u64) -> u32 {
@@ -84,8 +91,7 @@ fn control_max(shared: &Shared, peer: u64) -> u32 {
 struct Entry {
     /// Keeps the UCX thread progressing while the transfer lives (registered pages).
     _busy: Option<super::ucx::BusyGuard>,
-    session: u64,
-    grant: KvGrant,
+    /// The UCX registrations of its pages (set once mapped).
     memory: Vec<u64>,
     status: watch::Sender<LocalStatus>,
 }
@@ -101,7 +107,14 @@ struct Shared {
     pool: Arc<PagePool>,
     cfg: LocalReceiverConfig,
     ucx: UcxEndpoint,
-    state: Mutex<ReceiverState>,
+    /// The session machine and the pool bookkeeping it drives. Lock order: machine,
+    /// then events, transfers, sessions.
+    machine: Mutex<ReceiverEndpoint>,
+    /// The machine's next timeout as the timer task last armed it (nanoseconds;
+    /// `u64::MAX`: none), and its doorbell when an earlier one appears.
+    armed: AtomicU64,
+    timer_wake: Notify,
+    /// Sessions by number (the machine's session id: never resumed, never reused).
     sessions: Mutex<HashMap<u64, Session>>,
     transfers: Mutex<HashMap<u64, Entry>>,
     peers_changed: Notify,
@@ -173,7 +186,12 @@ impl LocalReceiver {
         let local_addr = listener.local_addr().map_err(|e| Error::ConnectionLost {
             detail: format!("local_addr: {e}"),
         })?;
-        let state = ReceiverState::new(pool.layers(), pool.pages(), pool.page_bytes())?;
+        // Its connections are bounded by `max_connections` (admission), not by the
+        // WAN receiver's session bound.
+        let timers = SessionTimers::new(cfg.heartbeat, cfg.dead_after);
+        let machine =
+            ReceiverEndpoint::new(pool.layers(), pool.pages(), pool.page_bytes(), timers)?
+                .with_max_sessions(usize::MAX);
         let metrics = Arc::new(Metrics::default());
         let shared = Arc::new(Shared {
             events: Mutex::new(std::collections::VecDeque::new()),
@@ -181,7 +199,9 @@ impl LocalReceiver {
             pool,
             cfg,
             ucx,
-            state: Mutex::new(state),
+            machine: Mutex::new(machine),
+            armed: AtomicU64::new(u64::MAX),
+            timer_wake: Notify::new(),
             sessions: Mutex::new(HashMap::new()),
             transfers: Mutex::new(HashMap::new()),
             peers_changed: Notify::new(),
@@ -190,6 +210,29 @@ impl LocalReceiver {
             metrics,
             established: Arc::new(AtomicU64::new(0)),
             cancel: CancellationToken::new(),
+        });
+        // The machine's timers: sleep until its next one, or until a call armed an
+        // earlier one.
+        let timer_shared = shared.clone();
+        tokio::spawn(async move {
+            let shared = timer_shared;
+            loop {
+                let next = {
+                    let m = lock(&shared.machine);
+                    let next = m.poll_timeout();
+                    shared
+                        .armed
+                        .store(next.map_or(u64::MAX, |t| t.as_nanos()), Ordering::Relaxed);
+                    next
+                };
+                tokio::select! {
+                    _ = shared.cancel.cancelled() => break,
+                    _ = shared.timer_wake.notified() => {}
+                    _ = clock::sleep_until(next) => {
+                        with_machine(&shared, |m| m.handle_timeout(clock::now()));
+                    }
+                }
+            }
         });
         let s = shared.clone();
         tokio::spawn(async move {
@@ -264,9 +307,9 @@ impl LocalReceiver {
         deadline: Option<Duration>,
     ) -> Result<LocalInbound, Error> {
         let shared = &self.shared;
-        let (peer, control) = {
+        let peer = {
             let sessions = lock(&shared.sessions);
-            let peer = match peer {
+            match peer {
                 Some(p) => p,
                 None if sessions.len() == 1 => *sessions.keys().next().unwrap_or(&0),
                 // As on the WAN receiver: no sender yet is a lost connection (a caller
@@ -283,41 +326,43 @@ impl LocalReceiver {
                         sessions.len()
                     )))
                 }
-            };
-            let s = sessions.get(&peer).ok_or_else(|| Error::ConnectionLost {
-                detail: format!("sender {peer} is not connected"),
-            })?;
-            if pages.is_empty() && !s.empty_grant {
-                // An older sender would wait for a LOCAL_GRANT that never comes.
-                return Err(Error::InvalidArgument(format!(
-                    "sender {peer} does not accept an empty grant (capability empty_grant): \
-                     grant at least one page"
-                )));
             }
-            (peer, s.control.clone())
         };
-        let deadline_ms =
-            deadline.map_or(0, |d| d.as_millis().clamp(1, u128::from(u32::MAX)) as u32);
         let layers = shared.pool.layers();
+        // Reserved, not yet announced: the pages are registered first. The machine
+        // checks the session, its empty-grant capability, the request's uniqueness.
+        let (status, rx) = watch::channel(LocalStatus::InProgress);
         let grant = {
-            let mut st = lock(&shared.state);
-            let mut id: u64 = rand::random();
-            while st.id_in_use(id) {
-                id = rand::random();
-            }
-            st.grant_to(peer, id, request_id, pages, layers, deadline_ms)?
+            let mut m = lock(&shared.machine);
+            let grant = m.reserve(peer, request_id, pages, layers, deadline, rand::random)?;
+            lock(&shared.transfers).insert(
+                grant.transfer_id,
+                Entry {
+                    _busy: None,
+                    memory: Vec::new(),
+                    status,
+                },
+            );
+            grant
         };
         // Register exactly the granted pages: one region per run of consecutive
         // pool pages, per layer. Pages inside memory the receiver had UCX allocate
         // (`SharedAllocation`) are not registered: their region carries the
         // allocation's key, which a sender on this host maps and copies into.
+        let tid = grant.transfer_id;
         let pb = shared.pool.page_bytes() as usize;
         let page_runs = runs(pages);
         let mut regions = Vec::with_capacity(page_runs.len() * usize::from(layers));
         let mut to_map = Vec::new();
         for layer in 0..layers {
             for &r in &page_runs {
-                let addr = shared.pool.page_addr(layer, r.pool_start)?;
+                let addr = match shared.pool.page_addr(layer, r.pool_start) {
+                    Ok(a) => a,
+                    Err(e) => {
+                        with_machine(shared, |m| m.fail_transfer(tid, e.clone()));
+                        return Err(e);
+                    }
+                };
                 let len = r.count as usize * pb;
                 let key = super::shared::shared_key(addr, len);
                 if key.is_none() {
@@ -331,7 +376,7 @@ impl LocalReceiver {
             match shared.ucx.map(to_map).await {
                 Ok(m) => m,
                 Err(e) => {
-                    lock(&shared.state).fail(grant.transfer_id, e.clone());
+                    with_machine(shared, |m| m.fail_transfer(tid, e.clone()));
                     return Err(e);
                 }
             }
@@ -341,7 +386,7 @@ impl LocalReceiver {
         // The registrations' keys, in the order of the regions that have none.
         let mut fresh = mapped.iter().map(|(_, key)| key.as_slice());
         let local = LocalGrant {
-            transfer_id: grant.transfer_id,
+            transfer_id: tid,
             regions: regions
                 .iter()
                 .map(|(layer, r, addr, key)| LocalRegion {
@@ -357,25 +402,26 @@ impl LocalReceiver {
                 .collect(),
         };
         let memory: Vec<u64> = mapped.iter().map(|(id, _)| *id).collect();
-        let (status, rx) = watch::channel(LocalStatus::InProgress);
-        lock(&shared.transfers).insert(
-            grant.transfer_id,
-            Entry {
-                // Registered pages take UCX puts, which land only while this side's
-                // worker progresses (emulated puts); into a shared allocation the
-                // sender copies itself, and the worker's spin after any event covers
-                // a sender that cannot map it and puts instead.
-                _busy: registered.then(|| shared.ucx.busy()),
-                session: peer,
-                grant: grant.clone(),
-                memory,
-                status,
-            },
-        );
+        {
+            // Registered pages take UCX puts, which land only while this side's
+            // worker progresses (emulated puts); into a shared allocation the
+            // sender copies itself, and the worker's spin after any event covers a
+            // sender that cannot map it and puts instead.
+            let mut transfers = lock(&shared.transfers);
+            match transfers.get_mut(&tid) {
+                Some(e) => {
+                    e._busy = registered.then(|| shared.ucx.busy());
+                    e.memory = memory;
+                }
+                // Ended while its pages were being registered (its session did):
+                // revoke them here.
+                None => shared.ucx.unmap(memory),
+            }
+        }
         let frame = Frame::LocalGrant(local);
-        let sent = if pages.is_empty() {
-            // An empty grant: no page, no region, no LOCAL_GRANT.
-            control.send(Frame::KvGrant(grant.clone()))
+        // An empty grant has no page, no region, no LOCAL_GRANT.
+        let extra = if pages.is_empty() {
+            Ok(None)
         } else {
             frame
                 .validate()
@@ -388,31 +434,18 @@ impl LocalReceiver {
                             limit: u64::from(control_max(shared, peer)),
                         })
                     } else {
-                        Ok(())
+                        Ok(Some(frame))
                     }
                 })
-                .and_then(|()| control.send(Frame::KvGrant(grant.clone())))
-                .and_then(|()| control.send(frame))
         };
-        if let Err(e) = sent {
-            let ev = lock(&shared.state).fail(grant.transfer_id, e.clone());
-            apply(shared, ev);
-            return Err(e);
-        }
-        if let Some(d) = deadline {
-            let (s, tid) = (shared.clone(), grant.transfer_id);
-            tokio::spawn(async move {
-                tokio::select! {
-                    _ = s.cancel.cancelled() => {}
-                    _ = tokio::time::sleep(d) => {
-                        let ev = lock(&s.state).fail(tid, Error::DeadlineExceeded {
-                            what: format!("local transfer {tid} within {d:?}"),
-                        });
-                        apply(&s, ev);
-                    }
-                }
-            });
-        }
+        let announced = with_machine(shared, |m| match extra {
+            Ok(extra) => m.announce(tid, extra, clock::now()),
+            Err(e) => {
+                m.fail_transfer(tid, e.clone());
+                Err(e)
+            }
+        });
+        announced?;
         Ok(LocalInbound {
             grant,
             peer,
@@ -448,7 +481,8 @@ impl LocalReceiver {
     /// invisible to the receiver until its completion notice): `None` once it ended
     /// (or never existed), else `Some(started)`.
     pub fn transfer_started(&self, transfer_id: u64) -> Option<bool> {
-        lock(&self.shared.state)
+        lock(&self.shared.machine)
+            .state()
             .progress_of(transfer_id)
             .map(|p| p > 0)
     }
@@ -456,30 +490,21 @@ impl LocalReceiver {
     /// Cancel a transfer: it fails `cancelled`, the sender is told, the pages'
     /// registrations are revoked. False if it already ended.
     pub fn cancel(&self, transfer_id: u64) -> bool {
-        let ev = lock(&self.shared.state).fail(
-            transfer_id,
-            Error::Cancelled {
-                detail: "the receiver cancelled the transfer".into(),
-            },
-        );
-        let any = !ev.is_empty();
-        apply(&self.shared, ev);
-        any
+        with_machine(&self.shared, |m| {
+            m.fail_transfer(
+                transfer_id,
+                Error::Cancelled {
+                    detail: "the receiver cancelled the transfer".into(),
+                },
+            )
+        })
     }
 
     /// Stop listening, end every session (their transfers fail), release UCX.
     pub async fn close(&self) {
-        let sessions: Vec<CancellationToken> = lock(&self.shared.sessions)
-            .values()
-            .map(|s| s.end.clone())
-            .collect();
-        for s in sessions {
-            s.cancel();
-        }
-        let ev = lock(&self.shared.state).fail_all(&Error::Cancelled {
-            detail: "receiver closed".into(),
-        });
-        apply(&self.shared, ev);
+        // Every sender is told (ABORT shutdown), every session ends, every transfer
+        // fails `cancelled` and its pages' registrations are revoked.
+        with_machine(&self.shared, |m| m.close());
         self.shared.cancel.cancel();
     }
 }
@@ -490,75 +515,114 @@ impl Drop for LocalReceiver {
     }
 }
 
-/// Act on transfer events: statuses, the sender's KV_DONE or ABORT, revocation.
-fn apply(shared: &Arc<Shared>, events: Vec<TransferEvent>) {
-    if events.is_empty() {
-        return;
+/// Run `f` on the machine, then flush what it said.
+fn with_machine<R>(shared: &Arc<Shared>, f: impl FnOnce(&mut ReceiverEndpoint) -> R) -> R {
+    let mut m = lock(&shared.machine);
+    let r = f(&mut m);
+    flush(shared, &mut m);
+    r
+}
+
+/// Move what the machine said. Every ended transfer's pages are revoked first, so
+/// that once the sender hears of the end (its KV_DONE or ABORT) the keys it holds
+/// are already useless where the transport enforces them; then the frames go onto
+/// the control lanes, in order; then the events settle statuses, fill the event
+/// queue and close ended sessions. Called with the machine locked.
+fn flush(shared: &Arc<Shared>, m: &mut ReceiverEndpoint) {
+    let now = clock::now();
+    let mut events = Vec::new();
+    while let Some(e) = m.poll_event() {
+        events.push(e);
     }
-    // The events and the statuses they settle change under the events' lock (taken
-    // before `transfers` and `sessions`, never after): whoever takes an event sees its
-    // transfer's status settled too, and a `wait()` that returned finds its event.
-    let mut q = lock(&shared.events);
-    for ev in &events {
-        if q.len() >= MAX_QUEUED_EVENTS {
-            q.pop_front();
+    let mut ended = HashMap::new();
+    {
+        let mut transfers = lock(&shared.transfers);
+        for e in &events {
+            if let core_session::ReceiverEvent::Transfer(
+                TransferEvent::Complete { transfer_id, .. }
+                | TransferEvent::Failed { transfer_id, .. },
+            ) = e
+            {
+                if let Some(entry) = transfers.remove(transfer_id) {
+                    shared.ucx.unmap(entry.memory.clone());
+                    ended.insert(*transfer_id, entry);
+                }
+            }
         }
-        q.push_back(ev.clone());
     }
-    for ev in events {
-        let (tid, outcome) = match ev {
-            TransferEvent::LayerComplete { .. } => continue,
-            TransferEvent::Complete {
-                transfer_id,
-                bytes,
-                blocks,
-                ..
-            } => (transfer_id, Ok((bytes, blocks))),
-            TransferEvent::Failed {
-                transfer_id, error, ..
-            } => (transfer_id, Err(error)),
-        };
-        let Some(entry) = lock(&shared.transfers).remove(&tid) else {
-            continue;
-        };
-        // Revoke first: once the sender hears the transfer ended, the keys it
-        // holds are already useless where the transport enforces them.
-        shared.ucx.unmap(entry.memory.clone());
-        let control = lock(&shared.sessions)
-            .get(&entry.session)
-            .map(|s| s.control.clone());
-        match outcome {
-            Ok((bytes, notices)) => {
-                Metrics::add(&shared.metrics.transfers_completed_total, 1);
-                Metrics::add(&shared.metrics.bytes_received_total, bytes);
-                if let Some(c) = control {
-                    let _ = c.send(Frame::KvDone(KvDone {
-                        transfer_id: tid,
-                        chunk_count: notices,
-                        byte_count: bytes,
-                    }));
-                }
-                let _ = entry.status.send(LocalStatus::Complete { bytes });
+    {
+        let sessions = lock(&shared.sessions);
+        while let Some((h, frame)) = m.poll_transmit(now) {
+            if let Some(s) = sessions.get(&h.id) {
+                let _ = s.control.send(frame);
             }
-            Err(e) => {
-                Metrics::add(&shared.metrics.transfers_failed_total, 1);
-                if let Some(c) = control {
-                    // `e` may carry a peer's ABORT message (up to the wire's bound,
-                    // any characters) behind our own words: cut at a character.
-                    let _ = c.send(Frame::Abort(Abort::new(
-                        entry.grant.request_id,
-                        e.abort_reason(),
-                        e.to_string(),
-                    )));
+        }
+    }
+    // The events and the statuses they settle change under the events' lock: whoever
+    // takes an event sees its transfer's status settled too, and a `wait()` that
+    // returned finds its event.
+    let mut q = lock(&shared.events);
+    let mut queued = false;
+    for e in events {
+        match e {
+            core_session::ReceiverEvent::Transfer(ev) => {
+                match &ev {
+                    TransferEvent::LayerComplete { .. } => {}
+                    TransferEvent::Complete {
+                        transfer_id, bytes, ..
+                    } => {
+                        Metrics::add(&shared.metrics.transfers_completed_total, 1);
+                        Metrics::add(&shared.metrics.bytes_received_total, *bytes);
+                        if let Some(entry) = ended.remove(transfer_id) {
+                            let _ = entry.status.send(LocalStatus::Complete { bytes: *bytes });
+                        }
+                    }
+                    TransferEvent::Failed {
+                        transfer_id, error, ..
+                    } => {
+                        Metrics::add(&shared.metrics.transfers_failed_total, 1);
+                        if let Some(entry) = ended.remove(transfer_id) {
+                            let _ = entry.status.send(LocalStatus::Failed(error.clone()));
+                        }
+                    }
                 }
-                let _ = entry.status.send(LocalStatus::Failed(e));
+                if q.len() >= MAX_QUEUED_EVENTS {
+                    q.pop_front();
+                }
+                q.push_back(ev);
+                queued = true;
             }
+            core_session::ReceiverEvent::SessionEnded {
+                session, violation, ..
+            } => {
+                if violation {
+                    Metrics::add(&shared.metrics.violations_total, 1);
+                }
+                if let Some(s) = lock(&shared.sessions).remove(&session.id) {
+                    s.end.cancel();
+                }
+                shared.peers_changed.notify_waiters();
+            }
+            core_session::ReceiverEvent::Rtt { rtt, .. } => {
+                Metrics::set(&shared.metrics.rtt_us, rtt.as_micros() as u64);
+            }
+            // Not on a local session: the machine refuses them there.
+            core_session::ReceiverEvent::StopLane { .. }
+            | core_session::ReceiverEvent::PrefixQuery { .. } => {}
         }
     }
     drop(q);
-    shared
-        .events_changed
-        .send_modify(|n| *n = n.wrapping_add(1));
+    if queued {
+        shared
+            .events_changed
+            .send_modify(|n| *n = n.wrapping_add(1));
+    }
+    if let Some(t) = m.poll_timeout() {
+        if t.as_nanos() < shared.armed.load(Ordering::Relaxed) {
+            shared.armed.store(t.as_nanos(), Ordering::Relaxed);
+            shared.timer_wake.notify_one();
+        }
+    }
 }
 
 /// One established connection counted against `max_connections` until dropped (also
@@ -633,16 +697,19 @@ async fn session(shared: Arc<Shared>, tcp: TcpStream, slot: crate::admission::Op
             return;
         }
     };
+    // The machine sends the PINGs and keeps the dead-peer bound: the lane only
+    // moves frames.
     let mut control = Control::start(
         stream,
         shared.cfg.hello.max_payload,
         agreed.peer_max_payload,
-        shared.cfg.heartbeat,
-        shared.cfg.dead_after,
+        None,
+        None,
         shared.metrics.clone(),
         &shared.cancel,
     );
     let address = Bytes::copy_from_slice(shared.ucx.worker_address());
+    // LOCAL_ADDR first, before the machine may queue anything for the session.
     if control
         .tx
         .send(Frame::LocalAddr(LocalAddr {
@@ -654,86 +721,39 @@ async fn session(shared: Arc<Shared>, tcp: TcpStream, slot: crate::admission::Op
         return;
     }
     let id = shared.next_session.fetch_add(1, Ordering::Relaxed);
-    lock(&shared.sessions).insert(
-        id,
-        Session {
-            control: control.tx.clone(),
-            end: control.cancel.clone(),
-            peer_max_payload: agreed.peer_max_payload,
-            empty_grant: agreed.capabilities & capability::EMPTY_GRANT != 0,
-        },
-    );
+    let opened = {
+        let mut m = lock(&shared.machine);
+        let opened = m.open_session(id, false, [0; 32], None, agreed.capabilities, clock::now());
+        if let Ok(h) = opened {
+            lock(&shared.sessions).insert(
+                h.id,
+                Session {
+                    control: control.tx.clone(),
+                    end: control.cancel.clone(),
+                    peer_max_payload: agreed.peer_max_payload,
+                },
+            );
+        }
+        flush(&shared, &mut m);
+        opened
+    };
+    let Ok(h) = opened else {
+        // The receiver is closing.
+        control.cancel.cancel();
+        return;
+    };
     shared.peers_changed.notify_waiters();
+    // Every frame goes to the machine (LOCAL_DONE against the grant, ABORT, PING,
+    // anything else a protocol error), until it ends the session or the lane does.
     let why = loop {
-        let frame = match control.next().await {
-            Ok(f) => f,
+        match control.next_frame().await {
+            Ok(frame) => with_machine(&shared, |m| m.handle_frame(h, frame, clock::now())),
             Err(e) => break e,
-        };
-        match frame {
-            Frame::LocalDone(done) => {
-                if let Err(e) = local_done(&shared, id, &done) {
-                    Metrics::add(&shared.metrics.violations_total, 1);
-                    control.end(&e);
-                    break e;
-                }
-            }
-            Frame::Abort(a) if a.request_id != 0 => {
-                // The sender gave up on a request: fail its transfers here.
-                let ids: Vec<u64> = lock(&shared.transfers)
-                    .iter()
-                    .filter(|(_, t)| t.session == id && t.grant.request_id == a.request_id)
-                    .map(|(tid, _)| *tid)
-                    .collect();
-                for tid in ids {
-                    let ev = lock(&shared.state).fail(
-                        tid,
-                        Error::PeerAborted {
-                            reason: a.reason,
-                            message: a.message.clone(),
-                        },
-                    );
-                    apply(&shared, ev);
-                }
-            }
-            Frame::Abort(a) => {
-                break Error::PeerAborted {
-                    reason: a.reason,
-                    message: a.message,
-                }
-            }
-            other => {
-                let e = Error::InvalidField {
-                    kind: other.kind(),
-                    field: "kind",
-                    detail: "not sent to a local-path receiver".into(),
-                };
-                control.end(&e);
-                break e;
-            }
         }
     };
-    lock(&shared.sessions).remove(&id);
+    // The lane ended here (closed, reset, undecodable, the receiver closing), unless
+    // the machine ended the session already.
+    with_machine(&shared, |m| m.close_session(h, why, false));
     control.cancel.cancel();
-    let ids: Vec<u64> = lock(&shared.transfers)
-        .iter()
-        .filter(|(_, t)| t.session == id)
-        .map(|(tid, _)| *tid)
-        .collect();
-    for tid in ids {
-        let ev = lock(&shared.state).fail(tid, why.clone());
-        apply(&shared, ev);
-    }
     shared.peers_changed.notify_waiters();
-}
-
-/// The sender's completion notice: its puts of grant layers
-/// `layer_start..+layer_count` were flushed (for an empty grant: the sender is done).
-/// What it means is `ReceiverState::layers_written`'s decision: counts that disagree
-/// with the grant fail the transfer (`transfer_incomplete`); layers outside the grant,
-/// twice, or a transfer the session was not granted end the session
-/// (`grant_violation`).
-fn local_done(shared: &Arc<Shared>, session: u64, done: &LocalDone) -> Result<(), Error> {
-    let events = lock(&shared.state).layers_written(session, done)?;
-    apply(shared, events);
-    Ok(())
 }

@@ -1,27 +1,35 @@
 //! The local path's sender (Prefill): one control lane to a local receiver, one UCX
 //! endpoint to its worker; pages are put straight from the source pool into the
 //! granted regions, flushed, and each layer announced with LOCAL_DONE once its last
-//! page is in. Which pages went, and when a layer or the transfer is whole, is
-//! `pdd_core::kv::SenderTransfer`'s bookkeeping, the WAN sender's.
+//! page is in.
+//!
+//! The session is the WAN sender's machine (`pdd_core::kv::session::SenderSession`,
+//! on a session that negotiated `local_ucx`): it pairs each grant's LOCAL_GRANT with
+//! its KV_GRANT and checks the regions cover it, plans which pages each call puts
+//! (`SenderTransfer`), announces each layer once its pages are all in (LOCAL_DONE),
+//! holds the receiver's KV_DONE to those notices, handles ABORT both ways, sends the
+//! PINGs and keeps the dead-peer bound. Here: UCX (keys unpacked before a grant is
+//! offered to the engine, puts and flushes, keys destroyed when a transfer ends) and
+//! the control lane's bytes.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use pdd_core::kv::{PlannedBlock, SenderTransfer};
+use pdd_core::kv::session::{SenderEvent, SenderSession, SessionTimers};
+use pdd_core::kv::PlannedBlock;
 use pdd_core::wire::handshake::LocalHello;
-use pdd_core::wire::{
-    capability, Abort, AbortReason, Frame, KvGrant, LocalDone, LocalGrant, MEMORY_KIND_HOST,
-};
+use pdd_core::wire::{capability, Frame, KvGrant, LocalGrant, MEMORY_KIND_HOST};
 use pdd_core::Error;
 use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 
 use super::ucx::{PutOp, UcxEndpoint};
 use super::{lock, wait_status, Control, LocalStatus};
+use crate::clock;
 use crate::lane::{self, LaneKey, SocketTuning, TlsConfig};
 use crate::metrics::Metrics;
 use crate::pool::{MemoryKind, PagePool};
@@ -83,7 +91,6 @@ struct Ready {
 }
 
 struct Transfer {
-    request_id: u64,
     status: watch::Sender<LocalStatus>,
     keys: Arc<Mutex<Option<Vec<u64>>>>,
 }
@@ -93,9 +100,15 @@ struct Shared {
     cfg: LocalSenderConfig,
     ucx: UcxEndpoint,
     control: lane::ControlTx,
-    /// KV_GRANTs waiting for their LOCAL_GRANT.
-    half: Mutex<HashMap<u64, KvGrant>>,
-    /// Grants ready to send, by request.
+    /// Ends the control lane's tasks.
+    control_end: CancellationToken,
+    /// The session machine. Lock order: machine, then ready, transfers.
+    machine: Mutex<SenderSession>,
+    /// The machine's next timeout as the timer task last armed it (nanoseconds;
+    /// `u64::MAX`: none), and its doorbell when an earlier one appears.
+    armed: AtomicU64,
+    timer_wake: Notify,
+    /// Grants ready to send (keys unpacked), by request.
     ready: Mutex<HashMap<u64, Vec<Ready>>>,
     ready_changed: Notify,
     transfers: Mutex<HashMap<u64, Transfer>>,
@@ -148,12 +161,14 @@ impl LocalSender {
         }
         let cancel = CancellationToken::new();
         let metrics = Arc::new(Metrics::default());
+        // The session machine sends the PINGs and keeps the dead-peer bound; the
+        // lane only moves frames (LOCAL_ADDR is awaited within connect_timeout).
         let mut control = Control::start(
             connected.stream,
             cfg.hello.max_payload,
             connected.agreed.peer_max_payload,
-            cfg.heartbeat,
-            cfg.dead_after,
+            None,
+            None,
             metrics.clone(),
             &cancel,
         );
@@ -187,18 +202,48 @@ impl LocalSender {
             control.end(&e);
             return Err(e);
         }
+        // No data lanes: the stall bound is never used, only checked.
+        let timers = SessionTimers::new(cfg.heartbeat, cfg.dead_after);
+        let mut machine = SenderSession::new(timers, cfg.dead_after / 2)?;
+        machine.connected(connected.agreed.capabilities, 0, clock::now())?;
         let shared = Arc::new(Shared {
             pool,
             cfg,
             ucx,
             control: control.tx.clone(),
-            half: Mutex::new(HashMap::new()),
+            control_end: control.cancel.clone(),
+            machine: Mutex::new(machine),
+            armed: AtomicU64::new(u64::MAX),
+            timer_wake: Notify::new(),
             ready: Mutex::new(HashMap::new()),
             ready_changed: Notify::new(),
             transfers: Mutex::new(HashMap::new()),
             death: Mutex::new(None),
             metrics,
             cancel,
+        });
+        // The machine's timers: sleep until its next one, or until a call armed an
+        // earlier one.
+        let timer_shared = shared.clone();
+        tokio::spawn(async move {
+            let shared = timer_shared;
+            loop {
+                let next = {
+                    let m = lock(&shared.machine);
+                    let next = m.poll_timeout();
+                    shared
+                        .armed
+                        .store(next.map_or(u64::MAX, |t| t.as_nanos()), Ordering::Relaxed);
+                    next
+                };
+                tokio::select! {
+                    _ = shared.cancel.cancelled() => break,
+                    _ = shared.timer_wake.notified() => {}
+                    _ = clock::sleep_until(next) => {
+                        with_machine(&shared, |m| m.handle_timeout(clock::now()));
+                    }
+                }
+            }
         });
         tokio::spawn(read_loop(shared.clone(), control));
         Ok(LocalSender { shared })
@@ -243,12 +288,19 @@ impl LocalSender {
         let Some(r) = ready else {
             return Ok(None);
         };
+        // The transfer is in progress from here (the machine's grant is this one:
+        // a grant the receiver voided meanwhile took its keys with it).
+        let tid = r.grant.transfer_id;
+        let taken = with_machine(&self.shared, |m| m.take_grant(request_id));
+        if taken.as_ref().map(|g| g.transfer_id) != Some(tid) {
+            self.shared.ucx.destroy(r.keys);
+            return Ok(None);
+        }
         let (status, rx) = watch::channel(LocalStatus::InProgress);
         let keys = Arc::new(Mutex::new(Some(r.keys)));
         lock(&self.shared.transfers).insert(
-            r.grant.transfer_id,
+            tid,
             Transfer {
-                request_id,
                 status,
                 keys: keys.clone(),
             },
@@ -264,9 +316,7 @@ impl LocalSender {
         }
         Ok(Some(LocalOutbound {
             shared: self.shared.clone(),
-            state: Arc::new(tokio::sync::Mutex::new(SenderTransfer::new(
-                r.grant.clone(),
-            ))),
+            serial: Arc::new(tokio::sync::Mutex::new(())),
             grant: r.grant,
             regions: Arc::new(regions),
             keys,
@@ -277,10 +327,8 @@ impl LocalSender {
 
     /// End the session (live transfers fail) and release UCX.
     pub async fn close(&self) {
-        let e = Error::Cancelled {
-            detail: "sender closed".into(),
-        };
-        end_session(&self.shared, e);
+        // The session ends and every transfer fails `cancelled`.
+        with_machine(&self.shared, |m| m.close());
         self.shared.cancel.cancel();
     }
 }
@@ -304,209 +352,179 @@ fn end_transfer(shared: &Shared, tid: u64, status: LocalStatus) -> bool {
     true
 }
 
-/// Longest abort message a local sender writes (as the WAN sender's).
-const MAX_SENDER_ABORT_MESSAGE: usize = 512;
-
+/// The session ended: no grant of it can be taken any more; its transfers failed
+/// (the machine's events); the control lane's tasks stop.
 fn end_session(shared: &Shared, why: Error) {
-    lock(&shared.death).get_or_insert(why.clone());
-    let ids: Vec<u64> = lock(&shared.transfers).keys().copied().collect();
-    for tid in ids {
-        end_transfer(shared, tid, LocalStatus::Failed(why.clone()));
-    }
+    lock(&shared.death).get_or_insert(why);
     let keys: Vec<u64> = lock(&shared.ready)
         .drain()
         .flat_map(|(_, v)| v.into_iter().flat_map(|r| r.keys))
         .collect();
     shared.ucx.destroy(keys);
     shared.ready_changed.notify_waiters();
+    shared.control_end.cancel();
 }
 
-/// Check that a LOCAL_GRANT covers every page of every layer of its grant exactly
-/// once, with no page outside it.
-fn check_cover(grant: &KvGrant, local: &LocalGrant) -> Result<(), Error> {
-    let bad = |detail: String| Error::InvalidField {
-        kind: pdd_core::wire::FrameKind::LocalGrant,
-        field: "regions",
-        detail,
-    };
-    let mut by_layer: Vec<Vec<(u32, u32)>> = vec![Vec::new(); usize::from(grant.layer_count)];
-    for r in &local.regions {
-        let slot = by_layer
-            .get_mut(usize::from(r.layer))
-            .ok_or_else(|| bad(format!("layer {} outside the grant", r.layer)))?;
-        slot.push((r.page_start, r.page_count));
-    }
-    for (layer, mut spans) in by_layer.into_iter().enumerate() {
-        spans.sort_unstable();
-        let mut next = 0u64;
-        for (start, count) in spans {
-            if u64::from(start) != next {
-                return Err(bad(format!(
-                    "layer {layer}: pages from {next} not covered exactly once"
-                )));
+/// Run `f` on the machine, then flush what it said. Returns the grants whose
+/// regions came, for the caller to unpack their keys (outside the machine).
+fn with_machine<R>(shared: &Arc<Shared>, f: impl FnOnce(&mut SenderSession) -> R) -> R {
+    with_machine_regions(shared, f).0
+}
+
+fn with_machine_regions<R>(
+    shared: &Arc<Shared>,
+    f: impl FnOnce(&mut SenderSession) -> R,
+) -> (R, Vec<(KvGrant, LocalGrant)>) {
+    let mut m = lock(&shared.machine);
+    let r = f(&mut m);
+    let regions = flush(shared, &mut m);
+    (r, regions)
+}
+
+/// Move what the machine said: its frames onto the control lane, in order; its
+/// events onto statuses, keys and waiters. A grant of another page size than our
+/// pool's is refused here (the machine answers it). Called with the machine locked.
+fn flush(shared: &Arc<Shared>, m: &mut SenderSession) -> Vec<(KvGrant, LocalGrant)> {
+    let now = clock::now();
+    let mut regions = Vec::new();
+    loop {
+        let mut moved = false;
+        while let Some(frame) = m.poll_transmit(now) {
+            moved = true;
+            let _ = shared.control.send(frame);
+        }
+        while let Some(event) = m.poll_event() {
+            moved = true;
+            match event {
+                SenderEvent::GrantArrived { request_id } => {
+                    let Some(g) = m.pending_grant(request_id).cloned() else {
+                        continue;
+                    };
+                    if g.page_bytes != shared.pool.page_bytes() {
+                        let e = Error::InvalidArgument(format!(
+                            "page_bytes {} but our pool's are {}",
+                            g.page_bytes,
+                            shared.pool.page_bytes()
+                        ));
+                        m.refuse_grant(request_id, &e);
+                    } else if g.page_count == 0 {
+                        // An empty grant: no LOCAL_GRANT follows, nothing to put.
+                        lock(&shared.ready)
+                            .entry(request_id)
+                            .or_default()
+                            .push(Ready {
+                                grant: g,
+                                regions: Vec::new(),
+                                keys: Vec::new(),
+                            });
+                        shared.ready_changed.notify_waiters();
+                        crate::activity::bump();
+                    }
+                }
+                SenderEvent::RegionsArrived { grant, regions: r } => regions.push((grant, r)),
+                SenderEvent::TransferComplete {
+                    transfer_id, bytes, ..
+                } => {
+                    Metrics::add(&shared.metrics.transfers_completed_total, 1);
+                    end_transfer(shared, transfer_id, LocalStatus::Complete { bytes });
+                }
+                SenderEvent::TransferFailed {
+                    transfer_id, error, ..
+                } => {
+                    Metrics::add(&shared.metrics.transfers_failed_total, 1);
+                    end_transfer(shared, transfer_id, LocalStatus::Failed(error));
+                }
+                SenderEvent::RequestAborted { request_id, .. } => {
+                    // A grant not yet taken by the engine is revoked too.
+                    let keys: Vec<u64> = lock(&shared.ready)
+                        .remove(&request_id)
+                        .into_iter()
+                        .flatten()
+                        .flat_map(|r| r.keys)
+                        .collect();
+                    shared.ucx.destroy(keys);
+                }
+                SenderEvent::SessionEnded { error } => end_session(shared, error),
+                SenderEvent::Rtt(rtt) => {
+                    Metrics::set(&shared.metrics.rtt_us, rtt.as_micros() as u64);
+                }
+                // No data lanes, no prefix queries on the local path.
+                SenderEvent::StopLane { .. }
+                | SenderEvent::LaneReleased { .. }
+                | SenderEvent::PrefixReply(_) => {}
             }
-            next += u64::from(count);
         }
-        if next != u64::from(grant.page_count) {
-            return Err(bad(format!(
-                "layer {layer}: regions cover {next} pages, the grant has {}",
-                grant.page_count
-            )));
+        if !moved {
+            break;
         }
     }
-    Ok(())
+    if let Some(t) = m.poll_timeout() {
+        if t.as_nanos() < shared.armed.load(Ordering::Relaxed) {
+            shared.armed.store(t.as_nanos(), Ordering::Relaxed);
+            shared.timer_wake.notify_one();
+        }
+    }
+    regions
 }
 
+/// Every frame goes to the machine; a grant whose regions came is offered to the
+/// engine once its keys are unpacked (or refused, ABORT for the request, if they
+/// will not unpack).
 async fn read_loop(shared: Arc<Shared>, mut control: Control) {
     let why = loop {
         let frame = tokio::select! {
             _ = shared.cancel.cancelled() => break Error::Cancelled { detail: "sender closed".into() },
-            f = control.next() => match f {
+            f = control.next_frame() => match f {
                 Ok(f) => f,
                 Err(e) => break e,
             },
         };
-        match frame {
-            Frame::KvGrant(g) => {
-                if g.page_bytes != shared.pool.page_bytes() {
-                    // Answered with an ABORT for the request: we cannot fill it.
-                    let _ = shared.control.send(Frame::Abort(Abort::new(
-                        g.request_id,
-                        pdd_core::wire::AbortReason::Internal,
-                        format!(
-                            "page_bytes {} but our pool's are {}",
-                            g.page_bytes,
-                            shared.pool.page_bytes()
-                        ),
-                    )));
+        let ((), arrived) = with_machine_regions(&shared, |m| m.handle_frame(frame, clock::now()));
+        for (grant, l) in arrived {
+            let unpacked = shared
+                .ucx
+                .unpack(
+                    l.regions
+                        .iter()
+                        .map(|r| (r.rkey.to_vec(), r.remote_addr))
+                        .collect(),
+                )
+                .await;
+            let keys = match unpacked {
+                Ok(k) => k,
+                Err(e) => {
+                    with_machine(&shared, |m| m.refuse_grant(grant.request_id, &e));
                     continue;
                 }
-                if g.page_count == 0 {
-                    // An empty grant (we offered empty_grant): no LOCAL_GRANT follows,
-                    // there is nothing to put; ready as it is.
-                    lock(&shared.ready)
-                        .entry(g.request_id)
-                        .or_default()
-                        .push(Ready {
-                            grant: g,
-                            regions: Vec::new(),
-                            keys: Vec::new(),
-                        });
-                    shared.ready_changed.notify_waiters();
-                    crate::activity::bump();
-                    continue;
-                }
-                lock(&shared.half).insert(g.transfer_id, g);
-            }
-            Frame::LocalGrant(l) => {
-                let Some(grant) = lock(&shared.half).remove(&l.transfer_id) else {
-                    let e = Error::InvalidField {
-                        kind: pdd_core::wire::FrameKind::LocalGrant,
-                        field: "transfer_id",
-                        detail: "LOCAL_GRANT without its KV_GRANT".into(),
-                    };
-                    control.end(&e);
-                    break e;
-                };
-                if let Err(e) = check_cover(&grant, &l) {
-                    control.end(&e);
-                    break e;
-                }
-                let keys = match shared
-                    .ucx
-                    .unpack(
-                        l.regions
-                            .iter()
-                            .map(|r| (r.rkey.to_vec(), r.remote_addr))
-                            .collect(),
-                    )
-                    .await
-                {
-                    Ok(k) => k,
-                    Err(e) => {
-                        let _ = shared.control.send(Frame::Abort(Abort::new(
-                            grant.request_id,
-                            e.abort_reason(),
-                            e.to_string(),
-                        )));
-                        continue;
-                    }
-                };
-                let regions = l
-                    .regions
-                    .iter()
-                    .zip(&keys)
-                    .map(|(r, &k)| Region {
-                        layer: r.layer,
-                        page_start: r.page_start,
-                        page_count: r.page_count,
-                        remote_addr: r.remote_addr,
-                        rkey: k,
-                    })
-                    .collect();
-                lock(&shared.ready)
-                    .entry(grant.request_id)
-                    .or_default()
-                    .push(Ready {
-                        grant,
-                        regions,
-                        keys,
-                    });
-                shared.ready_changed.notify_waiters();
-                crate::activity::bump();
-            }
-            Frame::KvDone(d) => {
-                Metrics::add(&shared.metrics.transfers_completed_total, 1);
-                end_transfer(
-                    &shared,
-                    d.transfer_id,
-                    LocalStatus::Complete {
-                        bytes: d.byte_count,
-                    },
-                );
-            }
-            Frame::Abort(a) if a.request_id != 0 => {
-                let e = Error::PeerAborted {
-                    reason: a.reason,
-                    message: a.message,
-                };
-                let ids: Vec<u64> = lock(&shared.transfers)
-                    .iter()
-                    .filter(|(_, t)| t.request_id == a.request_id)
-                    .map(|(id, _)| *id)
-                    .collect();
-                for tid in ids {
-                    Metrics::add(&shared.metrics.transfers_failed_total, 1);
-                    end_transfer(&shared, tid, LocalStatus::Failed(e.clone()));
-                }
-                // A grant not yet taken by the engine is revoked too.
-                let keys: Vec<u64> = lock(&shared.ready)
-                    .remove(&a.request_id)
-                    .into_iter()
-                    .flatten()
-                    .flat_map(|r| r.keys)
-                    .collect();
-                shared.ucx.destroy(keys);
-            }
-            Frame::Abort(a) => {
-                break Error::PeerAborted {
-                    reason: a.reason,
-                    message: a.message,
-                }
-            }
-            other => {
-                let e = Error::InvalidField {
-                    kind: other.kind(),
-                    field: "kind",
-                    detail: "not sent to a local-path sender".into(),
-                };
-                control.end(&e);
-                break e;
-            }
+            };
+            let regions = l
+                .regions
+                .iter()
+                .zip(&keys)
+                .map(|(r, &k)| Region {
+                    layer: r.layer,
+                    page_start: r.page_start,
+                    page_count: r.page_count,
+                    remote_addr: r.remote_addr,
+                    rkey: k,
+                })
+                .collect();
+            lock(&shared.ready)
+                .entry(grant.request_id)
+                .or_default()
+                .push(Ready {
+                    grant,
+                    regions,
+                    keys,
+                });
+            shared.ready_changed.notify_waiters();
+            crate::activity::bump();
         }
     };
+    // The lane ended here (closed, reset, undecodable, the sender closing), unless
+    // the machine ended the session already.
+    with_machine(&shared, |m| m.close_session(why, false));
     control.cancel.cancel();
-    end_session(&shared, why);
 }
 
 /// The sender's handle on one local-path grant.
@@ -516,10 +534,10 @@ pub struct LocalOutbound {
     /// Per grant layer, its regions by first grant page.
     regions: Arc<Vec<Vec<Region>>>,
     keys: Arc<Mutex<Option<Vec<u64>>>>,
-    /// Which pages went (the core's bookkeeping). Held from a call's planning until
-    /// its puts are flushed and its layers announced, so calls on one transfer run
-    /// one after another and a layer's LOCAL_DONE follows every put into it.
-    state: Arc<tokio::sync::Mutex<SenderTransfer>>,
+    /// Held from a call's planning (the machine's) until its puts are flushed and its
+    /// layers announced, so calls on one transfer run one after another and a
+    /// layer's LOCAL_DONE follows every put into it.
+    serial: Arc<tokio::sync::Mutex<()>>,
     started: AtomicBool,
     status: watch::Receiver<LocalStatus>,
 }
@@ -617,7 +635,7 @@ impl LocalOutbound {
                 pool.pages()
             )));
         }
-        let mut state = self.state.clone().lock_owned().await;
+        let serial = self.serial.clone().lock_owned().await;
         if let LocalStatus::Failed(e) = self.status() {
             return Err(e);
         }
@@ -627,7 +645,11 @@ impl LocalOutbound {
                 detail: "the grant ended: its remote keys are revoked".into(),
             });
         }
-        let planned = state.send_pages(layers.clone(), grant_pages, u64::MAX)?;
+        let tid = g.transfer_id;
+        let planned = with_machine(&self.shared, |m| {
+            m.send_pages(tid, layers.clone(), grant_pages, u64::MAX)
+        })
+        .map_err(|e| self.ended_error().unwrap_or(e))?;
         if planned.is_empty() {
             // An empty grant: nothing to put; its notice goes with finish().
             return Ok(());
@@ -643,13 +665,8 @@ impl LocalOutbound {
             let direct = match put {
                 Ok(direct) => direct,
                 Err(e) => {
-                    let _ = shared.control.send(Frame::Abort(Abort::new(
-                        grant.request_id,
-                        e.abort_reason(),
-                        e.to_string(),
-                    )));
-                    Metrics::add(&shared.metrics.transfers_failed_total, 1);
-                    end_transfer(&shared, grant.transfer_id, LocalStatus::Failed(e.clone()));
+                    // The receiver is told why (ABORT for the request).
+                    with_machine(&shared, |m| m.fail_transfer(grant.transfer_id, e.clone()));
                     return Err(e);
                 }
             };
@@ -659,24 +676,11 @@ impl LocalOutbound {
                 &shared.metrics.bytes_sent_total,
                 pages * u64::from(grant.page_bytes),
             );
-            // Announce the layers this call completed, consecutive ones in one notice.
-            let done: Vec<u16> = layers.filter(|&l| state.layer_sent(l)).collect();
-            drop(state);
-            for run in done.chunk_by(|a, b| *a + 1 == *b) {
-                let per_layer = u64::from(grant.page_count);
-                let n = run.len() as u64 * per_layer;
-                shared
-                    .control
-                    .send(Frame::LocalDone(LocalDone {
-                        transfer_id: grant.transfer_id,
-                        layer_start: run[0],
-                        layer_count: run.len() as u16,
-                        page_count: n,
-                        byte_count: n * u64::from(grant.page_bytes),
-                    }))
-                    .map_err(|_| dead(&shared))?;
-            }
-            Ok(())
+            // The machine announces the layers this call completed, consecutive ones
+            // in one notice; only then may the next call on the transfer run.
+            let announced = with_machine(&shared, |m| m.layers_put(grant.transfer_id, layers));
+            drop(serial);
+            announced.map_err(|_| dead(&shared))
         });
         task.await.unwrap_or_else(|e| {
             Err(Error::Cancelled {
@@ -736,24 +740,17 @@ impl LocalOutbound {
     /// empty grant this is the transfer's one notice (LOCAL_DONE naming every layer,
     /// 0 pages); otherwise each layer's notice went when its last page did.
     pub async fn finish(&self) -> Result<(), Error> {
-        let mut state = self.state.lock().await;
-        if let LocalStatus::Failed(e) = self.status() {
-            return Err(e);
+        let _serial = self.serial.lock().await;
+        match self.status() {
+            LocalStatus::Failed(e) => return Err(e),
+            // The last layer's notice already completed it: every page went.
+            LocalStatus::Complete { .. } => return Ok(()),
+            LocalStatus::InProgress => {}
         }
-        state.finish()?;
-        if self.grant.page_count == 0 {
-            self.shared
-                .control
-                .send(Frame::LocalDone(LocalDone {
-                    transfer_id: self.grant.transfer_id,
-                    layer_start: 0,
-                    layer_count: self.grant.layer_count,
-                    page_count: 0,
-                    byte_count: 0,
-                }))
-                .map_err(|_| dead(&self.shared))?;
-        }
-        Ok(())
+        let tid = self.grant.transfer_id;
+        with_machine(&self.shared, |m| m.finish(tid))
+            .map(|_| ())
+            .map_err(|e| self.ended_error().unwrap_or(e))
     }
 
     /// Give up on the transfer: the receiver is told with an ABORT (`cancelled`,
@@ -762,28 +759,17 @@ impl LocalOutbound {
     /// landed (the receiver frees the pages). False if the transfer had already
     /// ended.
     pub fn abort(&self, reason: &str) -> bool {
-        // The caller's words cut between characters (pdd_core::wire::text), as on
-        // the WAN sender.
-        let message = pdd_core::wire::text::cut_owned(
-            format!("aborted by the sender: {reason}"),
-            MAX_SENDER_ABORT_MESSAGE,
-        );
-        let ended = end_transfer(
-            &self.shared,
-            self.grant.transfer_id,
-            LocalStatus::Failed(Error::Cancelled {
-                detail: message.clone(),
-            }),
-        );
-        if ended {
-            // Best effort: a dead session already failed the receiver's side.
-            let _ = self.shared.control.send(Frame::Abort(Abort::new(
-                self.grant.request_id,
-                AbortReason::Cancelled,
-                message,
-            )));
+        let tid = self.grant.transfer_id;
+        with_machine(&self.shared, |m| m.abort(tid, reason))
+    }
+
+    /// Why the transfer ended, if it did: what a call on it then reports.
+    fn ended_error(&self) -> Option<Error> {
+        match self.status() {
+            LocalStatus::Failed(e) => Some(e),
+            LocalStatus::Complete { .. } => None,
+            LocalStatus::InProgress => lock(&self.shared.death).clone(),
         }
-        ended
     }
 
     /// Wait for the receiver's confirmation (bytes) or the transfer's failure.

@@ -1,10 +1,14 @@
 //! Data lanes: each KV_PAGES block's header, then its page bytes read straight into
-//! the granted pool pages (vectored reads), checked before the block counts.
+//! the granted pool pages (vectored reads), checked before the block counts. Where a
+//! block may go, and what its end (landed, failed, cut off by a revocation) means,
+//! is the session machine's decision (`ReceiverEndpoint::begin_block`,
+//! `finish_block`, `block_cut`); this file moves the bytes, and bounds each read
+//! inside a block by the dead-peer bound.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use pdd_core::kv::session::LaneHandle;
 use pdd_core::kv::{BlockDisposition, KvBlock};
 use pdd_core::wire::handshake::AuthBytes;
 use pdd_core::wire::{FrameHeader, FrameKind, FLAG_RESENT, HEADER_LEN, KV_PAGES_FIXED_LEN};
@@ -16,52 +20,51 @@ use crate::metrics::Metrics;
 use crate::pool::RawPage;
 use crate::sealed::{self, LaneKeys};
 
-use super::{apply, lock, Shared, MAX_LANES_PER_SESSION};
+use super::{lock, with_machine, Shared};
 
-/// Calls `finish_block` exactly once for a block begun on a data lane, also when the
-/// lane's future is dropped mid-block (session cancelled): until then the
+/// Reports a block begun on a data lane exactly once, also when the lane's future
+/// is dropped mid-block (the session ended, the lane was revoked): until then the
 /// transfer's pages stay held, so nobody re-grants memory a lane may still write.
 struct BlockGuard<'a> {
-    shared: &'a Shared,
+    shared: &'a Arc<Shared>,
+    lane: LaneHandle,
     block: KvBlock,
     finished: bool,
-    /// Set when the lane was revoked (lane failover): a block cut off then is
-    /// abandoned (its pages reopened for the resend), not failed.
-    revoked: &'a AtomicBool,
 }
 
 impl BlockGuard<'_> {
     fn finish(mut self, outcome: Result<(), Error>) {
         self.finished = true;
-        finish_block(self.shared, &self.block, outcome);
+        with_machine(self.shared, |m| m.finish_block(&self.block, outcome));
     }
-}
-
-/// A block ended: report it, and publish the pages still held (a draining
-/// transfer's last block frees its pages without any event).
-fn finish_block(shared: &Shared, block: &KvBlock, outcome: Result<(), Error>) {
-    let mut state = lock(&shared.state);
-    let ev = state.finish_block(block, outcome);
-    Metrics::set(&shared.metrics.pool_pages_held, state.pages_held() as u64);
-    apply(shared, &state, ev);
 }
 
 impl Drop for BlockGuard<'_> {
     fn drop(&mut self) {
-        if !self.finished && self.revoked.load(Ordering::SeqCst) {
-            let mut state = lock(&self.shared.state);
-            state.abandon_block(&self.block);
-            Metrics::set(
-                &self.shared.metrics.pool_pages_held,
-                state.pages_held() as u64,
-            );
-            Metrics::add(&self.shared.metrics.blocks_abandoned_total, 1);
-        } else if !self.finished {
-            let err = Error::ConnectionLost {
-                detail: "data lane closed mid-block".into(),
-            };
-            finish_block(self.shared, &self.block, Err(err));
+        if self.finished {
+            return;
         }
+        // Cut off: abandoned on a revoked lane (its pages reopened for the resend),
+        // failed otherwise; the machine knows which.
+        if with_machine(self.shared, |m| m.block_cut(&self.lane, &self.block)) {
+            Metrics::add(&self.shared.metrics.blocks_abandoned_total, 1);
+        }
+    }
+}
+
+/// Reports the lane's end to the machine when the lane's task ends (dropped after
+/// its socket): a revocation is answered only then.
+struct LaneDown<'a> {
+    shared: &'a Arc<Shared>,
+    lane: LaneHandle,
+}
+
+impl Drop for LaneDown<'_> {
+    fn drop(&mut self) {
+        if let Some(s) = lock(&self.shared.sessions).get(&self.lane.session.generation) {
+            lock(&s.lanes).remove(&self.lane.instance);
+        }
+        with_machine(self.shared, |m| m.lane_down(self.lane));
     }
 }
 
@@ -71,66 +74,38 @@ pub(super) async fn data_lane(
     agreed: pdd_core::wire::handshake::Negotiated,
     secret: AuthBytes,
 ) {
-    // The lane proved `secret`; it joins the session only if that is still the one
-    // live under its id (a resumption may have replaced it meanwhile).
-    let session = lock(&shared.sessions)
-        .get(&agreed.session_id)
-        .filter(|s| s.secret == secret)
-        .map(|s| {
-            (
-                s.cancel.clone(),
-                s.control.clone(),
-                s.death.clone(),
-                s.generation,
-                s.lanes.clone(),
-                (s.registry.clone(), s.failover),
-            )
-        });
-    // Counted from here to the lane's end, admitted or not.
-    struct LaneCount(Option<Arc<AtomicU64>>);
-    impl Drop for LaneCount {
-        fn drop(&mut self) {
-            if let Some(n) = &self.0 {
-                n.fetch_sub(1, Ordering::Relaxed);
-            }
-        }
-    }
-    let counted = LaneCount(session.as_ref().map(|s| {
-        s.4.fetch_add(1, Ordering::Relaxed);
-        s.4.clone()
-    }));
-    // The control lane registers its session before answering its HELLO, so a sender
-    // that waited for that answer always finds its session here.
-    let admitted = match &session {
-        Some(s) if s.4.load(Ordering::Relaxed) > MAX_LANES_PER_SESSION => {
-            Err(Error::LimitExceeded {
-                what: "data lanes in one session".into(),
-                limit: MAX_LANES_PER_SESSION,
-            })
-        }
-        Some(_) => Ok(()),
-        None => Err(Error::ConnectionLost {
-            detail: format!(
-                "data lane {} for session {} which has no control lane",
-                agreed.lane, agreed.session_id
-            ),
-        }),
-    };
+    // The lane proved `secret`; the machine lets it join only the instance live
+    // under its id with that secret (a resumption may have replaced it meanwhile),
+    // within the session's lane bound. A lane of an index already open replaces it.
+    let joined = with_machine(&shared, |m| {
+        m.join_lane(agreed.session_id, agreed.lane, secret)
+    });
+    let admitted = joined.as_ref().map(|_| ()).map_err(Clone::clone);
+    // From here until this task ends, the machine counts the lane.
+    let down = joined.as_ref().ok().map(|&lane| LaneDown {
+        shared: &shared,
+        lane,
+    });
     let hello = &shared.cfg.hello;
     let answered = tokio::select! {
         _ = shared.cancel.cancelled() => return,
         r = lane::answer_hello(&mut stream, hello, &agreed, admitted, shared.cfg.hello_timeout) => r,
     };
-    let (Ok(()), Some((session_cancel, control, death, owner, _, (registry, failover)))) =
-        (answered, session)
+    let (Ok(()), Ok(lane)) = (answered, joined) else {
+        return;
+    };
+    // Its own token, a child of the session's, for the machine's StopLane.
+    let Some(cancel) = lock(&shared.sessions)
+        .get(&lane.session.generation)
+        .map(|s| {
+            let token = s.cancel.child_token();
+            lock(&s.lanes).insert(lane.instance, token.clone());
+            token
+        })
     else {
         return;
     };
-    // Registered under its index for LANE_REVOKE; the ticket (dropped last, when this
-    // task ends) tells a revoker the lane can land nothing more.
-    let ticket = registry.register(agreed.lane, &session_cancel);
-    let cancel = ticket.cancel.clone();
-    let _counted = counted;
+    let _down = down;
     let _ = stream.tcp().set_nodelay(false);
     // Inside TLS the AEAD authenticates every byte; the blocks then carry no CRC.
     let aead = agreed.capabilities & pdd_core::wire::capability::AEAD != 0;
@@ -144,10 +119,7 @@ pub(super) async fn data_lane(
             // The peer closed: the lane ends, as a close between blocks does.
             Err(Error::ConnectionLost { .. }) => return,
             Err(e) => {
-                Metrics::add(&shared.metrics.violations_total, 1);
-                let _ = control.send(lane::abort_for(&e));
-                lock(&death).get_or_insert(e);
-                session_cancel.cancel();
+                with_machine(&shared, |m| m.lane_failed(&lane, e));
                 return;
             }
         }
@@ -159,19 +131,15 @@ pub(super) async fn data_lane(
     loop {
         let r = tokio::select! {
             _ = cancel.cancelled() => return,
-            r = read_block(&shared, owner, aead, failover, &ticket.revoked, &mut stream, keys.as_mut(), max_payload, &mut scratch) => r,
+            r = read_block(&shared, lane, aead, &mut stream, keys.as_mut(), max_payload, &mut scratch) => r,
         };
         match r {
             Ok(true) => {}
             Ok(false) => return,
             Err(e) => {
-                if !matches!(e, Error::ConnectionLost { .. }) {
-                    // A peer that breaks the protocol loses the whole session.
-                    Metrics::add(&shared.metrics.violations_total, 1);
-                    let _ = control.send(lane::abort_for(&e));
-                    lock(&death).get_or_insert(e);
-                    session_cancel.cancel();
-                }
+                // A peer that breaks the protocol loses the whole session; a lost
+                // connection only the lane (the machine tells them apart).
+                with_machine(&shared, |m| m.lane_failed(&lane, e));
                 return;
             }
         }
@@ -179,13 +147,10 @@ pub(super) async fn data_lane(
 }
 
 /// Read one KV_PAGES block into its pages. `Ok(false)` on a clean EOF between blocks.
-#[allow(clippy::too_many_arguments)]
 async fn read_block(
-    shared: &Shared,
-    owner: u64,
+    shared: &Arc<Shared>,
+    lane: LaneHandle,
     aead: bool,
-    failover: bool,
-    revoked: &AtomicBool,
     stream: &mut LaneStream,
     mut keys: Option<&mut LaneKeys>,
     max_payload: u32,
@@ -234,14 +199,9 @@ async fn read_block(
     let mut crc = crc32c::crc32c(&head[..12]);
     crc = crc32c::crc32c_append(crc, &fixed);
     let resent = header.flags & FLAG_RESENT != 0;
-    if resent && !failover {
-        // RESENT means something only where both sides offered lane failover.
-        return Err(Error::InvalidFlags {
-            kind: header.kind,
-            flags: header.flags,
-        });
-    }
-    let disposition = lock(&shared.state).begin_block(owner, &block, resent)?;
+    // Refused (outside the grant, another session's, RESENT without lane failover):
+    // the machine has ended the session and told the peer; the lane stops.
+    let disposition = with_machine(shared, |m| m.begin_block(&lane, &block, resent))?;
     match disposition {
         BlockDisposition::Drain | BlockDisposition::Duplicate => {
             // Read past, never opened: a sealed lane counts the records it skipped.
@@ -271,9 +231,9 @@ async fn read_block(
         BlockDisposition::Land(target) => {
             let guard = BlockGuard {
                 shared,
+                lane,
                 block,
                 finished: false,
-                revoked,
             };
             // Addresses only: begin_block marked every page of the block in flight for
             // this lane alone, and the guard keeps them held until it finishes.

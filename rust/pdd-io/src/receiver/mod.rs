@@ -7,33 +7,41 @@
 //! the block may go, then reads the page bytes straight into the pool pages with
 //! vectored reads and checks the CRC32C over what landed before the block counts.
 //!
-//! Here: the public API (`KvReceiver`, its config, events and statuses) and the state
-//! every task shares; `session.rs`: accept, handshake, session registry and the
-//! control lane; `data_lane.rs`: reading KV_PAGES blocks into the pool pages.
+//! What the session decides (lane admission and resumption, heartbeats, the
+//! dead-peer bound, deadlines, the bound after the sender's KV_DONE, ABORT both ways,
+//! lane revocation, which session owns a grant) is `pdd_core::kv::session::
+//! ReceiverEndpoint`'s: every task here feeds it what happened, then [`flush`]es what
+//! it said (frames onto the sessions' control lanes, events onto statuses and the
+//! engine's queue), and one timer task sleeps until its `poll_timeout`.
+//!
+//! Here: the public API (`KvReceiver`, its config, events and statuses), the state
+//! every task shares and the flush; `session.rs`: accept, handshake and the control
+//! lane; `data_lane.rs`: reading KV_PAGES blocks into the pool pages.
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pdd_core::kv::{ReceiverState, TransferEvent};
+use pdd_core::kv::session::{self as core_session, ReceiverEndpoint, SessionHandle, SessionTimers};
+use pdd_core::kv::TransferEvent;
 use pdd_core::prefix::LeaseTable;
 use pdd_core::radix::RadixCache;
-use pdd_core::wire::handshake::{AuthBytes, LocalHello};
-use pdd_core::wire::{Abort, Frame, KvDone, KvGrant};
+use pdd_core::wire::handshake::LocalHello;
+use pdd_core::wire::{KvGrant, PrefixQuery};
 use pdd_core::Error;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::clock;
 use crate::lane::{self, SocketTuning, TlsConfig};
 use crate::metrics::Metrics;
 use crate::pool::PagePool;
 
 mod data_lane;
-mod revoke;
 mod session;
 
 use session::handle_connection;
@@ -156,44 +164,30 @@ impl crate::status::Settles for TransferStatus {
     }
 }
 
+/// The I/O side of one session instance (the machine holds the rest: its secret,
+/// identity, capabilities, lanes, transfers).
 struct Session {
-    /// Unique per session instance (a resumed session gets a new one); owns the
-    /// session's grants in `ReceiverState`.
-    generation: u64,
-    /// The secret the session's opening exchange derived: every data lane and
-    /// every resumption must prove it.
-    secret: AuthBytes,
-    /// The TLS identity (leaf certificate hash) that opened it: every lane of the
-    /// session must come from it too.
-    identity: Option<[u8; 32]>,
+    id: u64,
     control: lane::ControlTx,
+    /// Cancels the control lane's tasks and every data lane of the instance.
     cancel: CancellationToken,
     peer_addr: SocketAddr,
-    /// Why a data lane ended the session, for the transfers it fails.
-    death: Arc<Mutex<Option<Error>>>,
-    /// Data lanes admitted into the session, against [`MAX_LANES_PER_SESSION`].
-    lanes: Arc<AtomicU64>,
-    /// The session's data lanes by index, for LANE_REVOKE.
-    registry: Arc<revoke::LaneRegistry>,
-    /// Both sides offered `lane_failover`.
-    failover: bool,
-    /// Both sides offered `empty_grant`: a grant of zero pages may be sent.
-    empty_grant: bool,
+    /// Each data lane's own token (a child of `cancel`), by lane instance: the
+    /// machine's `StopLane` cancels it.
+    lanes: Mutex<HashMap<u64, CancellationToken>>,
 }
 
 /// Sessions a receiver holds at once; a new one past this is refused
 /// (`resource_exhausted`).
-pub const MAX_SESSIONS: usize = 1024;
+pub const MAX_SESSIONS: usize = core_session::MAX_SESSIONS;
 /// Data lanes one session may have open at once.
-pub const MAX_LANES_PER_SESSION: u64 = 64;
+pub const MAX_LANES_PER_SESSION: u64 = core_session::MAX_LANES_PER_SESSION;
 /// Connections held opening (TLS, HELLO, AUTH) at once. Past this a new connection
 /// is still taken: an older opening one is closed to make room (`crate::admission`),
 /// so idle connections cannot keep honest peers out.
 pub const MAX_OPENING_CONNECTIONS: u64 = crate::admission::MAX_OPENING_CONNECTIONS as u64;
 
 struct TransferEntry {
-    session_id: u64,
-    generation: u64,
     status: watch::Sender<TransferStatus>,
     started: Instant,
     layers_done: u16,
@@ -201,7 +195,10 @@ struct TransferEntry {
 
 struct Shared {
     pool: Arc<PagePool>,
-    state: Mutex<ReceiverState>,
+    /// The session machine and the pool bookkeeping it drives. Lock order: machine,
+    /// then transfers, sessions, events, leases.
+    machine: Mutex<ReceiverEndpoint>,
+    /// Session instances by generation.
     sessions: Mutex<HashMap<u64, Session>>,
     sessions_changed: watch::Sender<u64>,
     transfers: Mutex<HashMap<u64, TransferEntry>>,
@@ -210,7 +207,10 @@ struct Shared {
     events_changed: watch::Sender<u64>,
     metrics: Arc<Metrics>,
     cfg: ReceiverConfig,
-    next_generation: AtomicU64,
+    /// The machine's next timeout as the timer task last armed it (nanoseconds;
+    /// `u64::MAX`: none), and its doorbell when an earlier one appears.
+    armed: AtomicU64,
+    timer_wake: Notify,
     /// Connections still opening (TLS, HELLO, AUTH), against
     /// [`MAX_OPENING_CONNECTIONS`] and the per-source bound.
     admission: Arc<crate::admission::Admission>,
@@ -247,7 +247,8 @@ impl KvReceiver {
     /// Bind and start accepting on the current tokio runtime.
     pub async fn start(pool: Arc<PagePool>, mut cfg: ReceiverConfig) -> Result<KvReceiver, Error> {
         cfg.validate()?;
-        // This build answers LANE_REVOKE (see `revoke.rs`); a sender that does not
+        // This build answers LANE_REVOKE (the session machine decides how); a sender
+        // that does not
         // offer it too never sends one.
         cfg.hello.capabilities |= pdd_core::wire::capability::LANE_FAILOVER;
         // It may grant zero pages ("nothing to send") to a sender that offers it too.
@@ -274,11 +275,13 @@ impl KvReceiver {
         let local_addr = listener.local_addr().map_err(|e| Error::ConnectionLost {
             detail: format!("local_addr: {e}"),
         })?;
-        let state = ReceiverState::new(pool.layers(), pool.pages(), pool.page_bytes())?;
+        let timers = SessionTimers::new(cfg.heartbeat, cfg.dead_after);
+        let machine =
+            ReceiverEndpoint::new(pool.layers(), pool.pages(), pool.page_bytes(), timers)?;
         let metrics = Arc::new(Metrics::default());
         let shared = Arc::new(Shared {
             pool,
-            state: Mutex::new(state),
+            machine: Mutex::new(machine),
             sessions: Mutex::new(HashMap::new()),
             sessions_changed: watch::channel(0).0,
             transfers: Mutex::new(HashMap::new()),
@@ -292,10 +295,34 @@ impl KvReceiver {
             admission: crate::admission::Admission::new(metrics.clone()),
             metrics,
             cfg,
-            next_generation: AtomicU64::new(1),
+            armed: AtomicU64::new(u64::MAX),
+            timer_wake: Notify::new(),
             cancel: CancellationToken::new(),
         });
         let tracker = TaskTracker::new();
+        // The machine's timers: sleep until its next one, or until a call armed an
+        // earlier one.
+        let timer_shared = shared.clone();
+        tracker.spawn(async move {
+            let shared = timer_shared;
+            loop {
+                let next = {
+                    let m = lock(&shared.machine);
+                    let next = m.poll_timeout();
+                    shared
+                        .armed
+                        .store(next.map_or(u64::MAX, |t| t.as_nanos()), Ordering::Relaxed);
+                    next
+                };
+                tokio::select! {
+                    _ = shared.cancel.cancelled() => break,
+                    _ = shared.timer_wake.notified() => {}
+                    _ = clock::sleep_until(next) => {
+                        with_machine(&shared, |m| m.handle_timeout(clock::now()));
+                    }
+                }
+            }
+        });
         let accept_shared = shared.clone();
         let conn_tracker = tracker.clone();
         tracker.spawn(async move {
@@ -342,8 +369,8 @@ impl KvReceiver {
     /// Connected peers: session id and remote address, by id.
     pub fn peers(&self) -> Vec<(u64, SocketAddr)> {
         let mut ids: Vec<(u64, SocketAddr)> = lock(&self.shared.sessions)
-            .iter()
-            .map(|(&id, s)| (id, s.peer_addr))
+            .values()
+            .map(|s| (s.id, s.peer_addr))
             .collect();
         ids.sort_unstable();
         ids
@@ -356,9 +383,9 @@ impl KvReceiver {
             {
                 let sessions = lock(&self.shared.sessions);
                 match peer {
-                    Some(p) if sessions.contains_key(&p) => return p,
+                    Some(p) if sessions.values().any(|s| s.id == p) => return p,
                     None => {
-                        if let Some(&p) = sessions.keys().min() {
+                        if let Some(p) = sessions.values().map(|s| s.id).min() {
                             return p;
                         }
                     }
@@ -389,113 +416,55 @@ impl KvReceiver {
         deadline: Option<Duration>,
     ) -> Result<InboundTransfer, Error> {
         let shared = &self.shared;
-        // Lock order: never hold `sessions` while taking `state` or `transfers`
-        // (`apply` takes `transfers` then `sessions`).
-        let (peer, generation, control) = {
-            let sessions = lock(&shared.sessions);
-            let peer = match peer {
-                Some(p) => p,
-                None if sessions.len() == 1 => *sessions.keys().next().unwrap_or(&0),
-                None if sessions.is_empty() => {
-                    return Err(Error::ConnectionLost {
-                        detail: "no peer is connected".into(),
-                    })
-                }
-                None => {
-                    return Err(Error::InvalidArgument(format!(
-                        "{} peers are connected; name one",
-                        sessions.len()
-                    )))
-                }
-            };
-            let session = sessions.get(&peer).ok_or_else(|| Error::ConnectionLost {
-                detail: format!("peer {peer} is not connected"),
-            })?;
-            if pages.is_empty() && !session.empty_grant {
-                // An older sender would take a 0-page KV_GRANT as a protocol error.
-                return Err(Error::InvalidArgument(format!(
-                    "peer {peer} does not accept an empty grant (capability empty_grant): \
-                     grant at least one page"
-                )));
-            }
-            (peer, session.generation, session.control.clone())
-        };
-        let deadline_ms =
-            deadline.map_or(0, |d| d.as_millis().clamp(1, u128::from(u32::MAX)) as u32);
         let layers = layer_count.unwrap_or_else(|| shared.pool.layers());
-        // Lock order: `transfers` is released before `state` is taken.
-        let session_transfers: Vec<u64> = lock(&shared.transfers)
-            .iter()
-            .filter(|(_, t)| t.session_id == peer && t.generation == generation)
-            .map(|(&id, _)| id)
-            .collect();
-        let grant = {
-            let mut state = lock(&shared.state);
-            // The sender finds its grant by request id: two live grants of one request
-            // to one session would be ambiguous (and, with hashed string keys, a
-            // collision must not mix two requests).
-            if session_transfers
-                .iter()
-                .any(|&id| state.request_of(id) == Some(request_id))
-            {
-                return Err(Error::InvalidArgument(format!(
-                    "request {request_id} already has a live grant to peer {peer}"
-                )));
+        let mut m = lock(&shared.machine);
+        let peer = match peer {
+            Some(p) => p,
+            None => {
+                let live = m.sessions();
+                match live[..] {
+                    [one] => one.id,
+                    [] => {
+                        return Err(Error::ConnectionLost {
+                            detail: "no peer is connected".into(),
+                        })
+                    }
+                    _ => {
+                        return Err(Error::InvalidArgument(format!(
+                            "{} peers are connected; name one",
+                            live.len()
+                        )))
+                    }
+                }
             }
-            // Unguessable and unique among live and recent transfers.
-            let mut transfer_id: u64 = rand::random();
-            while state.id_in_use(transfer_id) {
-                transfer_id = rand::random();
-            }
-            state.grant_to(
-                generation,
-                transfer_id,
-                request_id,
-                pages,
-                layers,
-                deadline_ms,
-            )?
         };
+        // Transfer ids unguessable and unique among live and recent transfers (the
+        // machine draws until one is free); the request's uniqueness per session,
+        // the peer's empty-grant capability and the pages are the machine's checks.
+        let grant = m.grant(
+            peer,
+            request_id,
+            pages,
+            layers,
+            deadline,
+            clock::now(),
+            rand::random,
+        )?;
         let (status_tx, status_rx) = watch::channel(TransferStatus::InProgress { layers_done: 0 });
-        // Registered before the grant is sent: if the session dies after a successful
-        // send, its teardown (which runs after its writer stopped) sees this entry.
+        // Registered before the grant is sent (the flush below): whatever happens to
+        // the transfer from here finds its status.
         lock(&shared.transfers).insert(
             grant.transfer_id,
             TransferEntry {
-                session_id: peer,
-                generation,
                 status: status_tx,
                 started: Instant::now(),
                 layers_done: 0,
             },
         );
         Metrics::add(&shared.metrics.transfers_in_flight, 1);
-        update_pages_held(shared);
-        // The control writer owns the socket; an unbounded queue of small frames is
-        // bounded in practice by the number of live grants.
-        if control.send(Frame::KvGrant(grant.clone())).is_err() {
-            let err = Error::ConnectionLost {
-                detail: format!("peer {peer} went away"),
-            };
-            let mut state = lock(&shared.state);
-            let ev = state.fail(grant.transfer_id, err);
-            apply(shared, &state, ev);
-        }
-        if let Some(d) = deadline {
-            let shared = shared.clone();
-            let transfer_id = grant.transfer_id;
-            self.tracker.spawn(async move {
-                tokio::select! {
-                    _ = shared.cancel.cancelled() => {}
-                    _ = tokio::time::sleep(d) => {
-                        let what = format!("transfer {transfer_id} not complete after {d:?}");
-                        let mut state = lock(&shared.state);
-                        let ev = state.fail(transfer_id, Error::DeadlineExceeded { what });
-                        apply(&shared, &state, ev);
-                    }
-                }
-            });
-        }
+        let queries = flush(shared, &mut m);
+        drop(m);
+        answer_queries(shared, queries);
         Ok(InboundTransfer {
             grant,
             peer,
@@ -506,23 +475,22 @@ impl KvReceiver {
     /// Whether a live transfer has had any block begin landing: `None` once it
     /// ended (or never existed), else `Some(started)`.
     pub fn transfer_started(&self, transfer_id: u64) -> Option<bool> {
-        lock(&self.shared.state)
+        lock(&self.shared.machine)
+            .state()
             .progress_of(transfer_id)
             .map(|p| p > 0)
     }
 
     /// Cancel a live transfer; the peer is told with ABORT `cancelled`.
     pub fn cancel(&self, transfer_id: u64) -> bool {
-        let mut state = lock(&self.shared.state);
-        let ev = state.fail(
-            transfer_id,
-            Error::Cancelled {
-                detail: "cancelled by the receiver".into(),
-            },
-        );
-        let found = !ev.is_empty();
-        apply(&self.shared, &state, ev);
-        found
+        with_machine(&self.shared, |m| {
+            m.fail_transfer(
+                transfer_id,
+                Error::Cancelled {
+                    detail: "cancelled by the receiver".into(),
+                },
+            )
+        })
     }
 
     /// Take up to `max` queued transfer events, oldest first.
@@ -557,21 +525,9 @@ impl KvReceiver {
     /// transfers, and wait (bounded) for every task to end.
     pub async fn close(&self, bound: Duration) -> Result<(), Error> {
         self.shared.cancel.cancel();
-        for s in lock(&self.shared.sessions).values() {
-            let _ = s.control.send(Frame::Abort(Abort::new(
-                0,
-                pdd_core::wire::AbortReason::Shutdown,
-                "receiver closing",
-            )));
-            s.cancel.cancel();
-        }
-        {
-            let mut state = lock(&self.shared.state);
-            let ev = state.fail_all(&Error::Cancelled {
-                detail: "receiver closed".into(),
-            });
-            apply(&self.shared, &state, ev);
-        }
+        // Every peer is told (ABORT shutdown, its writer's last words), every
+        // session ends, every transfer fails `cancelled`.
+        with_machine(&self.shared, |m| m.close());
         self.tracker.close();
         tokio::time::timeout(bound, self.tracker.wait())
             .await
@@ -595,24 +551,115 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Publish transfer events: statuses, the event queue, metrics, and the peer's
-/// KV_DONE (complete) or ABORT (failed).
-///
-/// Called with the `state` lock still held by whoever produced `events`: lanes and
-/// the control task end blocks and transfers concurrently, and publishing in the
-/// order the state machine produced the events is what keeps a transfer's
-/// `TransferComplete` after its `LayerComplete`s in the queue (publishing after
-/// releasing `state` let a lane's LayerComplete land behind the control task's
-/// Complete). Lock order: state, transfers, sessions, events.
-fn apply(shared: &Shared, state: &ReceiverState, events: Vec<TransferEvent>) {
+/// Run `f` on the machine, then flush what it said (and answer any prefix query
+/// once the machine is released).
+fn with_machine<R>(shared: &Arc<Shared>, f: impl FnOnce(&mut ReceiverEndpoint) -> R) -> R {
+    let mut m = lock(&shared.machine);
+    let r = f(&mut m);
+    let queries = flush(shared, &mut m);
+    drop(m);
+    answer_queries(shared, queries);
+    r
+}
+
+/// Move what the machine said: each frame onto its session's control lane, in
+/// order (an ABORT queued with a session's end is in that lane's queue before the
+/// end cancels its writer, which sends it as its last words); each event onto
+/// statuses, the engine's queue, lane and session tokens, metrics. Returns the
+/// prefix queries to answer (after the machine is released: matching is linear in
+/// the prompt). Called with the machine locked, so events are published in the
+/// order the machine produced them (a transfer's `TransferComplete` after its
+/// `LayerComplete`s, whichever task ended which block).
+fn flush(shared: &Shared, m: &mut ReceiverEndpoint) -> Vec<(SessionHandle, PrefixQuery)> {
+    let now = clock::now();
+    {
+        let sessions = lock(&shared.sessions);
+        while let Some((h, frame)) = m.poll_transmit(now) {
+            if let Some(s) = sessions.get(&h.generation) {
+                // A full queue cancels the session itself (see `lane::ControlTx`).
+                let _ = s.control.send(frame);
+            }
+        }
+    }
+    let mut queries = Vec::new();
+    let mut transfers = Vec::new();
+    while let Some(event) = m.poll_event() {
+        if !matches!(event, core_session::ReceiverEvent::Transfer(_)) {
+            apply(shared, std::mem::take(&mut transfers));
+        }
+        match event {
+            core_session::ReceiverEvent::Transfer(ev) => transfers.push(ev),
+            core_session::ReceiverEvent::SessionEnded {
+                session, violation, ..
+            } => session_ended(shared, session, violation),
+            core_session::ReceiverEvent::StopLane { lane } => {
+                if let Some(s) = lock(&shared.sessions).get(&lane.session.generation) {
+                    if let Some(token) = lock(&s.lanes).get(&lane.instance) {
+                        token.cancel();
+                    }
+                }
+            }
+            core_session::ReceiverEvent::Rtt { rtt, .. } => {
+                Metrics::set(&shared.metrics.rtt_us, rtt.as_micros() as u64);
+            }
+            core_session::ReceiverEvent::PrefixQuery { session, query } => {
+                queries.push((session, query));
+            }
+        }
+    }
+    apply(shared, transfers);
+    Metrics::set(
+        &shared.metrics.pool_pages_held,
+        m.state().pages_held() as u64,
+    );
+    // A call may have armed a timer earlier than the one the timer task sleeps on.
+    if let Some(t) = m.poll_timeout() {
+        if t.as_nanos() < shared.armed.load(Ordering::Relaxed) {
+            shared.armed.store(t.as_nanos(), Ordering::Relaxed);
+            shared.timer_wake.notify_one();
+        }
+    }
+    queries
+}
+
+/// A session instance ended (the machine failed its transfers): close its lanes,
+/// forget it, release its leases.
+fn session_ended(shared: &Shared, session: SessionHandle, violation: bool) {
+    {
+        let mut sessions = lock(&shared.sessions);
+        if let Some(s) = sessions.remove(&session.generation) {
+            s.cancel.cancel();
+        }
+        Metrics::set(&shared.metrics.sessions, sessions.len() as u64);
+    }
+    if violation {
+        Metrics::add(&shared.metrics.violations_total, 1);
+    }
+    if !shared.cancel.is_cancelled() {
+        Metrics::add(&shared.metrics.sessions_lost_total, 1);
+    }
+    shared.sessions_changed.send_modify(|n| *n += 1);
+    // Leases pinned for a peer that is gone would only delay eviction.
+    release_leases(shared, |_, owner| owner == (session.id, session.generation));
+}
+
+/// Answer prefix queries, each on its session's control lane.
+fn answer_queries(shared: &Arc<Shared>, queries: Vec<(SessionHandle, PrefixQuery)>) {
+    for (session, query) in queries {
+        session::answer(shared, session, &query);
+    }
+}
+
+/// Publish transfer events: statuses, the event queue, metrics. (The peer's KV_DONE
+/// or ABORT for each was queued by the machine.)
+fn apply(shared: &Shared, events: Vec<TransferEvent>) {
     if events.is_empty() {
         return;
     }
     let mut transfers = lock(&shared.transfers);
-    let sessions = lock(&shared.sessions);
     // Held while statuses change, so that events and statuses agree for a reader:
     // whoever wakes from `wait` finds the events queued, and whoever takes an event
-    // finds the status it reports. Lock order: transfers, sessions, events.
+    // finds the status it reports. Lock order: transfers, events.
     let mut queue = lock(&shared.events);
     for ev in &events {
         match ev {
@@ -625,10 +672,7 @@ fn apply(shared: &Shared, state: &ReceiverState, events: Vec<TransferEvent>) {
                 }
             }
             TransferEvent::Complete {
-                transfer_id,
-                bytes,
-                blocks,
-                ..
+                transfer_id, bytes, ..
             } => {
                 Metrics::add(&shared.metrics.transfers_completed_total, 1);
                 if let Some(t) = transfers.remove(transfer_id) {
@@ -640,16 +684,6 @@ fn apply(shared: &Shared, state: &ReceiverState, events: Vec<TransferEvent>) {
                             (*bytes as f64 / seconds) as u64,
                         );
                     }
-                    if let Some(s) = sessions
-                        .get(&t.session_id)
-                        .filter(|s| s.generation == t.generation)
-                    {
-                        let _ = s.control.send(Frame::KvDone(KvDone {
-                            transfer_id: *transfer_id,
-                            chunk_count: *blocks,
-                            byte_count: *bytes,
-                        }));
-                    }
                     t.status.send_replace(TransferStatus::Complete {
                         bytes: *bytes,
                         seconds,
@@ -657,23 +691,10 @@ fn apply(shared: &Shared, state: &ReceiverState, events: Vec<TransferEvent>) {
                 }
             }
             TransferEvent::Failed {
-                transfer_id,
-                request_id,
-                error,
+                transfer_id, error, ..
             } => {
                 Metrics::add(&shared.metrics.transfers_failed_total, 1);
                 if let Some(t) = transfers.remove(transfer_id) {
-                    let told_by_peer = matches!(error, Error::PeerAborted { .. });
-                    if let Some(s) = sessions
-                        .get(&t.session_id)
-                        .filter(|s| s.generation == t.generation && !told_by_peer)
-                    {
-                        let _ = s.control.send(Frame::Abort(Abort::new(
-                            *request_id,
-                            error.abort_reason(),
-                            error.to_string(),
-                        )));
-                    }
                     t.status.send_replace(TransferStatus::Failed(error.clone()));
                 }
             }
@@ -687,16 +708,8 @@ fn apply(shared: &Shared, state: &ReceiverState, events: Vec<TransferEvent>) {
         queue.push_back(ReceiverEvent::Transfer(ev));
     }
     drop(queue);
-    drop(sessions);
     drop(transfers);
-    Metrics::set(&shared.metrics.pool_pages_held, state.pages_held() as u64);
     shared.events_changed.send_modify(|n| *n += 1);
-}
-
-/// Publish how many pool pages grants hold (takes `state`: call with no lock held).
-fn update_pages_held(shared: &Shared) {
-    let held = lock(&shared.state).pages_held();
-    Metrics::set(&shared.metrics.pool_pages_held, held as u64);
 }
 
 fn push_event(shared: &Shared, ev: ReceiverEvent) {

@@ -1,40 +1,38 @@
 //! Lane failover on the sender (capability `lane_failover`): a data lane whose bytes
 //! stopped being acknowledged is revoked and its blocks move to the other lanes.
 //!
-//! Every block queued on a lane is logged under its transfer until the transfer
-//! ends. A watcher polls each lane's socket every `lane_stall / 4`: a lane with a
-//! write pending or bytes unacknowledged (SIOCOUTQ) whose acknowledged byte count
-//! (TCP_INFO `tcpi_bytes_acked`) has not moved for `lane_stall` is stalled. If
-//! another live lane is not stalled, the lane is revoked:
+//! The decisions are the session machine's (`SenderSession::lane_samples`, and its
+//! LANE_REVOKE / LANE_REVOKED handling); here are the lanes' sockets and the log of
+//! which block went where:
 //!
-//! 1. it is marked dead (no block is queued on it any more) and its writer stops,
-//!    keeping the socket open (a close could reach the receiver before the
-//!    revocation and fail the block it is reading);
-//! 2. LANE_REVOKE{lane} goes out on the control lane;
-//! 3. the receiver ends its reader of the lane (its in-flight block abandoned, its
-//!    pages reopened) and only then answers LANE_REVOKED{lane};
-//! 4. every block logged for the lane (queued, being written or written) of a
-//!    transfer still in progress is queued again, flagged RESENT, on the other
-//!    lanes. The receiver lands the ones whose pages are pending and discards, as
-//!    duplicates, the ones that had landed.
+//! - a watcher samples each lane's socket every `lane_stall / 4` (acknowledged
+//!   bytes from TCP_INFO, a write pending or bytes unacknowledged from SIOCOUTQ) and
+//!   hands the samples to the machine, which revokes a lane that stalled while
+//!   another moves (one at a time, and never when the whole line stalls);
+//! - on its `StopLane` the lane is marked dead (no block is queued on it any more)
+//!   and its writer stops, keeping the socket open (a close could reach the
+//!   receiver before the revocation and fail the block it is reading); the machine
+//!   sends LANE_REVOKE;
+//! - on its `LaneReleased` (the receiver's LANE_REVOKED: its reader of the lane has
+//!   ended, so no byte of the lane can land any more) the socket may close, and
+//!   every block logged for the lane (queued, being written or written) of a
+//!   transfer still in progress is queued again, flagged RESENT, on the other
+//!   lanes. The receiver lands those whose pages are pending and discards, as
+//!   duplicates, those that had landed.
 //!
-//! Since the receiver's reader of the lane ended before LANE_REVOKED was sent, no
-//! byte of the revoked lane can land after its blocks were sent again.
-//!
-//! No LANE_REVOKED within `dead_after`: the session is killed, as a stall always did.
+//! No LANE_REVOKED within `dead_after`: the machine ends the session, as a stall
+//! always did.
 
 use std::collections::HashMap;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
-use pdd_core::wire::{Frame, LaneRevoke};
-use pdd_core::Error;
-use tokio::sync::oneshot;
+use pdd_core::kv::session::LaneSample;
 use tokio_util::sync::CancellationToken;
 
-use super::{kill, lock, queue_on_a_free_lane, Conn, Job, Shared};
+use super::{lock, queue_on_a_free_lane, with_machine, Conn, Job, Shared};
+use crate::clock;
 use crate::metrics::Metrics;
 
 /// One data lane, as the watcher and the queueing see it.
@@ -66,8 +64,6 @@ pub(super) struct Lanes {
     /// Both sides offered `lane_failover`: blocks are logged and lanes watched.
     pub(super) enabled: bool,
     book: Mutex<Book>,
-    /// LANE_REVOKED awaited, by wire lane index.
-    revoking: Mutex<HashMap<u16, oneshot::Sender<()>>>,
 }
 
 impl Lanes {
@@ -90,7 +86,6 @@ impl Lanes {
                 dead: vec![false; fds.len()],
                 log: HashMap::new(),
             }),
-            revoking: Mutex::new(HashMap::new()),
         }
     }
 
@@ -117,120 +112,36 @@ impl Lanes {
         Ok(())
     }
 
-    /// Drop the log of every transfer that is no longer in progress.
-    pub(super) fn prune(&self, shared: &Shared) {
-        if !self.enabled {
-            return;
+    /// A transfer ended: its blocks need no resend.
+    pub(super) fn forget(&self, transfer_id: u64) {
+        if self.enabled {
+            lock(&self.book).log.remove(&transfer_id);
         }
-        let outbound = lock(&shared.outbound);
-        lock(&self.book)
-            .log
-            .retain(|id, _| outbound.contains_key(id));
     }
 
-    /// The receiver confirmed lane `lane` (wire index) is revoked.
-    pub(super) fn revoked(&self, lane: u16) {
-        if let Some(waiter) = lock(&self.revoking).remove(&lane) {
-            let _ = waiter.send(());
+    /// The machine revoked lane `idx`: no block is queued on it any more, and its
+    /// writer stops (keeping its socket until [`release`]).
+    pub(super) fn stop(&self, idx: usize) {
+        if let Some(dead) = lock(&self.book).dead.get_mut(idx) {
+            *dead = true;
+        }
+        if let Some(ctl) = self.ctl.get(idx) {
+            ctl.stop.cancel();
         }
     }
 }
 
-/// Per-lane progress as the watcher last saw it.
-struct Seen {
-    progress: u64,
-    since: Instant,
-}
-
-/// Watch every lane of `conn` until the session ends; revoke a stalled one while
-/// another lane is healthy. Runs only where failover was negotiated.
-pub(super) async fn watch_lanes(shared: Arc<Shared>, conn: Arc<Conn>) {
-    let stall = shared.cfg.lane_stall();
-    let poll = stall / 4;
+/// The receiver's reader of revoked lane `idx` has ended: its socket may close, and
+/// every block logged for it of the transfers in `resend` goes again, flagged
+/// RESENT, on the other lanes (in a task: queueing waits for room).
+pub(super) fn release(shared: &Arc<Shared>, conn: &Arc<Conn>, idx: usize, resend: &[u64]) {
     let lanes = &conn.lanes_ctl;
-    let mut seen: Vec<Seen> = lanes
-        .ctl
-        .iter()
-        .map(|_| Seen {
-            progress: 0,
-            since: Instant::now(),
-        })
-        .collect();
-    loop {
-        tokio::select! {
-            _ = conn.cancel.cancelled() => return,
-            _ = tokio::time::sleep(poll) => {}
-        }
-        let now = Instant::now();
-        let mut stalled = Vec::new();
-        let mut healthy = 0usize;
-        for (idx, (ctl, s)) in lanes.ctl.iter().zip(seen.iter_mut()).enumerate() {
-            if lanes.is_dead(idx) {
-                continue;
-            }
-            let (progress, unacked) = socket_progress(ctl);
-            let loaded = ctl.busy.load(Ordering::Relaxed) || unacked;
-            if !loaded || progress != s.progress {
-                s.progress = progress;
-                s.since = now;
-            }
-            if loaded && now.duration_since(s.since) >= stall {
-                stalled.push(idx);
-            } else {
-                healthy += 1;
-            }
-        }
-        // Only with a healthy lane to move the blocks to: when every lane stalls
-        // (the whole line), revoking would move nothing, and the dead-peer bounds
-        // decide as they always did.
-        let Some(&idx) = stalled.first() else {
-            continue;
-        };
-        if healthy == 0 {
-            continue;
-        }
-        if let Err(e) = revoke(&shared, &conn, idx).await {
-            kill(&conn, e);
-            return;
-        }
-        let now = Instant::now();
-        for s in &mut seen {
-            s.since = now;
-        }
+    if let Some(ctl) = lanes.ctl.get(idx) {
+        ctl.release.cancel();
     }
-}
-
-/// Revoke lane `idx` and move its blocks (module docs, steps 1-4).
-async fn revoke(shared: &Arc<Shared>, conn: &Arc<Conn>, idx: usize) -> Result<(), Error> {
-    let lanes = &conn.lanes_ctl;
-    let wire_lane = u16::try_from(idx + 1).unwrap_or(u16::MAX);
-    lock(&lanes.book).dead[idx] = true;
-    lanes.ctl[idx].stop.cancel();
-    let (tx, rx) = oneshot::channel();
-    lock(&lanes.revoking).insert(wire_lane, tx);
-    Metrics::add(&shared.metrics.lanes_revoked_total, 1);
-    conn.control
-        .send(Frame::LaneRevoke(LaneRevoke { lane: wire_lane }))
-        .map_err(|_| conn.dead_error())?;
-    let bound = shared.cfg.dead_after;
-    tokio::select! {
-        _ = conn.cancel.cancelled() => return Err(conn.dead_error()),
-        r = tokio::time::timeout(bound, rx) => {
-            if !matches!(r, Ok(Ok(()))) {
-                return Err(Error::ConnectionLost {
-                    detail: format!(
-                        "data lane {wire_lane} stalled and the receiver did not confirm its revocation within {bound:?}"
-                    ),
-                });
-            }
-        }
-    }
-    // The receiver's reader of the lane has ended: its socket may go now.
-    lanes.ctl[idx].release.cancel();
     let jobs: Vec<Job> = {
-        let outbound = lock(&shared.outbound);
         let mut book = lock(&lanes.book);
-        book.log.retain(|id, _| outbound.contains_key(id));
+        book.log.retain(|id, _| resend.contains(id));
         let mut moved = Vec::new();
         for entries in book.log.values_mut() {
             entries.retain(|(lane, job)| {
@@ -242,15 +153,55 @@ async fn revoke(shared: &Arc<Shared>, conn: &Arc<Conn>, idx: usize) -> Result<()
         }
         moved
     };
-    for mut job in jobs {
-        job.resent = true;
-        tokio::select! {
-            _ = conn.cancel.cancelled() => return Err(conn.dead_error()),
-            r = queue_on_a_free_lane(conn, job) => r?,
+    let (shared, conn) = (shared.clone(), conn.clone());
+    tokio::spawn(async move {
+        for mut job in jobs {
+            job.resent = true;
+            let queued = tokio::select! {
+                _ = conn.cancel.cancelled() => return,
+                r = queue_on_a_free_lane(&conn, job) => r,
+            };
+            if queued.is_err() {
+                return;
+            }
+            Metrics::add(&shared.metrics.blocks_resent_total, 1);
         }
-        Metrics::add(&shared.metrics.blocks_resent_total, 1);
+    });
+}
+
+/// Sample every lane of `conn` every `lane_stall / 4` until the session ends, and
+/// hand the samples to the machine (which decides whether one is revoked). Runs only
+/// where failover was negotiated.
+pub(super) async fn watch_lanes(shared: Arc<Shared>, conn: Arc<Conn>) {
+    let poll = shared.cfg.lane_stall() / 4;
+    let lanes = &conn.lanes_ctl;
+    loop {
+        tokio::select! {
+            _ = conn.cancel.cancelled() => return,
+            _ = tokio::time::sleep(poll) => {}
+        }
+        let samples: Vec<LaneSample> = lanes
+            .ctl
+            .iter()
+            .enumerate()
+            .map(|(idx, ctl)| {
+                if lanes.is_dead(idx) {
+                    // Its socket may be gone: the machine ignores a revoked lane.
+                    return LaneSample::default();
+                }
+                let (progress, unacked) = socket_progress(ctl);
+                LaneSample {
+                    progress,
+                    loaded: ctl.busy.load(Ordering::Relaxed) || unacked,
+                }
+            })
+            .collect();
+        with_machine(&shared, |m| {
+            if m.connects() == conn.generation {
+                m.lane_samples(&samples, clock::now());
+            }
+        });
     }
-    Ok(())
 }
 
 /// `(progress, unacknowledged bytes pending)` of a lane's socket: the kernel's

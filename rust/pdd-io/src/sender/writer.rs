@@ -12,7 +12,8 @@ use pdd_core::Error;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 
-use super::{kill, Conn, Job, Shared, PEER_REASON_GRACE};
+use super::{with_machine, Conn, Job, Shared};
+use crate::clock;
 use crate::lane;
 use crate::metrics::Metrics;
 use crate::pool::PagePool;
@@ -70,8 +71,7 @@ pub(super) async fn lane_writer<R, W>(
                 if ctl.stop.is_cancelled() {
                     return;
                 }
-                let _ = tokio::time::timeout(PEER_REASON_GRACE, conn.cancel.cancelled()).await;
-                kill(&conn, gone);
+                lane_failed(&shared, &conn, idx, gone).await;
                 return;
             }
         };
@@ -88,17 +88,36 @@ pub(super) async fn lane_writer<R, W>(
             }
             // A receiver that ends the session closes its data lanes and says why on
             // the control lane; a write here can fail (EPIPE, reset) before that
-            // ABORT is read. Give the control lane a moment so the engine gets the
-            // receiver's reason rather than a bare "broken pipe". If the control lane
-            // is healthy and says nothing, the lane's own error stands.
-            let _ = tokio::time::timeout(PEER_REASON_GRACE, conn.cancel.cancelled()).await;
-            kill(&conn, e);
+            // ABORT is read. The machine gives the control lane a moment (its
+            // `peer_reason_grace`) so the engine gets the receiver's reason rather
+            // than a bare "broken pipe"; if nothing comes, the lane's own error ends
+            // the session.
+            lane_failed(&shared, &conn, idx, e).await;
             return;
         }
         ctl.written
             .fetch_add(job.block.data_len(), Ordering::Relaxed);
         Metrics::add(&shared.metrics.bytes_sent_total, job.block.data_len());
         Metrics::add(&shared.metrics.blocks_sent_total, 1);
+    }
+}
+
+/// Tell the machine data lane `idx` of `conn` failed (it ignores a revoked lane's),
+/// then keep the socket until the session ends (within the machine's grace): the
+/// receiver sees no lane close before the session's own reason.
+async fn lane_failed(shared: &Arc<Shared>, conn: &Conn, idx: usize, error: Error) {
+    let lane = u16::try_from(idx + 1).unwrap_or(u16::MAX);
+    with_machine(shared, |m| {
+        if m.connects() == conn.generation {
+            m.data_lane_failed(lane, error, clock::now());
+        }
+    });
+    // Revoked meanwhile: the machine ignored the failure; the socket goes with the
+    // revocation's release instead.
+    let ctl = &conn.lanes_ctl.ctl[idx];
+    tokio::select! {
+        _ = conn.cancel.cancelled() => {}
+        _ = ctl.release.cancelled() => {}
     }
 }
 

@@ -1,0 +1,978 @@
+//! The receiver's side of every KV session of one receiver: one pool, so one
+//! [`ReceiverState`] decides pages; this machine decides everything around it.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
+
+use super::{
+    abort_for, abort_with, peer_aborted, SessionTimers, TimerQueue, MAX_LANES_PER_SESSION,
+    MAX_SESSIONS, MAX_TRANSFER_ABORT_MESSAGE,
+};
+use crate::error::{Error, Result};
+use crate::kv::{BlockDisposition, KvBlock, ReceiverState, TransferEvent};
+use crate::time::Timestamp;
+use crate::wire::handshake::AuthBytes;
+use crate::wire::{
+    capability, AbortReason, Frame, FrameKind, KvDone, KvGrant, LaneRevoke, Ping, PrefixQuery,
+    FLAG_RESENT, MAX_ABORT_MESSAGE_LEN,
+};
+
+/// One instance of a session: the id its sender chose (stable across resumptions)
+/// and the generation this endpoint gave the instance (unique, never reused). The
+/// generation owns the instance's grants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SessionHandle {
+    /// The sender's session id.
+    pub id: u64,
+    /// This instance.
+    pub generation: u64,
+}
+
+/// One data lane of one session instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LaneHandle {
+    /// Its session instance.
+    pub session: SessionHandle,
+    /// Its lane index (its HELLO's `lane`, >= 1).
+    pub lane: u16,
+    /// This lane (unique, never reused): a lane index opened again is a new lane.
+    pub instance: u64,
+}
+
+/// The key a connecting lane must prove ([`ReceiverEndpoint::lane_key`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LaneKey {
+    /// The root secret: the lane opens a new session.
+    Root,
+    /// The live session's own secret: the lane joins or resumes it.
+    Session(AuthBytes),
+}
+
+/// Something the receiver's I/O layer or engine acts on.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReceiverEvent {
+    /// A transfer made progress, completed or failed (in the order it happened; the
+    /// peer's KV_DONE or ABORT for it is already queued).
+    Transfer(TransferEvent),
+    /// A session instance ended: close its lanes. Its transfers failed with `error`
+    /// (the events follow). `violation`: the peer broke a grant rule.
+    SessionEnded {
+        /// The instance.
+        session: SessionHandle,
+        /// Why.
+        error: Error,
+        /// The peer broke a grant rule (a block, KV_DONE or LOCAL_DONE refused).
+        violation: bool,
+    },
+    /// Stop this data lane's reader (revoked, or replaced by a newer lane of the
+    /// same index); a block it is cut off in is abandoned, not failed
+    /// ([`ReceiverEndpoint::block_cut`]). Report its end with
+    /// [`ReceiverEndpoint::lane_down`].
+    StopLane {
+        /// The lane.
+        lane: LaneHandle,
+    },
+    /// A PONG came back: the control lane's round trip.
+    Rtt {
+        /// The instance.
+        session: SessionHandle,
+        /// Round-trip time.
+        rtt: Duration,
+    },
+    /// A PREFIX_QUERY to answer (`crate::prefix::answer_query`); the reply goes on
+    /// the session's control lane.
+    PrefixQuery {
+        /// The asking instance.
+        session: SessionHandle,
+        /// The query.
+        query: PrefixQuery,
+    },
+}
+
+/// One live data lane.
+#[derive(Debug)]
+struct LaneState {
+    lane: u16,
+    /// Revoked or replaced: its reader is being stopped.
+    revoked: bool,
+    /// LANE_REVOKEs to answer once the reader has ended.
+    answers: u32,
+}
+
+#[derive(Debug)]
+struct Session {
+    handle: SessionHandle,
+    secret: AuthBytes,
+    identity: Option<[u8; 32]>,
+    capabilities: u64,
+    ping_nonce: u64,
+    /// Lane index -> the instance open under it.
+    lanes: HashMap<u16, u64>,
+    /// Every lane instance not yet down, revoked ones included.
+    live_lanes: HashMap<u64, LaneState>,
+}
+
+impl Session {
+    fn local(&self) -> bool {
+        self.capabilities & capability::LOCAL_UCX != 0
+    }
+}
+
+/// What the session layer keeps per live transfer (the pages are the state's).
+#[derive(Debug)]
+struct TransferMeta {
+    owner: SessionHandle,
+    /// Its KV_GRANT was queued: the peer knows the transfer.
+    announced: bool,
+    deadline: Option<Duration>,
+    /// Progress when the bound after the sender's KV_DONE was last checked.
+    tail: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+enum Timer {
+    Ping(u64),
+    Dead(u64),
+    Deadline(u64),
+    Tail(u64),
+    /// (generation, lane instance): a revoked lane must end by then.
+    LaneEnd(u64, u64),
+}
+
+/// Every KV session of one receiver, and the pool bookkeeping they share.
+///
+/// Inputs: lane admission ([`lane_key`](Self::lane_key),
+/// [`open_session`](Self::open_session), [`join_lane`](Self::join_lane),
+/// [`lane_down`](Self::lane_down)), control frames
+/// ([`handle_frame`](Self::handle_frame)), data-lane notices
+/// ([`begin_block`](Self::begin_block), [`finish_block`](Self::finish_block),
+/// [`block_cut`](Self::block_cut), [`lane_failed`](Self::lane_failed)), the
+/// engine's calls ([`grant`](Self::grant), [`fail_transfer`](Self::fail_transfer),
+/// [`close`](Self::close)), the I/O layer's ([`close_session`](Self::close_session))
+/// and [`handle_timeout`](Self::handle_timeout). Outputs: `poll_transmit`,
+/// `poll_event`, `poll_timeout`.
+#[derive(Debug)]
+pub struct ReceiverEndpoint {
+    state: ReceiverState,
+    timers: SessionTimers,
+    /// Live instances by generation.
+    sessions: HashMap<u64, Session>,
+    /// Session id -> generation of its live instance.
+    live: HashMap<u64, u64>,
+    transfers: HashMap<u64, TransferMeta>,
+    queue: TimerQueue<Timer>,
+    transmit: VecDeque<(SessionHandle, Frame)>,
+    events: VecDeque<ReceiverEvent>,
+    next_generation: u64,
+    next_lane: u64,
+    closed: bool,
+    max_sessions: usize,
+}
+
+/// Most random draws [`ReceiverEndpoint::grant`] makes for a transfer id not in use.
+const ID_DRAWS: usize = 1000;
+
+impl ReceiverEndpoint {
+    /// A receiver of a pool of `pool_layers x pool_pages` pages of `page_bytes`.
+    pub fn new(
+        pool_layers: u16,
+        pool_pages: u32,
+        page_bytes: u32,
+        timers: SessionTimers,
+    ) -> Result<ReceiverEndpoint> {
+        timers.validate()?;
+        Ok(ReceiverEndpoint {
+            state: ReceiverState::new(pool_layers, pool_pages, page_bytes)?,
+            timers,
+            sessions: HashMap::new(),
+            live: HashMap::new(),
+            transfers: HashMap::new(),
+            queue: TimerQueue::default(),
+            transmit: VecDeque::new(),
+            events: VecDeque::new(),
+            next_generation: 1,
+            next_lane: 1,
+            closed: false,
+            max_sessions: MAX_SESSIONS,
+        })
+    }
+
+    /// Bound the live sessions at `max` instead of [`MAX_SESSIONS`] (an endpoint
+    /// whose connections are bounded elsewhere, as the local path's are).
+    pub fn with_max_sessions(mut self, max: usize) -> ReceiverEndpoint {
+        self.max_sessions = max;
+        self
+    }
+
+    /// The pool bookkeeping (read only: every change goes through this machine).
+    pub fn state(&self) -> &ReceiverState {
+        &self.state
+    }
+
+    /// The bounds in force.
+    pub fn timers(&self) -> SessionTimers {
+        self.timers
+    }
+
+    /// The live instance of session `id`.
+    pub fn session(&self, id: u64) -> Option<SessionHandle> {
+        self.live
+            .get(&id)
+            .map(|&generation| SessionHandle { id, generation })
+    }
+
+    /// Whether `session` is live (not ended, not replaced).
+    pub fn is_live(&self, session: SessionHandle) -> bool {
+        self.live.get(&session.id) == Some(&session.generation)
+    }
+
+    /// Live session instances, by id.
+    pub fn sessions(&self) -> Vec<SessionHandle> {
+        let mut v: Vec<SessionHandle> = self
+            .live
+            .iter()
+            .map(|(&id, &generation)| SessionHandle { id, generation })
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// The capabilities a live instance negotiated.
+    pub fn capabilities(&self, session: SessionHandle) -> Option<u64> {
+        self.sessions
+            .get(&session.generation)
+            .map(|s| s.capabilities)
+    }
+
+    /// Live transfers owned by `session`.
+    pub fn transfers_of(&self, session: SessionHandle) -> Vec<u64> {
+        self.transfers
+            .iter()
+            .filter(|(_, m)| m.owner == session)
+            .map(|(&id, _)| id)
+            .collect()
+    }
+
+    /// The key a lane that names session `id` must prove, before it proves it: the
+    /// root secret to open a session whose id is free, the live session's own secret
+    /// to resume it (`resume`, lane 0) or join it (a data lane). A lane from another
+    /// TLS identity than the session's, a session-opening lane naming a live id, a
+    /// resumption of no live session, and a new session past [`MAX_SESSIONS`] are
+    /// refused.
+    pub fn lane_key(
+        &self,
+        id: u64,
+        resume: bool,
+        lane: u16,
+        identity: Option<[u8; 32]>,
+    ) -> Result<LaneKey> {
+        let live = self
+            .live
+            .get(&id)
+            .and_then(|g| self.sessions.get(g))
+            .map(|s| (s.secret, s.identity));
+        match (resume, live) {
+            (_, Some((_, owner))) if owner != identity => Err(Error::AuthFailed {
+                detail: "that session belongs to another TLS identity",
+            }),
+            (false, None) if self.live.len() >= self.max_sessions => Err(Error::LimitExceeded {
+                what: "sessions on this receiver".into(),
+                limit: self.max_sessions as u64,
+            }),
+            (false, None) => Ok(LaneKey::Root),
+            (false, Some(_)) => Err(Error::AuthFailed {
+                detail: "that session is live: a reconnect must resume it with its secret",
+            }),
+            (true, Some((secret, _))) => Ok(LaneKey::Session(secret)),
+            (true, None) if lane == 0 => Err(Error::AuthFailed {
+                detail: "no live session to resume",
+            }),
+            (true, None) => Err(Error::ConnectionLost {
+                detail: format!("data lane {lane} for session {id} which has no control lane"),
+            }),
+        }
+    }
+
+    /// A control lane proved `secret` (for a resumption: the live session's; for an
+    /// opening: the secret its exchange derived) and negotiated `capabilities`: open
+    /// session `id`, or resume it. Between [`lane_key`](Self::lane_key) and here
+    /// another lane may have opened or resumed the id: only a lane that proved the
+    /// secret of the instance now live may replace it, and an opening lane only a
+    /// free id.
+    ///
+    /// What a resumed session keeps: its id, secret and TLS identity. Not its
+    /// transfers: the replaced instance ends (`connection_lost`, "reconnected"), its
+    /// grants fail and its lanes close; the sender re-plans them on the new instance.
+    pub fn open_session(
+        &mut self,
+        id: u64,
+        resume: bool,
+        secret: AuthBytes,
+        identity: Option<[u8; 32]>,
+        capabilities: u64,
+        now: Timestamp,
+    ) -> Result<SessionHandle> {
+        if self.closed {
+            return Err(Error::Cancelled {
+                detail: "receiver closed".into(),
+            });
+        }
+        let current = self.session(id);
+        let fits = match current {
+            None => !resume,
+            Some(h) => resume && self.sessions.get(&h.generation).map(|s| s.secret) == Some(secret),
+        };
+        if !fits {
+            return Err(Error::AuthFailed {
+                detail: "the session changed during the handshake",
+            });
+        }
+        if current.is_none() && self.live.len() >= self.max_sessions {
+            return Err(Error::LimitExceeded {
+                what: "sessions on this receiver".into(),
+                limit: self.max_sessions as u64,
+            });
+        }
+        if let Some(old) = current {
+            let error = Error::ConnectionLost {
+                detail: format!("peer {id} reconnected"),
+            };
+            self.end_session(old, error, false, false);
+        }
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        let handle = SessionHandle { id, generation };
+        self.sessions.insert(
+            generation,
+            Session {
+                handle,
+                secret,
+                identity,
+                capabilities,
+                ping_nonce: 0,
+                lanes: HashMap::new(),
+                live_lanes: HashMap::new(),
+            },
+        );
+        self.live.insert(id, generation);
+        self.queue.set(Timer::Ping(generation), now);
+        self.arm_dead(generation, now);
+        Ok(handle)
+    }
+
+    /// A data lane proved `secret` for session `id`: it joins the instance live
+    /// under that id if that instance's secret is the one proved (a resumption may
+    /// have replaced it meanwhile), within [`MAX_LANES_PER_SESSION`]. A lane index
+    /// already open is replaced: the older lane is stopped (its block abandoned).
+    pub fn join_lane(&mut self, id: u64, lane: u16, secret: AuthBytes) -> Result<LaneHandle> {
+        let no_session = || Error::ConnectionLost {
+            detail: format!("data lane {lane} for session {id} which has no control lane"),
+        };
+        let generation = *self.live.get(&id).ok_or_else(no_session)?;
+        let session = self
+            .sessions
+            .get_mut(&generation)
+            .filter(|s| s.secret == secret && !s.local())
+            .ok_or_else(no_session)?;
+        if session.live_lanes.len() as u64 >= MAX_LANES_PER_SESSION {
+            return Err(Error::LimitExceeded {
+                what: "data lanes in one session".into(),
+                limit: MAX_LANES_PER_SESSION,
+            });
+        }
+        let instance = self.next_lane;
+        self.next_lane += 1;
+        let handle = LaneHandle {
+            session: session.handle,
+            lane,
+            instance,
+        };
+        if let Some(old) = session.lanes.insert(lane, instance) {
+            if let Some(st) = session.live_lanes.get_mut(&old) {
+                st.revoked = true;
+            }
+            self.events.push_back(ReceiverEvent::StopLane {
+                lane: LaneHandle {
+                    instance: old,
+                    ..handle
+                },
+            });
+        }
+        session.live_lanes.insert(
+            instance,
+            LaneState {
+                lane,
+                revoked: false,
+                answers: 0,
+            },
+        );
+        Ok(handle)
+    }
+
+    /// A data lane's reader has ended (its socket closed): nothing of it can land any
+    /// more. The LANE_REVOKEDs it owed go out now.
+    pub fn lane_down(&mut self, lane: LaneHandle) {
+        let Some(session) = self.sessions.get_mut(&lane.session.generation) else {
+            return;
+        };
+        let Some(st) = session.live_lanes.remove(&lane.instance) else {
+            return;
+        };
+        if session.lanes.get(&lane.lane) == Some(&lane.instance) {
+            session.lanes.remove(&lane.lane);
+        }
+        self.queue
+            .clear(Timer::LaneEnd(lane.session.generation, lane.instance));
+        for _ in 0..st.answers {
+            self.transmit.push_back((
+                lane.session,
+                Frame::LaneRevoked(LaneRevoke { lane: st.lane }),
+            ));
+        }
+    }
+
+    /// A block header arrived on `lane`: where may its data go? `resent`: its
+    /// KV_PAGES flag RESENT. `Err`: the peer broke the protocol (a block outside its
+    /// session's grants, pages written twice, RESENT without lane failover); the
+    /// session is ended (ABORT queued) and the lane must stop.
+    pub fn begin_block(
+        &mut self,
+        lane: &LaneHandle,
+        block: &KvBlock,
+        resent: bool,
+    ) -> Result<BlockDisposition> {
+        let session = lane.session;
+        let Some(s) = self.sessions.get(&session.generation) else {
+            return Err(Error::ConnectionLost {
+                detail: format!("session {} ended", session.id),
+            });
+        };
+        if resent && s.capabilities & capability::LANE_FAILOVER == 0 {
+            // RESENT means something only where both sides offered lane failover.
+            let e = Error::InvalidFlags {
+                kind: FrameKind::KvPages,
+                flags: FLAG_RESENT,
+            };
+            self.end_session(session, e.clone(), true, true);
+            return Err(e);
+        }
+        match self.state.begin_block(session.generation, block, resent) {
+            Ok(d) => Ok(d),
+            Err(e) => {
+                self.end_session(session, e.clone(), true, true);
+                Err(e)
+            }
+        }
+    }
+
+    /// A block begun with `Land` has landed and verified (`Ok`) or failed (`Err`: a
+    /// checksum mismatch, the lane lost mid-block): its transfer goes on, completes
+    /// or fails.
+    pub fn finish_block(&mut self, block: &KvBlock, outcome: Result<()>) {
+        let events = self.state.finish_block(block, outcome);
+        self.publish(events);
+    }
+
+    /// A block begun with `Land` on `lane` will never finish (the lane's reader was
+    /// cut off in it). On a revoked lane it is abandoned (its pages back to pending,
+    /// for the sender's RESENT copy; returns true); otherwise its transfer fails
+    /// (`connection_lost`).
+    pub fn block_cut(&mut self, lane: &LaneHandle, block: &KvBlock) -> bool {
+        let revoked = self
+            .sessions
+            .get(&lane.session.generation)
+            .and_then(|s| s.live_lanes.get(&lane.instance))
+            .is_some_and(|st| st.revoked);
+        if revoked {
+            self.state.abandon_block(block);
+        } else {
+            let e = Error::ConnectionLost {
+                detail: "data lane closed mid-block".into(),
+            };
+            self.finish_block(block, Err(e));
+        }
+        revoked
+    }
+
+    /// A data lane failed: a lost connection ends only the lane; anything else (a
+    /// frame that is not KV_PAGES, a bad header, a forged sealed record) is the
+    /// peer breaking the protocol, and ends its session.
+    pub fn lane_failed(&mut self, lane: &LaneHandle, error: Error) {
+        if !matches!(error, Error::ConnectionLost { .. }) {
+            self.end_session(lane.session, error, true, true);
+        }
+    }
+
+    /// A control frame from `session`'s peer. Any frame proves the peer alive.
+    pub fn handle_frame(&mut self, session: SessionHandle, frame: Frame, now: Timestamp) {
+        let Some(s) = self.sessions.get_mut(&session.generation) else {
+            return;
+        };
+        let (local, failover) = (s.local(), s.capabilities & capability::LANE_FAILOVER != 0);
+        self.arm_dead(session.generation, now);
+        match frame {
+            Frame::KvDone(done) if !local => {
+                match self.state.sender_done(session.generation, &done) {
+                    Ok(events) => {
+                        self.publish(events);
+                        // From now on, if none of its pages moves for the dead-peer
+                        // bound, the rest is not coming (a data lane went silent
+                        // between blocks while the control lane stayed healthy).
+                        if let Some(p) = self.state.progress_of(done.transfer_id) {
+                            if let Some(m) = self.transfers.get_mut(&done.transfer_id) {
+                                m.tail = Some(p);
+                                let at = now.saturating_add(self.timers.dead_after);
+                                self.queue.set(Timer::Tail(done.transfer_id), at);
+                            }
+                        }
+                    }
+                    Err(e) => self.end_session(session, e, true, true),
+                }
+            }
+            Frame::LocalDone(done) if local => {
+                match self.state.layers_written(session.generation, &done) {
+                    Ok(events) => self.publish(events),
+                    Err(e) => self.end_session(session, e, true, true),
+                }
+            }
+            Frame::Ping(p) => self.transmit.push_back((session, Frame::Pong(p))),
+            Frame::Pong(p) => {
+                let rtt = Duration::from_nanos(now.as_nanos().saturating_sub(p.sent_at_ns));
+                self.events.push_back(ReceiverEvent::Rtt { session, rtt });
+            }
+            Frame::PrefixQuery(query) if !local => {
+                self.events
+                    .push_back(ReceiverEvent::PrefixQuery { session, query });
+            }
+            Frame::Abort(a) if a.request_id == 0 => {
+                self.end_session(session, peer_aborted(&a), false, false);
+            }
+            Frame::Abort(a) => {
+                // Only this session's transfers of that request: an ABORT names a
+                // request, and another session's grant of it is not this peer's.
+                let error = peer_aborted(&a);
+                let mut ids: Vec<u64> = self
+                    .transfers_of(session)
+                    .into_iter()
+                    .filter(|&id| self.state.request_of(id) == Some(a.request_id))
+                    .collect();
+                ids.sort_unstable();
+                for id in ids {
+                    let events = self.state.fail(id, error.clone());
+                    self.publish(events);
+                }
+            }
+            Frame::LaneRevoke(r) if failover && !local => self.revoke(session, r.lane, now),
+            other => {
+                let e = Error::InvalidField {
+                    kind: other.kind(),
+                    field: "kind",
+                    detail: if local {
+                        "not sent to a local-path receiver".into()
+                    } else {
+                        "not expected on a KV receiver's control lane".into()
+                    },
+                };
+                self.end_session(session, e, true, false);
+            }
+        }
+    }
+
+    /// LANE_REVOKE{lane}: stop the lane's reader; LANE_REVOKED goes out once it has
+    /// ended ([`lane_down`](Self::lane_down)), or the session fails if it does not
+    /// end within the bound. An unknown or already ended lane is answered at once.
+    fn revoke(&mut self, session: SessionHandle, lane: u16, now: Timestamp) {
+        let bound = self.timers.lane_end_bound;
+        let Some(s) = self.sessions.get_mut(&session.generation) else {
+            return;
+        };
+        let open = s.lanes.remove(&lane).or_else(|| {
+            // Already being revoked: answered when it ends.
+            s.live_lanes
+                .iter()
+                .find(|(_, st)| st.lane == lane && st.answers > 0)
+                .map(|(&i, _)| i)
+        });
+        let Some(instance) = open else {
+            self.transmit
+                .push_back((session, Frame::LaneRevoked(LaneRevoke { lane })));
+            return;
+        };
+        let Some(st) = s.live_lanes.get_mut(&instance) else {
+            return;
+        };
+        st.revoked = true;
+        st.answers += 1;
+        if st.answers == 1 {
+            self.events.push_back(ReceiverEvent::StopLane {
+                lane: LaneHandle {
+                    session,
+                    lane,
+                    instance,
+                },
+            });
+            self.queue.set(
+                Timer::LaneEnd(session.generation, instance),
+                now.saturating_add(bound),
+            );
+        }
+    }
+
+    /// Reserve pages for a transfer of `request_id` to session `peer` and queue its
+    /// KV_GRANT; with a deadline, the transfer fails `deadline_exceeded` if it is not
+    /// complete in time. `random` draws transfer ids (unguessable where the peer is
+    /// untrusted) until one is free.
+    #[allow(clippy::too_many_arguments)]
+    pub fn grant(
+        &mut self,
+        peer: u64,
+        request_id: u64,
+        pages: &[u32],
+        layer_count: u16,
+        deadline: Option<Duration>,
+        now: Timestamp,
+        random: impl FnMut() -> u64,
+    ) -> Result<KvGrant> {
+        let grant = self.reserve(peer, request_id, pages, layer_count, deadline, random)?;
+        self.announce(grant.transfer_id, None, now)?;
+        Ok(grant)
+    }
+
+    /// [`grant`](Self::grant) without queueing the KV_GRANT: for a path that must
+    /// prepare something first (the local path registers the pages), then calls
+    /// [`announce`](Self::announce). Until then the peer knows nothing of it: a
+    /// failure sends no ABORT, and no deadline runs.
+    pub fn reserve(
+        &mut self,
+        peer: u64,
+        request_id: u64,
+        pages: &[u32],
+        layer_count: u16,
+        deadline: Option<Duration>,
+        mut random: impl FnMut() -> u64,
+    ) -> Result<KvGrant> {
+        let session = self.session(peer).ok_or_else(|| Error::ConnectionLost {
+            detail: format!("peer {peer} is not connected"),
+        })?;
+        let caps = self.capabilities(session).unwrap_or(0);
+        if pages.is_empty() && caps & capability::EMPTY_GRANT == 0 {
+            // An older sender would take a 0-page KV_GRANT as a protocol error.
+            return Err(Error::InvalidArgument(format!(
+                "peer {peer} does not accept an empty grant (capability empty_grant): \
+                 grant at least one page"
+            )));
+        }
+        // The sender finds its grant by request id: two live grants of one request to
+        // one session would be ambiguous (and, with hashed string keys, a collision
+        // must not mix two requests).
+        if self
+            .transfers_of(session)
+            .into_iter()
+            .any(|id| self.state.request_of(id) == Some(request_id))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "request {request_id} already has a live grant to peer {peer}"
+            )));
+        }
+        let mut draws = 0;
+        let transfer_id = loop {
+            let id = random();
+            if !self.state.id_in_use(id) {
+                break id;
+            }
+            draws += 1;
+            if draws == ID_DRAWS {
+                return Err(Error::InvalidArgument(
+                    "no free transfer id drawn: the id source repeats itself".into(),
+                ));
+            }
+        };
+        let deadline_ms =
+            deadline.map_or(0, |d| d.as_millis().clamp(1, u128::from(u32::MAX)) as u32);
+        let grant = self.state.grant_to(
+            session.generation,
+            transfer_id,
+            request_id,
+            pages,
+            layer_count,
+            deadline_ms,
+        )?;
+        self.transfers.insert(
+            transfer_id,
+            TransferMeta {
+                owner: session,
+                announced: false,
+                deadline,
+                tail: None,
+            },
+        );
+        Ok(grant)
+    }
+
+    /// Queue the KV_GRANT of a transfer [`reserve`](Self::reserve)d, then `extra`
+    /// (the local path's LOCAL_GRANT), and start its deadline. `Err` if it ended
+    /// meanwhile (its session did).
+    pub fn announce(
+        &mut self,
+        transfer_id: u64,
+        extra: Option<Frame>,
+        now: Timestamp,
+    ) -> Result<()> {
+        let (Some(meta), Some(grant)) = (
+            self.transfers.get_mut(&transfer_id),
+            self.state.grant_of(transfer_id),
+        ) else {
+            return Err(Error::ConnectionLost {
+                detail: format!("transfer {transfer_id} ended before its grant was sent"),
+            });
+        };
+        if meta.announced {
+            return Err(Error::InvalidArgument(format!(
+                "transfer {transfer_id} was announced already"
+            )));
+        }
+        meta.announced = true;
+        self.transmit
+            .push_back((meta.owner, Frame::KvGrant(grant.clone())));
+        if let Some(f) = extra {
+            self.transmit.push_back((meta.owner, f));
+        }
+        if let Some(d) = meta.deadline {
+            self.queue
+                .set(Timer::Deadline(transfer_id), now.saturating_add(d));
+        }
+        Ok(())
+    }
+
+    /// End a live transfer from outside (the engine cancelled it, a local step
+    /// failed): the peer is told with an ABORT for its request. False if it had
+    /// already ended.
+    pub fn fail_transfer(&mut self, transfer_id: u64, error: Error) -> bool {
+        let events = self.state.fail(transfer_id, error);
+        let any = !events.is_empty();
+        self.publish(events);
+        any
+    }
+
+    /// End a session instance from outside: its control lane was lost or closed
+    /// (`tell_peer` false), a frame on it could not be decoded (`tell_peer`: an
+    /// ABORT saying why is queued before the end). Its transfers fail with `error`.
+    pub fn close_session(&mut self, session: SessionHandle, error: Error, tell_peer: bool) {
+        self.end_session(session, error, tell_peer, false);
+    }
+
+    /// The receiver closes: every session is told (ABORT `shutdown`) and ends, every
+    /// transfer fails `cancelled`, and no session opens any more.
+    pub fn close(&mut self) {
+        self.closed = true;
+        let error = Error::Cancelled {
+            detail: "receiver closed".into(),
+        };
+        for session in self.sessions() {
+            self.transmit.push_back((
+                session,
+                Frame::Abort(abort_with(
+                    0,
+                    AbortReason::Shutdown,
+                    "receiver closing",
+                    MAX_ABORT_MESSAGE_LEN,
+                )),
+            ));
+            self.end_session(session, error.clone(), false, false);
+        }
+        let events = self.state.fail_all(&error);
+        self.publish(events);
+    }
+
+    /// Fire every timer due at `now`.
+    pub fn handle_timeout(&mut self, now: Timestamp) {
+        while let Some(timer) = self.queue.pop_due(now) {
+            match timer {
+                Timer::Ping(generation) => {
+                    let Some(s) = self.sessions.get_mut(&generation) else {
+                        continue;
+                    };
+                    s.ping_nonce += 1;
+                    let ping = Ping {
+                        nonce: s.ping_nonce,
+                        sent_at_ns: now.as_nanos(),
+                    };
+                    let h = s.handle;
+                    self.transmit.push_back((h, Frame::Ping(ping)));
+                    self.queue.set(
+                        Timer::Ping(generation),
+                        now.saturating_add(self.timers.heartbeat),
+                    );
+                }
+                Timer::Dead(generation) => {
+                    let Some(h) = self.sessions.get(&generation).map(|s| s.handle) else {
+                        continue;
+                    };
+                    let e = Error::ConnectionLost {
+                        detail: format!("peer {} silent for {:?}", h.id, self.timers.dead_after),
+                    };
+                    self.end_session(h, e, false, false);
+                }
+                Timer::Deadline(id) => {
+                    let Some(d) = self.transfers.get(&id).and_then(|m| m.deadline) else {
+                        continue;
+                    };
+                    let what = format!("transfer {id} not complete after {d:?}");
+                    let events = self.state.fail(id, Error::DeadlineExceeded { what });
+                    self.publish(events);
+                }
+                Timer::Tail(id) => {
+                    let bound = self.timers.dead_after;
+                    let now_progress = self.state.progress_of(id);
+                    let Some(m) = self.transfers.get_mut(&id) else {
+                        continue;
+                    };
+                    if now_progress.is_some() && now_progress == m.tail {
+                        let what = format!(
+                            "transfer {id}: no page moved for {bound:?} after the sender's KV_DONE"
+                        );
+                        let events = self.state.fail(id, Error::DeadlineExceeded { what });
+                        self.publish(events);
+                    } else if now_progress.is_some() {
+                        m.tail = now_progress;
+                        self.queue.set(Timer::Tail(id), now.saturating_add(bound));
+                    }
+                }
+                Timer::LaneEnd(generation, instance) => {
+                    let Some(s) = self.sessions.get(&generation) else {
+                        continue;
+                    };
+                    let lane = s.live_lanes.get(&instance).map_or(0, |st| st.lane);
+                    let e = Error::ConnectionLost {
+                        detail: format!(
+                            "data lane {lane} did not end within {:?} of its revocation",
+                            self.timers.lane_end_bound
+                        ),
+                    };
+                    let h = s.handle;
+                    self.end_session(h, e, true, false);
+                }
+            }
+        }
+    }
+
+    /// When to call [`handle_timeout`](Self::handle_timeout) next.
+    pub fn poll_timeout(&self) -> Option<Timestamp> {
+        self.queue.next()
+    }
+
+    /// The next control frame to send, and the session instance whose control lane
+    /// carries it, in order.
+    pub fn poll_transmit(&mut self, _now: Timestamp) -> Option<(SessionHandle, Frame)> {
+        self.transmit.pop_front()
+    }
+
+    /// The next event, in order.
+    pub fn poll_event(&mut self) -> Option<ReceiverEvent> {
+        self.events.pop_front()
+    }
+
+    /// Timers armed (for tests: nothing may leak once every session ended).
+    pub fn timers_armed(&self) -> usize {
+        self.queue.len()
+    }
+
+    fn arm_dead(&mut self, generation: u64, now: Timestamp) {
+        self.queue.set(
+            Timer::Dead(generation),
+            now.saturating_add(self.timers.dead_after),
+        );
+    }
+
+    /// Transfer events out: each ended transfer's peer is told (its KV_DONE with
+    /// the counts verified, or an ABORT for its request, unless the peer's own ABORT
+    /// ended it or its session is gone), and its timers stop.
+    fn publish(&mut self, events: Vec<TransferEvent>) {
+        for ev in events {
+            let ended = match &ev {
+                TransferEvent::LayerComplete { .. } => None,
+                TransferEvent::Complete { transfer_id, .. }
+                | TransferEvent::Failed { transfer_id, .. } => Some(*transfer_id),
+            };
+            if let Some(id) = ended {
+                self.queue.clear(Timer::Deadline(id));
+                self.queue.clear(Timer::Tail(id));
+                let meta = self.transfers.remove(&id);
+                let to = meta
+                    .filter(|m| m.announced && self.sessions.contains_key(&m.owner.generation))
+                    .map(|m| m.owner);
+                match (&ev, to) {
+                    (
+                        TransferEvent::Complete {
+                            transfer_id,
+                            bytes,
+                            blocks,
+                            ..
+                        },
+                        Some(owner),
+                    ) => self.transmit.push_back((
+                        owner,
+                        Frame::KvDone(KvDone {
+                            transfer_id: *transfer_id,
+                            chunk_count: *blocks,
+                            byte_count: *bytes,
+                        }),
+                    )),
+                    (
+                        TransferEvent::Failed {
+                            request_id, error, ..
+                        },
+                        Some(owner),
+                    ) if !matches!(error, Error::PeerAborted { .. }) => {
+                        self.transmit.push_back((
+                            owner,
+                            Frame::Abort(abort_for(*request_id, error, MAX_TRANSFER_ABORT_MESSAGE)),
+                        ));
+                    }
+                    _ => {}
+                }
+            }
+            self.events.push_back(ReceiverEvent::Transfer(ev));
+        }
+    }
+
+    /// End a live instance: (`tell_peer`) an ABORT saying why, its timers stop, its
+    /// transfers fail with `error`.
+    fn end_session(
+        &mut self,
+        session: SessionHandle,
+        error: Error,
+        tell_peer: bool,
+        violation: bool,
+    ) {
+        // `sessions` holds exactly the live instances: one found is the one live
+        // under its id.
+        let Some(s) = self.sessions.remove(&session.generation) else {
+            return;
+        };
+        self.live.remove(&session.id);
+        if tell_peer {
+            self.transmit.push_back((
+                session,
+                Frame::Abort(abort_for(0, &error, MAX_ABORT_MESSAGE_LEN)),
+            ));
+        }
+        self.queue.clear(Timer::Ping(session.generation));
+        self.queue.clear(Timer::Dead(session.generation));
+        for &instance in s.live_lanes.keys() {
+            self.queue
+                .clear(Timer::LaneEnd(session.generation, instance));
+        }
+        self.events.push_back(ReceiverEvent::SessionEnded {
+            session,
+            error: error.clone(),
+            violation,
+        });
+        let mut ids = self.transfers_of(session);
+        ids.sort_unstable();
+        for id in ids {
+            let events = self.state.fail(id, error.clone());
+            self.publish(events);
+        }
+    }
+}
