@@ -390,6 +390,38 @@ def _dual_fixture() -> tuple[local.LocalReceiver, local.LocalSender, kv.KvReceiv
     return rld, to_rld, md, to_md, rld_mem, md_mem
 
 
+def test_a_cancel_racing_the_puts_ends_one_transfer_not_the_session(
+    pair: tuple[local.LocalReceiver, local.LocalSender, np.ndarray],
+) -> None:
+    """The receiver cancels a grant while the sender is putting into it (over and over,
+    so the ABORT lands before, during and after the puts of a layer): each call fails
+    with the transfer's own reason, never a dead session's, and the next grant on the
+    same session completes."""
+    rx, tx, mem = pair
+    for round_ in range(12):
+        inbound = rx.grant(100 + round_, [1, 2, 3])
+        out = tx.wait_grant(100 + round_, timeout=10)
+        out.send_layer(0, [4, 5, 6])
+        assert rx.cancel(inbound.transfer_id)
+        for layer in range(1, LAYERS):
+            try:
+                out.send_layer(layer, [4, 5, 6])
+            except PddError as e:
+                assert e.reason in ("peer_aborted", "grant_violation"), e
+                break
+        with pytest.raises(PddError) as ended:
+            out.wait(timeout=5)
+        assert ended.value.reason == "peer_aborted"
+    # The session survived every cancel: a fresh grant completes on it.
+    inbound = rx.grant(200, [1, 2, 3])
+    out = tx.wait_grant(200, timeout=10)
+    for layer in range(LAYERS):
+        out.send_layer(layer, [4, 5, 6])
+    out.finish()
+    assert out.wait(timeout=10) == LAYERS * 3 * PAGE
+    assert inbound.wait(timeout=10) == LAYERS * 3 * PAGE
+
+
 @pytest.mark.parametrize("fail", [None, "wan", "local"])
 def test_dual_send_fans_out_and_isolates_each_side(fail: str | None) -> None:
     rld, to_rld, md, to_md, rld_mem, md_mem = _dual_fixture()

@@ -656,7 +656,7 @@ impl LocalOutbound {
         }
         self.started.store(true, Ordering::Relaxed);
         let ops = self.plan_puts(&planned, src_layer, src_pages)?;
-        let (shared, grant) = (self.shared.clone(), g.clone());
+        let (shared, grant, status) = (self.shared.clone(), g.clone(), self.status.clone());
         let task = tokio::spawn(async move {
             // SAFETY: every op reads pages of our pool, which `shared` keeps alive
             // across the call; the engine may not modify source pages until the
@@ -680,7 +680,10 @@ impl LocalOutbound {
             // in one notice; only then may the next call on the transfer run.
             let announced = with_machine(&shared, |m| m.layers_put(grant.transfer_id, layers));
             drop(serial);
-            announced.map_err(|_| dead(&shared))
+            // Refused only when the transfer ended meanwhile (the receiver's ABORT for
+            // it, the session's end): report that, not a dead lane. The statuses are
+            // settled under the machine's lock, so the ending is visible here.
+            announced.map_err(|e| ended_with(&status, &shared, e))
         });
         task.await.unwrap_or_else(|e| {
             Err(Error::Cancelled {
@@ -748,9 +751,14 @@ impl LocalOutbound {
             LocalStatus::InProgress => {}
         }
         let tid = self.grant.transfer_id;
-        with_machine(&self.shared, |m| m.finish(tid))
-            .map(|_| ())
-            .map_err(|e| self.ended_error().unwrap_or(e))
+        match with_machine(&self.shared, |m| m.finish(tid)) {
+            Ok(_) => Ok(()),
+            // The receiver's confirmation of the last layer can complete the transfer
+            // between the status check above and the machine's lock: done, not an
+            // error.
+            Err(_) if matches!(self.status(), LocalStatus::Complete { .. }) => Ok(()),
+            Err(e) => Err(self.ended_error().unwrap_or(e)),
+        }
     }
 
     /// Give up on the transfer: the receiver is told with an ABORT (`cancelled`,
@@ -778,11 +786,12 @@ impl LocalOutbound {
     }
 }
 
-/// Why the control lane cannot take a frame: the session's death, if known.
-fn dead(shared: &Shared) -> Error {
-    lock(&shared.death)
-        .clone()
-        .unwrap_or(Error::ConnectionLost {
-            detail: "control lane closed".into(),
-        })
+/// Why the machine refused a call on a transfer with `e`: the transfer's own failure
+/// if it failed (the receiver's ABORT, a put that failed), else the session's death
+/// if it died, else `e` itself.
+fn ended_with(status: &watch::Receiver<LocalStatus>, shared: &Shared, e: Error) -> Error {
+    match &*status.borrow() {
+        LocalStatus::Failed(f) => f.clone(),
+        _ => lock(&shared.death).clone().unwrap_or(e),
+    }
 }
