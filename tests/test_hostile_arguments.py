@@ -971,6 +971,25 @@ def _local_send_layer(h: H, o: Outcome) -> None:
              timeout=TRANSFER_TIMEOUT)
 
 
+@spec("DualSender()", "DualSender.send_layer", "DualSender.finish", "DualSender.wait", "DualSender.poll")
+def _dual_sender(h: H, o: Outcome) -> None:
+    w = world()
+    with w.transfer(local=True) as (_, local_out), w.transfer() as (_, wan_out):
+        # A sender as a side waits for a grant of a key no receiver grants: bounded by
+        # the timeout (kept short), never a world grant (keys far above the world's).
+        dual = call(h, o, N.DualSender, obj(st.sampled_from([local_out, w.ltx, wan_out, None])),
+                    obj(st.sampled_from([wan_out, w.tx, local_out, None])),
+                    P(st.lists(st.integers(0, NPAGES - 1), min_size=2, max_size=4), PAGES_EDGE),
+                    request_key=P(st.one_of(st.none(), st.integers(2**62, 2**63)), REQUEST_KEY.edge),
+                    timeout=P(st.just(0.5), WAIT_EDGES, ANY_NOT_A_WAIT))
+        if dual is None:
+            return
+        call(h, o, dual.send_layer, LAYER)
+        call(h, o, dual.finish)
+        call(h, o, dual.poll)
+        call(h, o, dual.wait, timeout=WAIT)
+
+
 HUGE = st.sampled_from([0, -1, 2**40, 2**63, 2**64, 10**30])
 SIZES = P(st.integers(0, 4), HUGE)
 

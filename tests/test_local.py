@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -453,6 +454,86 @@ def test_dual_send_fans_out_and_isolates_each_side(fail: str | None) -> None:
             assert not md_mem[:, :20].any()
         else:
             assert outcome.wan.reason == "peer_aborted"
+    finally:
+        to_rld.close()
+        to_md.close()
+        rld.close()
+        md.close()
+
+
+def test_dual_send_sides_wait_for_their_own_grants_on_runtime_tasks() -> None:
+    """Each side given as its sender waits for its own grant: RelayDecode's completes
+    while MainDecode's grant has not come; MainDecode's, granted later, completes too.
+    No Python thread is started for either side (both are tasks of the runtime)."""
+    import threading
+
+    rld, to_rld, md, to_md, rld_mem, md_mem = _dual_fixture()
+    try:
+        threads = threading.active_count()
+        rld_in = rld.grant(12, DEST, deadline_s=30)
+        dual = kv.DualSender(to_rld, to_md, SRC, request_key=12, timeout=20)
+        assert threading.active_count() == threads
+        for layer in range(LAYERS):
+            dual.send_layer(layer)
+        dual.finish()
+        assert rld_in.wait(timeout=10) == LAYERS * len(DEST) * PAGE
+        time.sleep(0.2)
+        early = dual.poll()
+        assert early.local is not None and early.local.ok, early
+        assert early.wan is None, "MainDecode's side cannot end before its grant"
+        md_in = md.grant(12, [20, 21, 22], deadline_s=30)
+        outcome = dual.wait(timeout=20)
+        assert outcome.wan is not None and outcome.wan.ok, outcome
+        assert md_in.wait(timeout=10) == LAYERS * 3 * PAGE
+        src = source_backing()
+        assert np.array_equal(rld_mem[:, DEST], src[:, SRC])
+        assert np.array_equal(md_mem[:, [20, 21, 22]], src[:, SRC[-3:]])
+        assert threading.active_count() == threads
+    finally:
+        to_rld.close()
+        to_md.close()
+        rld.close()
+        md.close()
+
+
+def test_dual_send_a_grant_that_never_comes_bounds_only_its_side() -> None:
+    """MainDecode never grants: its side ends deadline_exceeded at its bound; RelayDecode's
+    side completed long before, untouched. A wait shorter than the bounds reports the
+    side still running as deadline_exceeded and returns in time."""
+    rld, to_rld, md, to_md, rld_mem, _ = _dual_fixture()
+    try:
+        rld_in = rld.grant(13, DEST, deadline_s=30)
+        dual = kv.DualSender(to_rld, to_md, SRC, request_key=13, timeout=1.5)
+        for layer in range(LAYERS):
+            dual.send_layer(layer)
+        dual.finish()
+        t0 = time.monotonic()
+        short = dual.wait(timeout=0.3)
+        assert time.monotonic() - t0 < 1.2
+        assert short.local is not None and short.local.ok, short
+        assert short.wan is not None and short.wan.reason == "deadline_exceeded", short
+        outcome = dual.wait(timeout=10)
+        assert outcome.wan is not None and outcome.wan.reason == "deadline_exceeded", outcome
+        assert "grant" in (outcome.wan.message or "")
+        assert 1.4 < outcome.wan.seconds < 5.0, outcome.wan
+        assert outcome.local is not None and outcome.local.ok and outcome.local.seconds < 1.4, outcome
+        assert rld_in.wait(timeout=5) == LAYERS * len(DEST) * PAGE
+    finally:
+        to_rld.close()
+        to_md.close()
+        rld.close()
+        md.close()
+
+
+def test_dual_send_refuses_what_is_not_a_side() -> None:
+    rld, to_rld, md, to_md, _, _ = _dual_fixture()
+    try:
+        with pytest.raises(InvalidArgument, match="at least one side"):
+            kv.DualSender(None, None, SRC)
+        with pytest.raises(InvalidArgument, match="request_key"):
+            kv.DualSender(to_rld, None, SRC)
+        with pytest.raises(InvalidArgument, match="got str"):
+            kv.DualSender("local://127.0.0.1:1", None, SRC)
     finally:
         to_rld.close()
         to_md.close()

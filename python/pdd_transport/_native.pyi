@@ -12,7 +12,7 @@ __all__ = [
     "PROTOCOL_VERSIONS", "FRAME_KINDS", "ABORT_REASONS", "ROLES", "CAPABILITIES",
     "SEALED_LANE_CRYPTO", "encode_frame", "decode_frame", "encode_handoff", "negotiate_hello",
     "FrameDecoder", "KvPool", "KvReceiver", "KvSender", "InboundTransfer", "OutboundTransfer",
-    "LocalReceiver", "LocalSender", "LocalInbound", "LocalOutbound", "ucx_version", "ucx_library", "add_ucx_fallback", "shared_buffers",
+    "LocalReceiver", "LocalSender", "LocalInbound", "LocalOutbound", "DualSender", "ucx_version", "ucx_library", "add_ucx_fallback", "shared_buffers",
     "SharedAllocation", "KvPoll",
     "LayerComplete", "TransferComplete", "TransferFailed", "PrefixQueried", "request_id_of",
     "transfer_activity", "wait_transfer_activity",
@@ -962,3 +962,24 @@ class LocalOutbound(_TransferHandle):
     def abort(self, reason: str = "aborted") -> bool: ...
     def poll(self) -> KvPoll: ...
     def finish(self) -> None: ...
+
+_SideOutcome: TypeAlias = dict[str, Any]
+
+@final
+class DualSender:
+    """One request's KV to RelayDecode and to MainDecode at once, each side a task of
+    the library's runtime (``local.DualSender`` wraps it)."""
+
+    def __new__(
+        cls,
+        local: LocalSender | LocalOutbound | KvSender | OutboundTransfer | None,
+        wan: LocalSender | LocalOutbound | KvSender | OutboundTransfer | None,
+        pages: _Pages,
+        *,
+        request_key: _RequestKey | None = None,
+        timeout: float = 120.0,
+    ) -> DualSender: ...
+    def send_layer(self, layer: int) -> None: ...
+    def finish(self) -> None: ...
+    def wait(self, timeout: float | None = None) -> tuple[_SideOutcome | None, _SideOutcome | None]: ...
+    def poll(self) -> tuple[_SideOutcome | None, _SideOutcome | None]: ...

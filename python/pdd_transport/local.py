@@ -30,7 +30,8 @@ Receiver (RelayDecode)::
 Sender (Prefill), with the WAN transfer to MainDecode at the same time::
 
     to_rld = local.LocalSender(src_pool, "10.0.0.5:7200", secret=deployment_secret)
-    dual = local.DualSender(to_rld.wait_grant(rid), wan.wait_grant(rid), pages)
+    # Each side waits for its own grant: one late grant holds nothing of the other.
+    dual = local.DualSender(to_rld, wan, pages, request_key=rid)
     for layer in range(layers):           # as each layer is computed
         dual.send_layer(layer)
     dual.finish()
@@ -41,13 +42,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import queue
-import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+from pdd_transport import _native
 from pdd_transport._native import (
     LocalInbound,
     LocalOutbound,
@@ -58,7 +57,7 @@ from pdd_transport._native import (
     ucx_library,
     ucx_version,
 )
-from pdd_transport.errors import InvalidArgument, PddError
+from pdd_transport.errors import PddError
 
 __all__ = [
     "LOCAL_SCHEME",
@@ -113,18 +112,6 @@ def available() -> bool:
     return True
 
 
-class _Outbound(Protocol):
-    """What both paths' sender handles offer (``LocalOutbound``, ``OutboundTransfer``)."""
-
-    @property
-    def page_count(self) -> int: ...
-    @property
-    def layer_count(self) -> int: ...
-    def send_layer(self, layer: int, src_pages: Any, src_layer: int | None = None, timeout: float = 60.0) -> None: ...
-    def finish(self) -> None: ...
-    def wait(self, timeout: float = 60.0) -> int: ...
-
-
 @dataclass
 class SideOutcome:
     """How one side of a dual send ended."""
@@ -144,107 +131,60 @@ class DualOutcome:
     wan: SideOutcome | None
 
 
-_FINISH = -1
-
-
-class _Side:
-    """One path of a dual send: its own thread, queue and outcome, so that nothing
-    that happens to it (its grant late or refused, its line lost) touches the other
-    side."""
-
-    def __init__(self, name: str, out: _Outbound | Callable[[], _Outbound], pages: Sequence[int],
-                 timeout: float) -> None:
-        self.name = name
-        self.out = out
-        self.pages = list(pages)
-        self.timeout = timeout
-        self.layers: queue.Queue[int] = queue.Queue()
-        self.outcome: SideOutcome | None = None
-        self.started = time.perf_counter()
-        self.thread = threading.Thread(target=self._run, name=f"pdd-dual-{name}", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        out: Any = None
-        try:
-            out = self.out() if callable(self.out) else self.out
-            if out.page_count > len(self.pages):
-                raise InvalidArgument(f"the {self.name} grant covers {out.page_count} pages, the request has "
-                                      f"{len(self.pages)}", "invalid_argument")
-            # The grant covers the prompt's last page_count pages (all of them for a
-            # receiver without a prefix cache; after the prefix handshake, the ones
-            # MainDecode lacks).
-            src = self.pages[len(self.pages) - out.page_count :]
-            while True:
-                layer = self.layers.get()
-                if layer == _FINISH:
-                    break
-                if layer < out.layer_count:  # a grant of fewer layers than the other side's
-                    out.send_layer(layer, src, timeout=self.timeout)
-            out.finish()
-            moved = out.wait(timeout=self.timeout)
-            self.outcome = SideOutcome(True, moved, time.perf_counter() - self.started)
-        except PddError as exc:
-            abort = getattr(out, "abort", None)
-            if abort is not None:
-                try:
-                    abort()
-                except PddError:
-                    pass
-            self.outcome = SideOutcome(False, 0, time.perf_counter() - self.started, exc.reason, str(exc))
+def _side_outcome(d: dict[str, Any] | None) -> SideOutcome | None:
+    if d is None:
+        return None
+    return SideOutcome(bool(d["ok"]), int(d["bytes"]), float(d["seconds"]), d.get("reason"), d.get("message"))
 
 
 class DualSender:
     """Fan each layer out to RelayDecode over the local path and to MainDecode over
-    the WAN at once.
+    the WAN at once (the dual-path send).
 
-    ``local`` and ``wan`` are the two sides' sender handles (``LocalOutbound``,
-    ``OutboundTransfer``), or callables that wait for them (``lambda:
-    tx.wait_grant(rid)``), so that one side's grant arriving late or never does not
-    hold the other; either may be ``None``. Each side gets the prompt's last
+    ``local`` (RelayDecode's side) and ``wan`` (MainDecode's) are each a grant's
+    handle (``LocalOutbound``, ``OutboundTransfer``), a sender (``LocalSender``,
+    ``KvSender``; RelayDecode's side may run on TCP lanes where UCX is missing), or
+    ``None``. A side given as
+    its sender waits for the grant of ``request_key`` itself, so that one side's grant
+    arriving late or never does not hold the other. Each side sends the prompt's last
     ``page_count`` pages of ``pages`` its grant covers: every page for RelayDecode,
     only the pages MainDecode lacks for MainDecode (its grant follows the prefix
-    handshake). Each side runs on its own thread: a failure of one (a WAN reset, a
-    dead RelayDecode) never stops, slows or fails the other, and :meth:`wait` reports
-    each side's own outcome."""
+    handshake). Each side is a task of the library's runtime (``_native.DualSender``,
+    no Python thread): a failure of one (a WAN reset, a dead RelayDecode) never
+    stops, slows or fails the other, a failed side aborts its own transfer with the
+    reason (its receiver frees the pages at once), and :meth:`wait` reports each
+    side's own outcome. ``timeout`` bounds each of a side's waits (its grant, each
+    layer, the receiver's confirmation)."""
 
     def __init__(
         self,
-        local: _Outbound | Callable[[], _Outbound] | None,
-        wan: _Outbound | Callable[[], _Outbound] | None,
+        local: Any,
+        wan: Any,
         pages: Sequence[int],
         *,
+        request_key: int | str | bytes | None = None,
         timeout: float = 120.0,
     ) -> None:
-        if local is None and wan is None:
-            raise InvalidArgument("a dual send needs at least one side", "invalid_argument")
-        self._sides: dict[str, _Side] = {}
-        if local is not None:
-            self._sides["local"] = _Side("local", local, pages, timeout)
-        if wan is not None:
-            self._sides["wan"] = _Side("wan", wan, pages, timeout)
-        self._timeout = timeout
+        self._native = _native.DualSender(local, wan, list(pages), request_key=request_key, timeout=timeout)
 
     def send_layer(self, layer: int) -> None:
         """Queue ``layer`` on both sides; returns at once. A side whose grant has
         fewer layers skips the ones past it."""
-        for side in self._sides.values():
-            side.layers.put(layer)
+        self._native.send_layer(layer)
 
     def finish(self) -> None:
         """Every layer was queued."""
-        for side in self._sides.values():
-            side.layers.put(_FINISH)
+        self._native.finish()
 
     def wait(self, timeout: float | None = None) -> DualOutcome:
-        """Wait for both sides and report each (a side still running when
-        ``timeout``, by default its grant wait plus its transfer's bound, passes is
-        reported as ``deadline_exceeded``)."""
-        deadline = time.monotonic() + (3 * self._timeout + 5.0 if timeout is None else timeout)
-        for side in self._sides.values():
-            side.thread.join(max(0.0, deadline - time.monotonic()))
-        out: dict[str, SideOutcome | None] = {"local": None, "wan": None}
-        for name, side in self._sides.items():
-            out[name] = side.outcome or SideOutcome(False, 0, time.perf_counter() - side.started, "deadline_exceeded",
-                                                    f"the {name} side did not end within the wait")
-        return DualOutcome(out["local"], out["wan"])
+        """Wait (GIL released) for both sides and report each; a side still running
+        when ``timeout`` passes (by default: the sides' own bounds) is reported as
+        ``deadline_exceeded``."""
+        local_side, wan_side = self._native.wait(timeout)
+        return DualOutcome(_side_outcome(local_side), _side_outcome(wan_side))
+
+    def poll(self) -> DualOutcome:
+        """Each side's outcome if it ended, without waiting (``None``: not asked for,
+        or still running)."""
+        local_side, wan_side = self._native.poll()
+        return DualOutcome(_side_outcome(local_side), _side_outcome(wan_side))

@@ -20,7 +20,6 @@ own thread, except where a method says otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -240,11 +239,8 @@ class PrefillRole:
         if to_relay is None and to_main is None:
             return []
 
-        def grant_of(sender: Any) -> Callable[[], Any]:
-            return lambda: sender.wait_grant(rid, timeout=timeout)
-
-        dual = DualSender(None if to_relay is None else grant_of(to_relay),
-                          None if to_main is None else grant_of(to_main), prefilled.pages, timeout=timeout)
+        # Each side waits for its own grant (a task of the library's runtime).
+        dual = DualSender(to_relay, to_main, prefilled.pages, request_key=rid, timeout=timeout)
         for layer in range(self.engine.config.num_layers):
             dual.send_layer(layer)
         dual.finish()

@@ -14,6 +14,7 @@ pub mod admission;
 mod clock;
 pub mod codec;
 pub mod config;
+pub mod dual;
 pub mod event_queue;
 pub mod handoff_link;
 pub mod lane;

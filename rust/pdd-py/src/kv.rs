@@ -467,7 +467,7 @@ pub(crate) fn grant_ticket<'py>(
 /// A KV sender session connected to a receiver.
 #[pyclass(frozen, module = "pdd_transport._native")]
 pub struct KvSender {
-    inner: Arc<sender::KvSender>,
+    pub(crate) inner: Arc<sender::KvSender>,
     /// A background reconnect started by `try_grant` is running: polling callers
     /// start at most one at a time.
     reconnecting: Arc<std::sync::atomic::AtomicBool>,
@@ -656,7 +656,7 @@ impl KvSender {
 /// The sender's handle on one grant.
 #[pyclass(frozen, module = "pdd_transport._native")]
 pub struct OutboundTransfer {
-    inner: Arc<sender::OutboundTransfer>,
+    pub(crate) inner: Arc<sender::OutboundTransfer>,
     key: Py<PyAny>,
 }
 

@@ -9,6 +9,7 @@
 use pyo3::prelude::*;
 
 mod convert;
+mod dual;
 mod errors;
 mod handles;
 mod handoff;
@@ -34,6 +35,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     wire::register(m)?;
     kv::register(m)?;
     local::register(m)?;
+    dual::register(m)?;
     kv_events::register(m)?;
     radix::register(m)?;
     wanem::register(m)?;

@@ -372,7 +372,7 @@ impl LocalInbound {
 /// The local path's sender (Prefill).
 #[pyclass(frozen, module = "pdd_transport._native")]
 pub struct LocalSender {
-    inner: Arc<sender::LocalSender>,
+    pub(crate) inner: Arc<sender::LocalSender>,
 }
 
 #[pymethods]
@@ -460,7 +460,7 @@ impl LocalSender {
 /// The sender's handle on one local-path grant.
 #[pyclass(frozen, module = "pdd_transport._native")]
 pub struct LocalOutbound {
-    inner: Arc<sender::LocalOutbound>,
+    pub(crate) inner: Arc<sender::LocalOutbound>,
     key: Py<PyAny>,
 }
 
