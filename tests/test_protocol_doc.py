@@ -112,6 +112,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
                    "page_count": 2000, "byte_count": 2000 * 36864},
     "LANE_REVOKE": {"kind": "LANE_REVOKE", "lane": 3},
     "LANE_REVOKED": {"kind": "LANE_REVOKED", "lane": 3},
+    "LANE_DELIVERED": {"kind": "LANE_DELIVERED", "lanes": [(1, 4096), (2, 0)]},
 }
 
 

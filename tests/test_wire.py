@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _crc32c import crc32c
 from _gil import count_while_running
 from pdd_transport import InvalidArgument, PddError, ProtocolError, wire
 
@@ -43,6 +44,8 @@ FRAMES = [
      "page_count": 1, "page_bytes": 2, "data": b"xy", "resent": True},
     {"kind": "LANE_REVOKE", "lane": 1},
     {"kind": "LANE_REVOKED", "lane": 65535},
+    {"kind": "LANE_DELIVERED", "lanes": [(1, 0), (65535, 2**64 - 1)]},
+    {"kind": "LANE_DELIVERED", "lanes": []},
 ]
 
 
@@ -256,5 +259,16 @@ def test_resent_is_the_kv_pages_flag_and_optional() -> None:
     assert wire.CAPABILITIES["lane_failover"] == 1 << 6
     assert wire.CAPABILITIES["empty_grant"] == 1 << 7
     assert wire.CAPABILITIES["sealed_lanes"] == 1 << 8
+    assert wire.CAPABILITIES["lane_delivery"] == 1 << 9
+    for lanes in ([(0, 1)], [(3, 1), (3, 2)], [(i, 0) for i in range(1, 258)]):
+        with pytest.raises(InvalidArgument):
+            wire.encode_frame({"kind": "LANE_DELIVERED", "lanes": lanes})
+    # A peer's LANE_DELIVERED naming a lane twice is refused by the decoder too.
+    good = wire.encode_frame({"kind": "LANE_DELIVERED", "lanes": [(3, 1), (4, 2)]})
+    twice = bytearray(good)
+    twice[wire.HEADER_LEN + 12 : wire.HEADER_LEN + 14] = (3).to_bytes(2, "little")
+    twice[12:16] = crc32c(bytes(twice[16:]), crc32c(bytes(twice[:12]))).to_bytes(4, "little")
+    with pytest.raises(ProtocolError, match="named twice"):
+        wire.decode_frame(bytes(twice))
     with pytest.raises(InvalidArgument):
         wire.encode_frame({"kind": "LANE_REVOKE", "lane": 0})

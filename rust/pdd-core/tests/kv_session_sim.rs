@@ -9,8 +9,8 @@ use kv_session::*;
 use pdd_core::kv::session::*;
 use pdd_core::kv::{BlockDisposition, KvBlock, SenderTransfer, TransferEvent};
 use pdd_core::wire::{
-    capability, Abort, AbortReason, Frame, KvDone, LaneRevoke, LocalDone, Ping, PrefixQuery,
-    PrefixReply,
+    capability, Abort, AbortReason, Frame, KvDone, LaneDelivered, LaneRevoke, LocalDone, Ping,
+    PrefixQuery, PrefixReply,
 };
 use pdd_core::Error;
 
@@ -1136,7 +1136,143 @@ fn loaded(progress: u64) -> LaneSample {
     LaneSample {
         progress,
         loaded: true,
+        sent: 0,
     }
+}
+
+/// A lane TCP says is moving (acknowledged bytes `acked`), with `sent` frame bytes
+/// written.
+fn acked(acked: u64, sent: u64) -> LaneSample {
+    LaneSample {
+        progress: acked,
+        loaded: false,
+        sent,
+    }
+}
+
+fn delivered(lanes: &[(u16, u64)]) -> Frame {
+    Frame::LaneDelivered(LaneDelivered {
+        lanes: lanes.to_vec(),
+    })
+}
+
+#[test]
+fn a_lane_acknowledged_but_not_delivered_is_revoked_by_the_receivers_count() {
+    let mut tx = sender(WAN | capability::LANE_DELIVERY, 2, ms(0));
+    // TCP acknowledges everything on both lanes (nothing unacknowledged): only the
+    // receiver's counts tell that lane 1 delivers nothing.
+    tx.handle_frame(delivered(&[(1, 100), (2, 100)]), ms(0));
+    tx.lane_samples(&[acked(1_000, 500), acked(1_000, 500)], ms(0));
+    let mut t = 0;
+    for step in 1..=4u64 {
+        t = step * 50;
+        tx.handle_frame(delivered(&[(1, 100), (2, 100 + step * 100)]), ms(t));
+        tx.lane_samples(
+            &[
+                acked(1_000 + step, 500 + step * 100),
+                acked(1_000 + step, 500 + step * 100),
+            ],
+            ms(t),
+        );
+        if t < 200 {
+            assert_eq!(drain_tx(&mut tx, ms(t)), (vec![], vec![]), "at {t} ms");
+        }
+    }
+    // The bound: the stall bound (200 ms) or two heartbeats (200 ms).
+    let (f, e) = drain_tx(&mut tx, ms(t));
+    assert_eq!(f, vec![Frame::LaneRevoke(LaneRevoke { lane: 1 })]);
+    assert_eq!(e, vec![SenderEvent::StopLane { lane: 1 }]);
+    assert!(tx.is_lane_dead(1) && !tx.is_lane_dead(2));
+}
+
+#[test]
+fn delivery_counts_count_only_with_the_capability_and_only_while_bytes_are_owed() {
+    // Everything the receiver was sent arrived: idle, not stalled, however long.
+    let mut tx = sender(WAN | capability::LANE_DELIVERY, 2, ms(0));
+    tx.handle_frame(delivered(&[(1, 500), (2, 100)]), ms(0));
+    for t in [0, 300, 600] {
+        tx.handle_frame(delivered(&[(1, 500), (2, 100 + t)]), ms(t));
+        tx.lane_samples(&[acked(1, 500), acked(1 + t, 100 + t)], ms(t));
+    }
+    assert_eq!(drain_tx(&mut tx, ms(600)), (vec![], vec![]));
+    // A report naming a lane the connection does not have changes nothing.
+    tx.handle_frame(delivered(&[(9, 1)]), ms(601));
+    assert_eq!(drain_tx(&mut tx, ms(601)), (vec![], vec![]));
+    // Without lane_delivery, TCP's acknowledgments are the measure (nothing owed)
+    // and LANE_DELIVERED is a frame the receiver may not send.
+    let mut tx = sender(WAN, 2, ms(0));
+    for t in [0, 300, 600] {
+        tx.lane_samples(&[acked(1, 500 + t), acked(1 + t, 500 + t)], ms(t));
+    }
+    assert_eq!(drain_tx(&mut tx, ms(600)), (vec![], vec![]));
+    tx.handle_frame(delivered(&[(1, 0)]), ms(601));
+    let (f, e) = drain_tx(&mut tx, ms(601));
+    assert_eq!(tx_aborts(&f), vec![(0, "protocol_error")], "{f:?}");
+    assert!(tx_ended(&e).is_some());
+}
+
+#[test]
+fn a_receiver_reports_the_bytes_it_read_per_lane_with_each_pong() {
+    let (mut rx, h, _, _, _) = one_grant(None);
+    // Not offered: PONG only.
+    let ping = Frame::Ping(Ping {
+        nonce: 1,
+        sent_at_ns: 0,
+    });
+    rx.handle_frame(h, ping.clone(), ms(1));
+    let (f, _) = drain_rx(&mut rx, ms(1));
+    assert!(f.iter().all(|(_, x)| matches!(x, Frame::Pong(_))), "{f:?}");
+
+    let mut rx = receiver();
+    let h = open(&mut rx, 1, WAN | capability::LANE_DELIVERY, ms(0));
+    let l1 = rx.join_lane(1, 1, secret(1)).unwrap();
+    let l2 = rx.join_lane(1, 2, secret(1)).unwrap();
+    let g = rx.grant(1, 7, &[10, 11], 1, None, ms(0), ids()).unwrap();
+    drain_rx(&mut rx, ms(0));
+    let mut t = SenderTransfer::new(g);
+    let b = t.send_layer(0, u64::from(PAGE_BYTES)).unwrap();
+    assert!(matches!(
+        rx.begin_block(&l2, &b[0], false),
+        Ok(BlockDisposition::Land(_))
+    ));
+    rx.finish_block(&b[0], Ok(()));
+    rx.handle_frame(h, ping.clone(), ms(2));
+    let (f, _) = drain_rx(&mut rx, ms(2));
+    let frame =
+        16 + 24 + u64::from(b[0].layer_count) * u64::from(b[0].page_count) * u64::from(PAGE_BYTES);
+    assert_eq!(
+        f,
+        vec![
+            (
+                h,
+                Frame::Pong(Ping {
+                    nonce: 1,
+                    sent_at_ns: 0
+                })
+            ),
+            (h, delivered(&[(1, 0), (2, frame)])),
+        ]
+    );
+    // A revoked lane is not reported.
+    rx.handle_frame(h, Frame::LaneRevoke(LaneRevoke { lane: 1 }), ms(3));
+    drain_rx(&mut rx, ms(3));
+    rx.handle_frame(h, ping, ms(4));
+    let (f, _) = drain_rx(&mut rx, ms(4));
+    assert_eq!(f.last(), Some(&(h, delivered(&[(2, frame)]))));
+    // A local session has no data lanes: PONG only.
+    let mut rx = receiver();
+    let h = open(&mut rx, 2, LOCAL | capability::LANE_DELIVERY, ms(0));
+    rx.handle_frame(
+        h,
+        Frame::Ping(Ping {
+            nonce: 2,
+            sent_at_ns: 0,
+        }),
+        ms(1),
+    );
+    let (f, _) = drain_rx(&mut rx, ms(1));
+    assert!(f.iter().all(|(_, x)| matches!(x, Frame::Pong(_))), "{f:?}");
+    let _ = l1;
 }
 
 #[test]
@@ -1591,6 +1727,7 @@ fn after_a_revocation_the_other_lanes_stall_clocks_start_again() {
 fn a_lane_that_was_idle_is_stalled_only_a_bound_after_it_got_bytes_to_deliver() {
     let (mut tx, _) = sending_on(2);
     let idle = LaneSample {
+        sent: 0,
         progress: 5,
         loaded: false,
     };

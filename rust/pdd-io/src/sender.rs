@@ -223,7 +223,10 @@ impl KvSender {
     pub async fn connect(pool: Arc<PagePool>, mut cfg: SenderConfig) -> Result<KvSender, Error> {
         cfg.validate()?;
         if cfg.lane_failover {
-            cfg.hello.capabilities |= pdd_core::wire::capability::LANE_FAILOVER;
+            // Progress measured by what the receiver read too (LANE_DELIVERED), so
+            // a lane a middlebox acknowledges and drops is revoked as well.
+            cfg.hello.capabilities |= pdd_core::wire::capability::LANE_FAILOVER
+                | pdd_core::wire::capability::LANE_DELIVERY;
         }
         // This build finishes an empty grant (nothing to send) at once.
         cfg.hello.capabilities |= pdd_core::wire::capability::EMPTY_GRANT;

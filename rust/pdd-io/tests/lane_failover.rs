@@ -307,6 +307,72 @@ async fn without_failover_a_stalled_lane_still_ends_the_session() {
     wan.stall_connection(STALLED, Direction::ClientToUpstream, Duration::ZERO);
 }
 
+/// A middlebox acknowledges one data lane's bytes and drops them (the proxy reads
+/// them at once, so the sender's socket drains and TCP_INFO shows every byte
+/// acknowledged): only the receiver's LANE_DELIVERED shows the lane delivers
+/// nothing. The lane is revoked, its blocks land on the others, the transfer
+/// completes in time, and the same sender carries the next transfers on the lanes
+/// left, with no reconnect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_whose_bytes_are_acknowledged_but_never_delivered_is_revoked() {
+    let rx = receiver().await;
+    let wan = proxy(&rx).await;
+    let src_pool = pattern_pool(9);
+    let tx = KvSender::connect(src_pool.clone(), sender_cfg(wan.local_addr(), true))
+        .await
+        .unwrap();
+    bounded(rx.wait_peer(Some(42))).await;
+    assert_eq!(wan.connections().len(), 1 + usize::from(LANES));
+    assert!(wan.swallow_connection(STALLED, Direction::ClientToUpstream, true));
+
+    let started = Instant::now();
+    let (dst, src) = pages(1);
+    let inbound = rx
+        .grant(1, &dst, None, Some(tx.session_id()), None)
+        .unwrap();
+    let out = bounded(tx.wait_grant(1)).await.unwrap();
+    for layer in 0..LAYERS {
+        out.send_layer(layer, layer, &src).await.unwrap();
+    }
+    out.finish().await.unwrap();
+    let bytes = bounded(inbound.wait()).await.unwrap();
+    bounded(out.wait()).await.unwrap();
+    let took = started.elapsed();
+    assert_eq!(
+        bytes,
+        u64::from(LAYERS) * u64::from(PAGES) * u64::from(PAGE)
+    );
+    verify(&rx, &src_pool, 1);
+    let swallowed = wan.stats().client_to_upstream.bytes_blackholed;
+    eprintln!(
+        "swallowed lane: transfer took {took:?}, {swallowed} bytes dropped by the middlebox, \
+         lanes revoked {}, blocks resent {}",
+        metric(tx.metrics(), "lanes_revoked_total"),
+        metric(tx.metrics(), "blocks_resent_total")
+    );
+    assert!(
+        swallowed > 0,
+        "the middlebox dropped nothing: the test proves nothing"
+    );
+    assert_eq!(metric(tx.metrics(), "lanes_revoked_total"), 1);
+    assert!(metric(tx.metrics(), "blocks_resent_total") > 0);
+    // Within the stall bound and a few heartbeats, not by the receiver's bound after
+    // KV_DONE (dead_after), which would fail the transfer instead.
+    assert!(took < DEAD_AFTER, "took {took:?}");
+
+    for request in 2..=3 {
+        let bytes = transfer(&rx, &tx, &wan, request, false).await.unwrap();
+        assert_eq!(
+            bytes,
+            u64::from(LAYERS) * u64::from(PAGES) * u64::from(PAGE)
+        );
+        verify(&rx, &src_pool, request);
+    }
+    assert_eq!(metric(tx.metrics(), "lanes_revoked_total"), 1);
+    assert_eq!(metric(tx.metrics(), "sessions_lost_total"), 0);
+    assert_eq!(metric(tx.metrics(), "reconnects_total"), 0);
+}
+
 mod scripted {
     //! The receiver's half of the handshake, driven by a scripted sender on raw
     //! lanes (deterministic: the block is cut off mid-way on purpose).

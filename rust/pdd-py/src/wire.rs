@@ -9,8 +9,9 @@ use pdd_core::wire::handshake::{negotiate, LocalHello};
 use pdd_core::wire::{
     self, capability, decode_frame as core_decode, decode_frame_shared,
     encode_frame as core_encode, Abort, AbortReason, Auth, CacheEvent, CacheEvents, Frame,
-    FrameKind, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvPages, LaneRevoke, LocalAddr,
-    LocalDone, LocalGrant, LocalRegion, Ping, PrefixQuery, PrefixReply, Progress, Role, AUTH_LEN,
+    FrameKind, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvPages, LaneDelivered, LaneRevoke,
+    LocalAddr, LocalDone, LocalGrant, LocalRegion, Ping, PrefixQuery, PrefixReply, Progress, Role,
+    AUTH_LEN,
 };
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -66,6 +67,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ("lane_failover", capability::LANE_FAILOVER),
         ("empty_grant", capability::EMPTY_GRANT),
         ("sealed_lanes", capability::SEALED_LANES),
+        ("lane_delivery", capability::LANE_DELIVERY),
     ] {
         caps.set_item(name, bit)?;
     }
@@ -427,6 +429,10 @@ fn frame_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Frame> {
                 Frame::LaneRevoked(r)
             }
         }
+        FrameKind::LaneDelivered => Frame::LaneDelivered(LaneDelivered {
+            // A list of (lane, bytes) pairs; Frame::validate bounds and checks it.
+            lanes: get!(f, "lanes"),
+        }),
         FrameKind::Ping | FrameKind::Pong => {
             let p = Ping {
                 nonce: get!(f, "nonce"),
@@ -670,6 +676,9 @@ fn frame_to_dict<'py>(py: Python<'py>, frame: &Frame) -> PyResult<Bound<'py, PyD
         }
         Frame::LaneRevoke(r) | Frame::LaneRevoked(r) => {
             d.set_item("lane", r.lane)?;
+        }
+        Frame::LaneDelivered(l) => {
+            d.set_item("lanes", l.lanes.clone())?;
         }
         Frame::LocalDone(l) => {
             d.set_item("transfer_id", l.transfer_id)?;

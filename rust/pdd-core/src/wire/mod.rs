@@ -25,8 +25,9 @@ pub use codec::{
 };
 pub use frame::{
     Abort, Auth, CacheEvent, CacheEvents, Frame, Handoff, HandoffAck, Hello, KvDone, KvGrant,
-    KvPages, LaneRevoke, LocalAddr, LocalDone, LocalGrant, LocalRegion, Ping, PrefixQuery,
-    PrefixReply, Progress, KV_PAGES_FIXED_LEN, LOCAL_REGION_MIN_LEN,
+    KvPages, LaneDelivered, LaneRevoke, LocalAddr, LocalDone, LocalGrant, LocalRegion, Ping,
+    PrefixQuery, PrefixReply, Progress, KV_PAGES_FIXED_LEN, LOCAL_REGION_MIN_LEN,
+    MAX_DELIVERED_LANES,
 };
 
 use std::fmt;
@@ -164,6 +165,10 @@ frame_kinds! {
     /// Lane failover: the receiver's reader of that lane has ended; no byte of it
     /// can land any more.
     LaneRevoked = 0x13, "LANE_REVOKED", flags = 0;
+    /// Lane delivery (capability `lane_delivery`): how many KV_PAGES bytes the
+    /// receiver has read on each data lane, in answer to every PING, so that the
+    /// sender can tell a lane that TCP acknowledges but that delivers nothing.
+    LaneDelivered = 0x14, "LANE_DELIVERED", flags = 0;
 }
 
 impl fmt::Display for FrameKind {
@@ -346,6 +351,12 @@ pub mod capability {
     /// (docs/protocol.md, "Sealed data lanes"). Meaningful only with [`AEAD`]: offered
     /// on TLS lanes by KV senders and receivers of this build.
     pub const SEALED_LANES: u64 = 1 << 8;
+    /// The KV receiver answers every PING with LANE_DELIVERED too (KV_PAGES bytes it
+    /// read per data lane), and the sender measures a lane's progress by what the
+    /// receiver read rather than by what TCP acknowledged: lane failover then covers
+    /// a lane whose bytes a middlebox acknowledges and drops. Meaningful only with
+    /// [`LANE_FAILOVER`]; offered by KV senders and receivers of this build.
+    pub const LANE_DELIVERY: u64 = 1 << 9;
     /// Every bit defined by this build.
     pub const ALL_KNOWN: u64 = KV_STREAM
         | HANDOFF
@@ -355,7 +366,8 @@ pub mod capability {
         | LOCAL_UCX
         | LANE_FAILOVER
         | EMPTY_GRANT
-        | SEALED_LANES;
+        | SEALED_LANES
+        | LANE_DELIVERY;
 }
 
 /// The fixed header in front of every payload.

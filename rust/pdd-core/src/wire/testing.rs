@@ -272,6 +272,11 @@ pub fn any_frame() -> impl Strategy<Value = Frame> {
             }),
         (1u16..).prop_map(|lane| Frame::LaneRevoke(LaneRevoke { lane })),
         (1u16..).prop_map(|lane| Frame::LaneRevoked(LaneRevoke { lane })),
+        proptest::collection::btree_map(1u16.., any::<u64>(), 0..8).prop_map(|m| {
+            Frame::LaneDelivered(LaneDelivered {
+                lanes: m.into_iter().collect(),
+            })
+        }),
     ]
 }
 

@@ -1088,6 +1088,7 @@ impl Sim {
                     .map(|l| LaneSample {
                         progress: l.acked,
                         loaded: l.busy.is_some() || !l.fifo.is_empty(),
+                        sent: 0,
                     })
                     .collect();
                 self.txs[tx].m.lane_samples(&samples, now);

@@ -251,6 +251,8 @@ impl KvReceiver {
         // that does not
         // offer it too never sends one.
         cfg.hello.capabilities |= pdd_core::wire::capability::LANE_FAILOVER;
+        // It reports the bytes it read per data lane with each PONG (LANE_DELIVERED).
+        cfg.hello.capabilities |= pdd_core::wire::capability::LANE_DELIVERY;
         // It may grant zero pages ("nothing to send") to a sender that offers it too.
         cfg.hello.capabilities |= pdd_core::wire::capability::EMPTY_GRANT;
         if cfg.sealed_lanes {

@@ -47,6 +47,9 @@ pub(super) struct LaneCtl {
     /// Bytes the writer handed to the socket: the progress measure where the
     /// kernel does not report acknowledged bytes.
     pub(super) written: AtomicU64,
+    /// KV_PAGES frame bytes (header, fixed part, pages) of every block fully
+    /// written: what the receiver's LANE_DELIVERED is compared with.
+    pub(super) sent: AtomicU64,
     /// The lane's TCP socket (under TLS too), open while its writer runs.
     fd: RawFd,
 }
@@ -78,6 +81,7 @@ impl Lanes {
                     release: session.child_token(),
                     busy: AtomicBool::new(false),
                     written: AtomicU64::new(0),
+                    sent: AtomicU64::new(0),
                     fd,
                 })
                 .collect(),
@@ -193,6 +197,7 @@ pub(super) async fn watch_lanes(shared: Arc<Shared>, conn: Arc<Conn>) {
                 LaneSample {
                     progress,
                     loaded: ctl.busy.load(Ordering::Relaxed) || unacked,
+                    sent: ctl.sent.load(Ordering::Relaxed),
                 }
             })
             .collect();

@@ -97,6 +97,11 @@ pub(super) async fn lane_writer<R, W>(
         }
         ctl.written
             .fetch_add(job.block.data_len(), Ordering::Relaxed);
+        ctl.sent.fetch_add(
+            (pdd_core::wire::HEADER_LEN + pdd_core::wire::KV_PAGES_FIXED_LEN) as u64
+                + job.block.data_len(),
+            Ordering::Relaxed,
+        );
         Metrics::add(&shared.metrics.bytes_sent_total, job.block.data_len());
         Metrics::add(&shared.metrics.blocks_sent_total, 1);
     }

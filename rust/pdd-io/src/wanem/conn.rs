@@ -35,6 +35,9 @@ pub(crate) struct ConnControl {
     stall: [watch::Sender<Option<Instant>>; 2],
     /// Set once to end the connection.
     end: watch::Sender<Option<ConnEnd>>,
+    /// Per direction: read and acknowledge this connection's bytes but deliver none
+    /// (a middlebox that lost its way while TCP still acknowledges).
+    swallow: [std::sync::atomic::AtomicBool; 2],
 }
 
 impl ConnControl {
@@ -42,7 +45,16 @@ impl ConnControl {
         ConnControl {
             stall: [watch::Sender::new(None), watch::Sender::new(None)],
             end: watch::Sender::new(None),
+            swallow: Default::default(),
         }
+    }
+
+    pub(crate) fn swallow(&self, dir: Direction, on: bool) {
+        self.swallow[dir.index()].store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn swallowing(&self, dir: Direction) -> bool {
+        self.swallow[dir.index()].load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Asks the task to end the connection `how`; the first request wins. Returns
@@ -353,7 +365,7 @@ where
                 return Ok::<(), io::Error>(());
             }
             link.count_received(n);
-            if shared.blackholed() {
+            if shared.blackholed() || control.swallowing(dir) {
                 link.count_blackholed(n);
                 budget.add_permits(n);
                 continue;

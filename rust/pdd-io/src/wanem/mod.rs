@@ -366,6 +366,18 @@ impl WanemHandle {
         })
     }
 
+    /// While `on`, reads and so lets TCP acknowledge every byte of `dir` on
+    /// connection `conn` but delivers none of them (counted in
+    /// [`LinkStats::bytes_blackholed`]): a middlebox that acknowledges and loses, which
+    /// the sender's socket cannot tell from a healthy path. The other connections keep
+    /// flowing. Returns whether that connection was live.
+    pub fn swallow_connection(&self, conn: u64, dir: Direction, on: bool) -> bool {
+        self.shared.conn(conn).is_some_and(|c| {
+            c.swallow(dir, on);
+            true
+        })
+    }
+
     /// Flips (XOR 0xFF) one byte, at a seeded random offset, of the next chunk
     /// written in `dir` on any connection. Calls add up: two calls corrupt the next
     /// two chunks.

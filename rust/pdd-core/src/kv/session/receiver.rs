@@ -13,8 +13,9 @@ use crate::kv::{BlockDisposition, KvBlock, ReceiverState, TransferEvent};
 use crate::time::Timestamp;
 use crate::wire::handshake::AuthBytes;
 use crate::wire::{
-    capability, AbortReason, Frame, FrameKind, KvDone, KvGrant, LaneRevoke, Ping, PrefixQuery,
-    FLAG_RESENT, MAX_ABORT_MESSAGE_LEN,
+    capability, AbortReason, Frame, FrameKind, KvDone, KvGrant, LaneDelivered, LaneRevoke, Ping,
+    PrefixQuery, FLAG_RESENT, HEADER_LEN, KV_PAGES_FIXED_LEN, MAX_ABORT_MESSAGE_LEN,
+    MAX_DELIVERED_LANES,
 };
 
 /// One instance of a session: the id its sender chose (stable across resumptions)
@@ -97,6 +98,9 @@ struct LaneState {
     revoked: bool,
     /// LANE_REVOKEs to answer once the reader has ended.
     answers: u32,
+    /// KV_PAGES bytes (header and payload) of every block whose header was read on
+    /// this connection: what LANE_DELIVERED reports.
+    delivered: u64,
 }
 
 #[derive(Debug)]
@@ -404,6 +408,7 @@ impl ReceiverEndpoint {
                 lane,
                 revoked: false,
                 answers: 0,
+                delivered: 0,
             },
         );
         Ok(handle)
@@ -442,6 +447,19 @@ impl ReceiverEndpoint {
         resent: bool,
     ) -> Result<BlockDisposition> {
         let session = lane.session;
+        if let Some(st) = self
+            .sessions
+            .get_mut(&session.generation)
+            .and_then(|s| s.live_lanes.get_mut(&lane.instance))
+        {
+            // The frame's bytes as the sender wrote them: header, fixed part, pages.
+            let pages = u64::from(block.layer_count)
+                * u64::from(block.page_count)
+                * u64::from(block.page_bytes);
+            st.delivered = st
+                .delivered
+                .saturating_add((HEADER_LEN + KV_PAGES_FIXED_LEN) as u64 + pages);
+        }
         let Some(s) = self.sessions.get(&session.generation) else {
             return Err(Error::ConnectionLost {
                 detail: format!("session {} ended", session.id),
@@ -535,7 +553,12 @@ impl ReceiverEndpoint {
                     Err(e) => self.end_session(session, e, true, true),
                 }
             }
-            Frame::Ping(p) => self.transmit.push_back((session, Frame::Pong(p))),
+            Frame::Ping(p) => {
+                self.transmit.push_back((session, Frame::Pong(p)));
+                if let Some(d) = self.delivered(session) {
+                    self.transmit.push_back((session, Frame::LaneDelivered(d)));
+                }
+            }
             Frame::Pong(p) => {
                 let rtt = Duration::from_nanos(now.as_nanos().saturating_sub(p.sent_at_ns));
                 self.events.push_back(ReceiverEvent::Rtt { session, rtt });
@@ -576,6 +599,27 @@ impl ReceiverEndpoint {
                 self.end_session(session, e, true, false);
             }
         }
+    }
+
+    /// What LANE_DELIVERED tells `session`'s sender, where both offered
+    /// `lane_delivery`: the bytes read on each data lane's current connection (not
+    /// the revoked ones, whose blocks the sender sends again anyway).
+    fn delivered(&self, session: SessionHandle) -> Option<LaneDelivered> {
+        let s = self.sessions.get(&session.generation)?;
+        if s.local() || s.capabilities & capability::LANE_DELIVERY == 0 {
+            return None;
+        }
+        let mut lanes: Vec<(u16, u64)> = s
+            .lanes
+            .iter()
+            .filter_map(|(&lane, instance)| {
+                let st = s.live_lanes.get(instance)?;
+                (!st.revoked).then_some((lane, st.delivered))
+            })
+            .take(MAX_DELIVERED_LANES)
+            .collect();
+        lanes.sort_unstable();
+        Some(LaneDelivered { lanes })
     }
 
     /// LANE_REVOKE{lane}: stop the lane's reader; LANE_REVOKED goes out once it has

@@ -30,6 +30,10 @@ pub struct LaneSample {
     pub progress: u64,
     /// Bytes to deliver.
     pub loaded: bool,
+    /// KV_PAGES bytes (header and payload) of every block fully handed to the lane's
+    /// socket on its current connection: compared with the receiver's
+    /// LANE_DELIVERED where both offered `lane_delivery`.
+    pub sent: u64,
 }
 
 /// Something the sender's I/O layer or engine acts on.
@@ -110,6 +114,8 @@ struct LaneWatch {
     dead: bool,
     progress: u64,
     since: Timestamp,
+    /// The receiver's last LANE_DELIVERED count for the lane (`lane_delivery`).
+    delivered: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -254,6 +260,7 @@ impl SenderSession {
                     dead: false,
                     progress: 0,
                     since: now,
+                    delivered: None,
                 })
                 .collect(),
             revoking: None,
@@ -271,6 +278,7 @@ impl SenderSession {
             return;
         };
         let failover = conn.capabilities & capability::LANE_FAILOVER != 0;
+        let delivery = failover && conn.capabilities & capability::LANE_DELIVERY != 0;
         let local = conn.capabilities & capability::LOCAL_UCX != 0;
         self.queue
             .set(Timer::Dead, now.saturating_add(self.timers.dead_after));
@@ -342,6 +350,21 @@ impl SenderSession {
                     lane: r.lane,
                     resend,
                 });
+            }
+            Frame::LaneDelivered(d) if delivery => {
+                let Some(conn) = self.conn.as_mut() else {
+                    return;
+                };
+                // A lane this connection does not have is a report from before a
+                // reconnect: ignored, as a stale LANE_REVOKED is.
+                for (lane, bytes) in d.lanes {
+                    let watch = lane
+                        .checked_sub(1)
+                        .and_then(|i| conn.lanes.get_mut(usize::from(i)));
+                    if let Some(w) = watch {
+                        w.delivered = Some(bytes);
+                    }
+                }
             }
             Frame::PrefixReply(r) => self.events.push_back(SenderEvent::PrefixReply(r)),
             Frame::Abort(a) if a.request_id == 0 => self.end(peer_aborted(&a), false),
@@ -456,19 +479,35 @@ impl SenderSession {
     /// session ends if its LANE_REVOKED does not come within the dead-peer bound.
     /// When every lane stalls (the whole line), nothing is revoked: the dead-peer
     /// bounds decide. Only where both sides offered lane failover.
+    ///
+    /// Where both also offered `lane_delivery` and the receiver reported the lane,
+    /// progress is what the receiver read (LANE_DELIVERED) and a lane has bytes to
+    /// deliver while it was sent more than that: a lane whose bytes TCP acknowledges
+    /// but a middlebox drops stalls too. The reports come with each PING, so the
+    /// bound is then at least two heartbeats.
     pub fn lane_samples(&mut self, samples: &[LaneSample], now: Timestamp) {
-        let stall = self.lane_stall;
         let Some(conn) = self.conn.as_mut() else {
             return;
         };
         if conn.capabilities & capability::LANE_FAILOVER == 0 || conn.revoking.is_some() {
             return;
         }
+        let delivery = conn.capabilities & capability::LANE_DELIVERY != 0;
+        let stall = if delivery {
+            self.lane_stall.max(self.timers.heartbeat.saturating_mul(2))
+        } else {
+            self.lane_stall
+        };
         let mut stalled = None;
         let mut healthy = 0usize;
         for (i, (watch, s)) in conn.lanes.iter_mut().zip(samples).enumerate() {
             if watch.dead {
                 continue;
+            }
+            let mut s = *s;
+            if let Some(read) = watch.delivered.filter(|_| delivery) {
+                s.progress = read;
+                s.loaded = s.sent > read;
             }
             if !s.loaded || s.progress != watch.progress {
                 watch.progress = s.progress;

@@ -273,6 +273,19 @@ pub struct LaneRevoke {
     pub lane: u16,
 }
 
+/// The most data lanes one LANE_DELIVERED names.
+pub const MAX_DELIVERED_LANES: usize = 256;
+
+/// LANE_DELIVERED (receiver -> sender, on the control lane, capability
+/// `lane_delivery`): per data lane, the KV_PAGES bytes (header and payload of every
+/// frame whose header was read) the receiver has read on its current connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaneDelivered {
+    /// `(lane, bytes)`: each lane >= 1, at most once, at most
+    /// [`MAX_DELIVERED_LANES`] of them.
+    pub lanes: Vec<(u16, u64)>,
+}
+
 /// Fixed bytes of one LOCAL_GRANT region before its key, plus at least one key byte.
 pub const LOCAL_REGION_MIN_LEN: u64 = 2 + 4 + 4 + 8 + 2 + 1;
 
@@ -343,6 +356,8 @@ pub enum Frame {
     LaneRevoke(LaneRevoke),
     /// LANE_REVOKED
     LaneRevoked(LaneRevoke),
+    /// LANE_DELIVERED
+    LaneDelivered(LaneDelivered),
 }
 
 impl Frame {
@@ -368,6 +383,7 @@ impl Frame {
             Frame::LocalDone(_) => FrameKind::LocalDone,
             Frame::LaneRevoke(_) => FrameKind::LaneRevoke,
             Frame::LaneRevoked(_) => FrameKind::LaneRevoked,
+            Frame::LaneDelivered(_) => FrameKind::LaneDelivered,
         }
     }
 
@@ -489,6 +505,9 @@ impl Frame {
                     return arg("lane 0 is the control lane and cannot be revoked".into());
                 }
             }
+            Frame::LaneDelivered(d) => {
+                check_delivered(&d.lanes).or_else(arg)?;
+            }
             Frame::KvDone(_)
             | Frame::HandoffAck(_)
             | Frame::Progress(_)
@@ -540,6 +559,7 @@ impl Frame {
             }
             Frame::LocalDone(_) => 8 + 2 + 2 + 8 + 8,
             Frame::LaneRevoke(_) | Frame::LaneRevoked(_) => 2,
+            Frame::LaneDelivered(d) => 2 + 10 * d.lanes.len(),
         })
     }
 }
@@ -548,6 +568,26 @@ impl Frame {
 fn check_page_block(p: &KvPages) -> std::result::Result<(), String> {
     // One rule for the whole-frame decoder and the receiver's header-first path.
     crate::kv::KvBlock::of(p).check(p.data.len() as u64)
+}
+
+/// LANE_DELIVERED's list: at most [`MAX_DELIVERED_LANES`] data lanes (>= 1), each once.
+pub(crate) fn check_delivered(lanes: &[(u16, u64)]) -> std::result::Result<(), String> {
+    if lanes.len() > MAX_DELIVERED_LANES {
+        return Err(format!(
+            "{} lanes, more than {MAX_DELIVERED_LANES}",
+            lanes.len()
+        ));
+    }
+    let mut seen = std::collections::HashSet::with_capacity(lanes.len());
+    for &(lane, _) in lanes {
+        if lane == 0 {
+            return Err("lane 0 is the control lane, not a data lane".into());
+        }
+        if !seen.insert(lane) {
+            return Err(format!("lane {lane} named twice"));
+        }
+    }
+    Ok(())
 }
 
 /// A region names >= 1 page, its page range fits u32, its key 1..=1024 bytes.

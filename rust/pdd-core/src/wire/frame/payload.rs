@@ -13,9 +13,10 @@ use crate::wire::{
 };
 
 use super::{
-    check_local_done, check_page_block, check_region, Abort, Auth, CacheEvent, CacheEvents, Frame,
-    Handoff, HandoffAck, Hello, KvDone, KvGrant, KvPages, LaneRevoke, LocalAddr, LocalDone,
-    LocalGrant, LocalRegion, Ping, PrefixQuery, PrefixReply, Progress, LOCAL_REGION_MIN_LEN,
+    check_delivered, check_local_done, check_page_block, check_region, Abort, Auth, CacheEvent,
+    CacheEvents, Frame, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvPages, LaneDelivered,
+    LaneRevoke, LocalAddr, LocalDone, LocalGrant, LocalRegion, Ping, PrefixQuery, PrefixReply,
+    Progress, LOCAL_REGION_MIN_LEN, MAX_DELIVERED_LANES,
 };
 
 const EVENT_STORED: u8 = 1;
@@ -142,6 +143,14 @@ impl Frame {
             }
             Frame::LaneRevoke(r) | Frame::LaneRevoked(r) => {
                 out.put_u16_le(r.lane);
+            }
+            Frame::LaneDelivered(d) => {
+                // validate() bounds the count to MAX_DELIVERED_LANES.
+                out.put_u16_le(d.lanes.len() as u16);
+                for &(lane, bytes) in &d.lanes {
+                    out.put_u16_le(lane);
+                    out.put_u64_le(bytes);
+                }
             }
             Frame::LocalDone(d) => {
                 out.put_u64_le(d.transfer_id);
@@ -478,6 +487,22 @@ impl Frame {
                 } else {
                     Frame::LaneRevoked(l)
                 }
+            }
+            FrameKind::LaneDelivered => {
+                let count = usize::from(r.u16("count")?);
+                if count > MAX_DELIVERED_LANES {
+                    return Err(r.invalid("count", "more lanes than a LANE_DELIVERED names"));
+                }
+                let mut lanes = Vec::with_capacity(count);
+                for _ in 0..count {
+                    lanes.push((r.u16("lane")?, r.u64("bytes")?));
+                }
+                check_delivered(&lanes).map_err(|detail| Error::InvalidField {
+                    kind,
+                    field: "lane",
+                    detail,
+                })?;
+                Frame::LaneDelivered(LaneDelivered { lanes })
             }
         };
         r.finish()?;
