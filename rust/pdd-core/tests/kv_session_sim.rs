@@ -1186,6 +1186,32 @@ fn a_lane_acknowledged_but_not_delivered_is_revoked_by_the_receivers_count() {
 }
 
 #[test]
+fn the_delivery_stall_bound_is_at_least_two_heartbeats() {
+    // Heartbeat 300 ms, stall bound 200 ms: the counts come every 300 ms, so a lane
+    // is stalled by them only after 600 ms (a report in between is not missed).
+    let mut tx = SenderSession::new(SessionTimers::new(dur(300), dur(3_000)), dur(200)).unwrap();
+    tx.connected(WAN | capability::LANE_DELIVERY, 2, ms(0)).unwrap();
+    drain_tx(&mut tx, ms(0));
+    tx.handle_frame(delivered(&[(1, 100), (2, 100)]), ms(0));
+    tx.lane_samples(&[acked(1, 500), acked(1, 500)], ms(0));
+    for t in [300, 599] {
+        tx.handle_frame(delivered(&[(1, 100), (2, 100 + t)]), ms(t));
+        tx.lane_samples(&[acked(1, 500), acked(1, 500 + t)], ms(t));
+        let (f, _) = drain_tx(&mut tx, ms(t));
+        assert!(
+            !f.iter().any(|x| matches!(x, Frame::LaneRevoke(_))),
+            "at {t} ms: {f:?}"
+        );
+    }
+    tx.lane_samples(&[acked(1, 500), acked(1, 1_200)], ms(600));
+    let (f, _) = drain_tx(&mut tx, ms(600));
+    assert!(
+        f.contains(&Frame::LaneRevoke(LaneRevoke { lane: 1 })),
+        "{f:?}"
+    );
+}
+
+#[test]
 fn delivery_counts_count_only_with_the_capability_and_only_while_bytes_are_owed() {
     // Everything the receiver was sent arrived: idle, not stalled, however long.
     let mut tx = sender(WAN | capability::LANE_DELIVERY, 2, ms(0));
