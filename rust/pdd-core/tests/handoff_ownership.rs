@@ -516,3 +516,33 @@ proptest! {
         w.finish();
     }
 }
+
+#[test]
+fn an_abort_for_bad_bytes_keeps_the_requests_and_others_end_them() {
+    // Bad bytes (a flipped byte in a header: wrong version, kind, length or CRC) are
+    // the connection's fault: the link reconnects and replays, no request ends.
+    // Any other connection-wide reason ends every request of the session.
+    for (reason, fault) in [
+        (AbortReason::ChecksumMismatch, true),
+        (AbortReason::ProtocolError, true),
+        (AbortReason::FrameTooLarge, true),
+        (AbortReason::UnknownKind, true),
+        (AbortReason::UnsupportedVersion, true),
+        (AbortReason::Shutdown, false),
+        (AbortReason::AuthFailed, false),
+    ] {
+        let mut rld = RelayRouter::new(policy(), timers()).unwrap();
+        let mut out = Outbox::default();
+        rld.open(REQ, PROMPT, ms(0), &mut out).unwrap();
+        let abort = Frame::Abort(Abort::new(0, reason, "bad bytes"));
+        let mut out = Outbox::default();
+        rld.handle_frame(abort, ms(1), &mut out).unwrap();
+        let stats = rld.stats();
+        assert_eq!(stats.connection_faults, u64::from(fault), "{reason:?}");
+        let ended = out
+            .events
+            .iter()
+            .any(|e| matches!(e.event, RelayEvent::Failed(_)));
+        assert_eq!(ended, !fault, "{reason:?}: {:?}", out.events);
+    }
+}

@@ -1190,7 +1190,8 @@ fn the_delivery_stall_bound_is_at_least_two_heartbeats() {
     // Heartbeat 300 ms, stall bound 200 ms: the counts come every 300 ms, so a lane
     // is stalled by them only after 600 ms (a report in between is not missed).
     let mut tx = SenderSession::new(SessionTimers::new(dur(300), dur(3_000)), dur(200)).unwrap();
-    tx.connected(WAN | capability::LANE_DELIVERY, 2, ms(0)).unwrap();
+    tx.connected(WAN | capability::LANE_DELIVERY, 2, ms(0))
+        .unwrap();
     drain_tx(&mut tx, ms(0));
     tx.handle_frame(delivered(&[(1, 100), (2, 100)]), ms(0));
     tx.lane_samples(&[acked(1, 500), acked(1, 500)], ms(0));

@@ -164,7 +164,10 @@ pub struct RouterStats {
 }
 
 /// ABORT reasons that say the connection's bytes went bad, not that the requests
-/// should end: the link recovers from them as from a reset.
+/// should end: the link recovers from them as from a reset. An unsupported version
+/// is one of them here: versions are agreed in the opening, before any request
+/// frame, so a frame header with another version byte is a corrupted header (seen
+/// when a flipped byte lands on it).
 fn connection_fault(reason: AbortReason) -> bool {
     matches!(
         reason,
@@ -172,6 +175,7 @@ fn connection_fault(reason: AbortReason) -> bool {
             | AbortReason::ProtocolError
             | AbortReason::FrameTooLarge
             | AbortReason::UnknownKind
+            | AbortReason::UnsupportedVersion
     )
 }
 
