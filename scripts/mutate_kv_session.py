@@ -27,6 +27,7 @@ import time
 R = "rust/pdd-core/src/kv/session/receiver.rs"
 S = "rust/pdd-core/src/kv/session/sender.rs"
 M = "rust/pdd-core/src/kv/session/mod.rs"
+RL = "rust/pdd-core/src/kv/session/receiver_lanes.rs"  # the receiver's lanes, a child of R
 W = "rust/pdd-core/src/wire/text.rs"  # the one cut of wire text, used by every ABORT
 
 # (id and what the mutant breaks, file, the snippet, its replacement)
@@ -70,7 +71,7 @@ MUTANTS: list[tuple[str, str, str, str]] = [
 ("R36 handle_frame: ABORT of a request reaches other sessions", R, "                    .transfers_of(session)\n                    .into_iter()\n                    .filter(|&id| self.state.request_of(id) == Some(a.request_id))", "                    .transfers\n                    .keys()\n                    .copied()\n                    .filter(|&id| self.state.request_of(id) == Some(a.request_id))"),
 ("R37 handle_frame: ABORT of a request fails every request", R, ".filter(|&id| self.state.request_of(id) == Some(a.request_id))", ".filter(|&id| self.state.request_of(id).is_some())"),
 ("R38 handle_frame: LANE_REVOKE without failover taken", R, "Frame::LaneRevoke(r) if failover && !local =>", "Frame::LaneRevoke(r) if !local =>"),
-("R39 handle_frame: an unexpected frame ends silently", R, "                self.end_session(session, e, true, false);\n            }\n        }\n    }\n\n    /// What LANE_DELIVERED", "                self.end_session(session, e, false, false);\n            }\n        }\n    }\n\n    /// What LANE_DELIVERED"),
+("R39 handle_frame: an unexpected frame ends silently", R, "                self.end_session(session, e, true, false);\n            }\n        }\n    }\n\n    /// Reserve pages", "                self.end_session(session, e, false, false);\n            }\n        }\n    }\n\n    /// Reserve pages"),
 ("R40 revoke: an unknown lane never answered", R, "            self.transmit\n                .push_back((session, Frame::LaneRevoked(LaneRevoke { lane })));\n            return;", "            return;"),
 ("R41 revoke: a lane stopped once per LANE_REVOKE", R, "        if st.answers == 1 {", "        if true {"),
 ("R42 revoke: no bound on the lane's end", R, "            self.queue.set(\n                Timer::LaneEnd(session.generation, instance),\n                now.saturating_add(bound),\n            );", "            let _ = (bound, now);"),
@@ -127,7 +128,7 @@ MUTANTS: list[tuple[str, str, str, str]] = [
 ("S24 lane_samples: two revocations at once", S, "        if conn.capabilities & capability::LANE_FAILOVER == 0 || conn.revoking.is_some() {", "        if conn.capabilities & capability::LANE_FAILOVER == 0 {"),
 ("S25 lane_samples: an idle lane counts as stalled", S, "            if !s.loaded || s.progress != watch.progress {", "            if s.progress != watch.progress {"),
 ("S26 lane_samples: a moving lane counts as stalled", S, "            if !s.loaded || s.progress != watch.progress {", "            if !s.loaded {"),
-("S27 lane_samples: stalled one bound late", S, "if s.loaded && now.saturating_duration_since(watch.since) >= stall {", "if s.loaded && now.saturating_duration_since(watch.since) > stall {"),
+("S27 lane_samples: stalled one bound late", S, "s.loaded && now.saturating_duration_since(watch.since) >= stall;", "s.loaded && now.saturating_duration_since(watch.since) > stall;"),
 ("S28 lane_samples: revokes when the whole line stalls", S, "let (Some(i), true) = (stalled, healthy > 0) else {", "let (Some(i), true) = (stalled, true) else {"),
 ("S29 lane_samples: no bound on LANE_REVOKED", S, "        self.queue.set(\n            Timer::RevokeBound,\n            now.saturating_add(self.timers.dead_after),\n        );", ""),
 ("S30 lane_samples: the revoked lane stays alive", S, "        conn.lanes[i].dead = true;", ""),
@@ -151,8 +152,8 @@ MUTANTS: list[tuple[str, str, str, str]] = [
 ("D03 receiver: blocks not counted", R, "            st.delivered = st\n                .delivered\n                .saturating_add(", "            st.delivered = 0 * st\n                .delivered\n                .saturating_add("),
 ("D04 receiver: reported without the capability", R, "if s.local() || s.capabilities & capability::LANE_DELIVERY == 0 {", "if s.local() {"),
 ("D05 sender: the receiver's counts ignored", S, "if let Some(read) = watch.delivered.filter(|_| delivery) {", "if let Some(read) = watch.delivered.filter(|_| false) {"),
-("D06 sender: owed bytes from TCP only", S, "                s.loaded = s.sent > read;", ""),
-("D07 sender: no two-heartbeat floor", S, "self.lane_stall.max(self.timers.heartbeat.saturating_mul(2))", "self.lane_stall"),
+("D06 sender: nothing owed never resets the count's clock", S, "if !owed || read != watch.read_seen {", "if read != watch.read_seen {"),
+("D07 sender: no two-heartbeat floor", S, "let read_stall = stall.max(self.timers.heartbeat.saturating_mul(2));", "let read_stall = stall;"),
 ("D08 sender: LANE_DELIVERED without the capability", S, "Frame::LaneDelivered(d) if delivery => {", "Frame::LaneDelivered(d) => {"),
 ("D09 wire: a lane named twice accepted", "rust/pdd-core/src/wire/frame/mod.rs", "        if !seen.insert(lane) {", "        if !seen.insert(lane) && false {"),
 ("M04 abort messages cut inside a character", W, "    while !s.is_char_boundary(end) {\n        end -= 1;\n    }", "    while end > 1 && !s.is_char_boundary(end) {\n        end -= 2;\n    }"),
@@ -180,6 +181,9 @@ MUTANTS: list[tuple[str, str, str, str]] = [
 ("L22 a refused grant on a WAN session not removed", S, "        let found = match self.grants.remove(&request_id) {\n            Some(_) => true,", "        let found = match self.grants.get(&request_id) {\n            Some(_) => true,"),
 ("L23 a dead connection's refused grants excuse LOCAL_GRANTs on the next", S, "        self.refused.clear();\n", ""),
 ]
+
+# The receiver's lane handling moved to its child module: a snippet of R found there.
+MUTANTS = [(n, RL if p == R and o not in open(R).read() else p, o, r) for n, p, o, r in MUTANTS]
 
 TESTS = ["-p", "pdd-core", "--lib", "--test", "kv_session_sim", "--test", "kv_session_adversarial"]
 

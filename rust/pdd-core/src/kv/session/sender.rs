@@ -116,6 +116,9 @@ struct LaneWatch {
     since: Timestamp,
     /// The receiver's last LANE_DELIVERED count for the lane (`lane_delivery`).
     delivered: Option<u64>,
+    /// That count when it last moved (or nothing was owed), and since when.
+    read_seen: u64,
+    read_since: Timestamp,
 }
 
 #[derive(Debug)]
@@ -261,6 +264,8 @@ impl SenderSession {
                     progress: 0,
                     since: now,
                     delivered: None,
+                    read_seen: 0,
+                    read_since: now,
                 })
                 .collect(),
             revoking: None,
@@ -493,27 +498,32 @@ impl SenderSession {
             return;
         }
         let delivery = conn.capabilities & capability::LANE_DELIVERY != 0;
-        let stall = if delivery {
-            self.lane_stall.max(self.timers.heartbeat.saturating_mul(2))
-        } else {
-            self.lane_stall
-        };
+        let stall = self.lane_stall;
+        let read_stall = stall.max(self.timers.heartbeat.saturating_mul(2));
         let mut stalled = None;
         let mut healthy = 0usize;
         for (i, (watch, s)) in conn.lanes.iter_mut().zip(samples).enumerate() {
             if watch.dead {
                 continue;
             }
-            let mut s = *s;
-            if let Some(read) = watch.delivered.filter(|_| delivery) {
-                s.progress = read;
-                s.loaded = s.sent > read;
-            }
+            // Two measures, either one stalls the lane: TCP's (bytes unacknowledged
+            // and the acknowledged count still) and, with lane_delivery, the
+            // receiver's (bytes sent it has not read, and its count still).
             if !s.loaded || s.progress != watch.progress {
                 watch.progress = s.progress;
                 watch.since = now;
             }
-            if s.loaded && now.saturating_duration_since(watch.since) >= stall {
+            let mut lane_stalled = s.loaded && now.saturating_duration_since(watch.since) >= stall;
+            if let Some(read) = watch.delivered.filter(|_| delivery) {
+                let owed = s.sent > read;
+                if !owed || read != watch.read_seen {
+                    watch.read_seen = read;
+                    watch.read_since = now;
+                }
+                lane_stalled |=
+                    owed && now.saturating_duration_since(watch.read_since) >= read_stall;
+            }
+            if lane_stalled {
                 stalled.get_or_insert(i);
             } else {
                 healthy += 1;
