@@ -6,7 +6,6 @@ wait is bounded."""
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import socket
@@ -18,7 +17,7 @@ from typing import Any
 
 import pytest
 from pdd_transport import handoff, policy
-from pdd_transport.integrations.vllm_router import MainDecodeCacheView, PddRouter, RouterConfig, serve
+from pdd_transport.integrations.vllm_router import BackgroundRouter, MainDecodeCacheView, RouterConfig
 from test_vllm_pdd import reference
 
 BLOCK = 16
@@ -52,11 +51,14 @@ class Engine:
 
             def _json(self, status: int, body: dict[str, Any]) -> None:
                 data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    self.close_connection = True  # the router went away (its client did)
 
             def do_GET(self) -> None:
                 if self.path == "/health":
@@ -138,38 +140,6 @@ class Engine:
         self.server.server_close()
 
 
-class Router:
-    """A PddRouter served on its own event loop thread."""
-
-    def __init__(self, config: RouterConfig) -> None:
-        self.router = PddRouter(config)
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        self.port = 0
-
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
-
-            async def start() -> Any:
-                runner = await serve(self.router, "127.0.0.1", 0)
-                self.port = runner.addresses[0][1]
-                return runner
-
-            self.runner = self.loop.run_until_complete(start())
-            ready.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        assert ready.wait(20), "the router did not start"
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(20)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(20)
-        self.loop.close()
-
-
 class Deployment:
     def __init__(self, relay: bool = False, rld_token_s: float = 0.0, md_kv_s: float = 0.0, **config: Any) -> None:
         self.p = Engine("p")
@@ -181,7 +151,7 @@ class Deployment:
         if self.rld is not None:
             kw.update(relay_url=self.rld.url, relay_kv_address="local://127.0.0.1:7300")
         kw.update(config)
-        self.router = Router(RouterConfig(**kw))
+        self.router = BackgroundRouter(RouterConfig(**kw))
         self.url = f"http://127.0.0.1:{self.router.port}"
 
     def engines(self) -> list[Engine]:
@@ -438,24 +408,40 @@ def test_upstream_timeout_is_bounded(deploy: Any) -> None:
     assert took < 4.0, took
 
 
-def test_client_disconnect_aborts_the_upstream_stream(deploy: Any) -> None:
-    d = deploy()
-    d.md.token_s = 0.05
-    sock = socket.create_connection(("127.0.0.1", d.router.port), timeout=10)
+def hang_up(port: int, body: dict[str, Any], wait_for_data: bool) -> None:
+    """Send ``body`` to the router, read up to its first SSE event (or nothing), and
+    close the connection, as a client that goes away does."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     try:
-        body = json.dumps({"prompt": PROMPT, "max_tokens": 200, "stream": True}).encode()
+        raw = json.dumps(body).encode()
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                     b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
         got = b""
-        while b"data: " not in got:
+        while wait_for_data and b"data: " not in got:
             part = sock.recv(4096)
             assert part, "the router closed the stream"
             got += part
+        if not wait_for_data:
+            time.sleep(0.3)  # the request is on its way to the engines
     finally:
         sock.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_the_upstream_stream(deploy: Any, stream: bool) -> None:
+    d = deploy()
+    d.md.token_s = 0.05
+    hang_up(d.router.port, {"prompt": PROMPT, "max_tokens": 200, "stream": stream}, wait_for_data=stream)
     # MD's stream is closed by the router (vLLM aborts such a request) well before its
     # 200 tokens (10 s) would have ended.
     assert wait_for(lambda: d.md.aborted == 1, 5.0), d.md.aborted
+
+
+def test_client_disconnect_during_a_handoff_pipeline_aborts_rld(deploy: Any) -> None:
+    d = deploy(rld_token_s=0.05, md_kv_s=3.0, **pdd_config())
+    assert d.rld is not None
+    hang_up(d.router.port, {"prompt": list(range(8000, 8128)), "max_tokens": 100, "stream": True}, wait_for_data=True)
+    assert wait_for(lambda: d.rld is not None and d.rld.aborted == 1, 5.0), d.rld.aborted
 
 
 # -- pipelines --------------------------------------------------------------------

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import threading
 import time
 import uuid
 from typing import Any
@@ -64,7 +65,7 @@ from pdd_transport.integrations.vllm_pipelines import (
     cancel_and_wait,
 )
 
-__all__ = ["ApiError", "HfTokenizer", "MainDecodeCacheView", "PddRouter", "RouterConfig", "SubResult", "Tokenizer",
+__all__ = ["ApiError", "BackgroundRouter", "HfTokenizer", "MainDecodeCacheView", "PddRouter", "RouterConfig", "SubResult", "Tokenizer",
            "UpstreamError", "main", "serve"]
 
 # Fields the router cannot honour across its splicing of two engines' outputs.
@@ -394,6 +395,48 @@ async def serve(router: PddRouter, host: str = "127.0.0.1", port: int = 8000) ->
     site = web.TCPSite(runner, host, port)
     await site.start()
     return runner
+
+
+class BackgroundRouter:
+    """A :class:`PddRouter` served on an event loop of its own thread, for synchronous
+    programs (benchmarks, tests): ``url`` once built, :meth:`close` to stop it."""
+
+    def __init__(self, config: RouterConfig, host: str = "127.0.0.1", port: int = 0, start_timeout_s: float = 30.0):
+        self.router = PddRouter(config)
+        self.loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self._failure: BaseException | None = None
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            try:
+                self._runner = self.loop.run_until_complete(serve(self.router, host, port))
+            except BaseException as e:  # reported by the constructor
+                self._failure = e
+                return
+            finally:
+                ready.set()
+            self.loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name="pdd-router", daemon=True)
+        self._thread.start()
+        if not ready.wait(start_timeout_s):
+            raise TimeoutError(f"the router did not start in {start_timeout_s} s")
+        if self._failure is not None:
+            raise RuntimeError(f"the router did not start: {self._failure!r}") from self._failure
+        assert self._runner is not None
+        self.port = int(self._runner.addresses[0][1])
+        self.url = f"http://{host}:{self.port}"
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(timeout_s)
+            self._runner = None
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.loop.close()
 
 
 def main(argv: list[str] | None = None) -> None:
