@@ -505,6 +505,11 @@ def test_catch_up_handoff_through_the_router_streams_each_token_once(deploy: Any
     assert tokens == reference(prompt, 150)
     info = [ch["pdd"] for c in events[:-1] for ch in c["choices"] if "pdd" in ch][0]
     assert info["pipeline"] == "p_rld_md" and info["handoff_mode"] == "catch_up" and len(info["handoffs"]) >= 2
+    # RLD's tokens up to the final handoff, MD's after it (none when RLD got to the end
+    # first, on a loaded machine): at most one switch, every position once.
+    runs = info["decoded_by_runs"]
+    assert [who for who, _ in runs] in (["rld"], ["rld", "md"]) and sum(n for _, n in runs) == 150
+    assert runs[0][1] == sum(count for _, count, _ in info["handoffs"])
 
 
 def test_output_dependent_sampling_never_takes_a_handoff(deploy: Any) -> None:

@@ -245,7 +245,19 @@ class SubResult:
         return {"pipeline": self.pipeline, "route_reason": self.route_reason, "md_held_tokens": self.md_held_tokens,
                 "handoff_mode": self.handoff_mode, "handoffs": [list(h) for h in self.handoffs],
                 "tokens_decoded": {"rld": self.decoded_by.count("rld"), "md": self.decoded_by.count("md")},
+                "decoded_by_runs": _runs(self.decoded_by),
                 "prefill_error": self.prefill_error, "notes": self.notes}
+
+
+def _runs(names: list[str]) -> list[list[Any]]:
+    """``["rld", "rld", "md"]`` -> ``[["rld", 2], ["md", 1]]``: who decoded the output, in order."""
+    runs: list[list[Any]] = []
+    for name in names:
+        if runs and runs[-1][0] == name:
+            runs[-1][1] += 1
+        else:
+            runs.append([name, 1])
+    return runs
 
 
 class OutputSlots:

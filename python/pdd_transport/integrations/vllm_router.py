@@ -458,6 +458,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-bytes-per-token", type=int, default=50_000, help="the model's KV bytes per token")
     ap.add_argument("--ttft-budget-ms", type=float, default=None, help="PipelinePolicy.ttft_budget_ms")
     ap.add_argument("--no-anomaly-filter", action="store_true", help="never route P-RLD")
+    ap.add_argument("--anomaly-long-input-tokens", type=int, default=None, help="AnomalyPolicy.long_input_tokens")
+    ap.add_argument("--anomaly-low-hit-rate", type=float, default=None, help="AnomalyPolicy.low_hit_rate")
+    ap.add_argument("--anomaly-short-output-tokens", type=int, default=None,
+                    help="AnomalyPolicy.short_output_tokens")
     ap.add_argument("--pipeline", choices=("auto", *PIPELINES), default="auto", help="force one pipeline")
     ap.add_argument("--main-block-size", type=int, default=16, help="MD's vLLM --block-size")
     ap.add_argument("--main-capacity-blocks", type=int, default=None, help="MD's KV cache size, in blocks")
@@ -474,7 +478,9 @@ def main(argv: list[str] | None = None) -> None:
         upstream_idle_timeout_s=args.upstream_idle_timeout_s, wan_goodput_gbit=args.wan_goodput_gbit,
         wan_rtt_ms=args.wan_rtt_ms, kv_bytes_per_token=args.kv_bytes_per_token,
         pipeline_policy=policy.PipelinePolicy(ttft_budget_ms=args.ttft_budget_ms),
-        anomaly_policy=policy.AnomalyPolicy.disabled() if args.no_anomaly_filter else None,
+        anomaly_policy=policy.AnomalyPolicy.disabled() if args.no_anomaly_filter else policy.AnomalyPolicy(
+            long_input_tokens=args.anomaly_long_input_tokens, low_hit_rate=args.anomaly_low_hit_rate,
+            short_output_tokens=args.anomaly_short_output_tokens),
         force_pipeline=None if args.pipeline == "auto" else args.pipeline, main_block_size=args.main_block_size,
         main_capacity_blocks=args.main_capacity_blocks, handoff_listen=args.handoff_listen,
         handoff_connect=args.handoff_connect, relay_capacity=args.relay_capacity,
