@@ -533,6 +533,34 @@ def test_md_dying_after_the_handoff_leaves_rld_to_finish(deploy: Any) -> None:
     assert any("RLD finished the request" in n for n in choice["pdd"]["notes"])
 
 
+def test_rld_dying_mid_request_leaves_md_to_finish(deploy: Any) -> None:
+    d = deploy(rld_token_s=0.02, md_kv_s=1.0, **pdd_config())
+    assert d.rld is not None
+    d.rld.die_after = 5  # before MD has the KV: no handoff yet
+    prompt = list(range(6500, 6628))
+    status, body, _ = request(d.url, "/v1/completions", {"prompt": prompt, "max_tokens": 40})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["token_ids"] == reference(prompt, 40) and choice["finish_reason"] == "length"
+    assert choice["pdd"]["decoded_by_runs"] == [["rld", 5], ["md", 35]]
+    assert any(n.startswith("MD finished the request") for n in choice["pdd"]["notes"])
+    # MD continued from the prompt and RLD's 5 tokens, as ids: no repeat, no gap.
+    assert d.md.requests[-1]["prompt"] == prompt + reference(prompt, 5)
+
+
+def test_md_failing_its_load_leaves_rld_to_finish(deploy: Any) -> None:
+    d = deploy(rld_token_s=0.01, **pdd_config())
+    d.md.status = 500
+    prompt = list(range(6700, 6828))
+    status, body, _ = request(d.url, "/v1/completions", {"prompt": prompt, "max_tokens": 30, "stream": True})
+    assert status == 200 and body[-1] == "[DONE]" and not any("error" in c for c in body[:-1])
+    tokens = [t for c in body[:-1] for ch in c["choices"] for t in ch["token_ids"]]
+    assert tokens == reference(prompt, 30)
+    info = [ch["pdd"] for c in body[:-1] for ch in c["choices"] if "pdd" in ch][0]
+    assert info["decoded_by_runs"] == [["rld", 30]]
+    assert any(n.startswith("RLD finished the request") for n in info["notes"])
+
+
 def test_relay_and_main_dying_is_an_error(deploy: Any) -> None:
     d = deploy(rld_token_s=0.01, md_kv_s=0.1, **pdd_config())
     assert d.rld is not None

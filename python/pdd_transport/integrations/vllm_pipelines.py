@@ -237,6 +237,8 @@ class SubResult:
     #: (first output position, tokens, final) of each handoff MD received.
     handoffs: list[tuple[int, int, bool]] = field(default_factory=list)
     prefill_error: str | None = None
+    #: The decoder whose failure ended the pipeline ("rld" or "md"), if one did.
+    failed_side: str | None = None
     notes: list[str] = field(default_factory=list)
     ttft_s: float | None = None
     started: float = field(default_factory=time.monotonic)
@@ -345,7 +347,7 @@ class PipelineRunner:
         self._relay_active = 0
         #: Counters since start: pipelines chosen, handoffs by mode, errors.
         self.counters: dict[str, int] = {p: 0 for p in PIPELINES} | {"one_shot": 0, "catch_up": 0, "errors": 0,
-                                                                     "rld_recoveries": 0}
+                                                                     "rld_recoveries": 0, "md_recoveries": 0}
 
     # -- life cycle ---------------------------------------------------------------
 
@@ -489,15 +491,20 @@ class PipelineRunner:
             sub.error = UpstreamError("router", f"output ended after {out.count} of {sub.max_tokens} tokens "
                                                 "with no finish reason")
         if sub.error is not None and sub.pipeline == "p_rld_md" and sub.finish_reason is None:
-            # RLD finishes what MD could not: the request recomputes there from the
-            # prompt and every token the client has.
-            try:
-                sub.notes.append(f"RLD finished the request after: {sub.error}")
-                self.counters["rld_recoveries"] += 1
-                sub.error = None
-                await self._finish_on_relay(sub, sampling, out)
-            except UpstreamError as e:
-                sub.error = e
+            # The other decoder finishes what one could not: the request continues there
+            # from the prompt and every token the client has (MD holds the prompt's KV
+            # once its load answered; RLD holds it from P's local push; either recomputes
+            # what it lacks). RLD failed: MD first; else RLD first.
+            order = ["md", "rld"] if sub.failed_side == "rld" else ["rld", "md"]
+            for who in order:
+                sub.notes.append(f"{who.upper()} finished the request after: {sub.error}")
+                self.counters[f"{who}_recoveries"] += 1
+                try:
+                    await self._continue_on(who, sub, sampling, out)
+                    sub.error = None
+                    break
+                except UpstreamError as e:
+                    sub.error = e
         if sub.handoff_mode in ("one_shot", "catch_up") and sub.handoffs:
             self.counters[sub.handoff_mode] += 1
         if sub.error is not None:
@@ -557,13 +564,16 @@ class PipelineRunner:
             self._relay_load(-1)
             await cancel_and_wait(prefill)
 
-    async def _finish_on_relay(self, sub: SubResult, sampling: dict[str, Any], out: OutputSlots) -> None:
-        c = self.config
-        assert c.relay_url
+    async def _continue_on(self, who: str, sub: SubResult, sampling: dict[str, Any], out: OutputSlots) -> None:
+        """Continue ``sub`` on RLD or MD from the tokens the client has, to the end."""
+        url = self.config.relay_url if who == "rld" else self.config.main_url
+        assert url
         done = list(sub.token_ids)
-        end = await self._stream("RLD", c.relay_url, self._body(sampling, sub.prompt + done, sub.max_tokens - len(done), None),
-                                 self._emitter(out, len(done), "rld"))
-        sub.finish_reason = end.finish_reason
+        end = await self._stream(who.upper(), url, self._body(sampling, sub.prompt + done, sub.max_tokens - len(done), None),
+                                 self._emitter(out, len(done), who))
+        sub.finish_reason = end.finish_reason or "length"
+        if who == "md":
+            self.md_cache.record(sub.prompt + sub.token_ids[:-1])
 
     def _relay_load(self, delta: int) -> None:
         self._relay_active += delta
@@ -590,8 +600,11 @@ class PipelineRunner:
             "length" if out.count >= sub.max_tokens else None)
         if sub.finish_reason is None:
             errors = [e for e in (state.get("rld_error"), state.get("md_error")) if e is not None]
+            # An engine's own failure is the cause; the other side's "handoff failed" its echo.
+            own = [e for e in errors if e.engine in ("RLD", "MD")]
             if errors:
-                sub.error = errors[0]
+                sub.error = (own or errors)[0]
+                sub.failed_side = sub.error.engine.lower() if own else None
 
     async def _relay_side(self, sub: SubResult, sampling: dict[str, Any], out: OutputSlots, request_id: int,
                           state: dict[str, Any]) -> None:
