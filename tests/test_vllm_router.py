@@ -398,9 +398,13 @@ def test_decode_dying_mid_request_is_an_error_not_a_partial_200(deploy: Any) -> 
     assert not any(ch["finish_reason"] for c in events[:-2] for ch in c["choices"])
 
 
-def test_upstream_timeout_is_bounded(deploy: Any) -> None:
+@pytest.mark.parametrize("where", ["before the answer", "inside the stream"])
+def test_upstream_timeout_is_bounded(deploy: Any, where: str) -> None:
     d = deploy(upstream_timeout_s=1.0, upstream_idle_timeout_s=1.0)
-    d.md.hang_s = 6.0
+    if where == "before the answer":
+        d.md.hang_s = 6.0
+    else:
+        d.md.token_s = 6.0  # headers sent, then silence
     t0 = time.monotonic()
     status, body, _ = request(d.url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 5})
     took = time.monotonic() - t0
