@@ -384,6 +384,17 @@ def test_engine_failure_is_an_error_object_not_an_empty_200(deploy: Any) -> None
     assert body["error"]["message"] == "md failed"
 
 
+def test_a_stream_failing_before_its_first_token_is_a_plain_error_response(deploy: Any) -> None:
+    d = deploy()
+    d.md.status = 400
+    status, body, ctype = request(d.url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 5, "stream": True})
+    assert ctype.startswith("application/json")
+    assert_error(status, body, 400)
+    d.md.status = 503
+    status, body, _ = request(d.url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 5, "stream": True})
+    assert_error(status, body, 502)
+
+
 def test_decode_dying_mid_request_is_an_error_not_a_partial_200(deploy: Any) -> None:
     d = deploy()
     d.md.die_after = 7

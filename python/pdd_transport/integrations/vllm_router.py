@@ -286,6 +286,9 @@ class PddRouter(PipelineRunner):
 
     async def _respond_stream(self, request: web.Request, subs: list[SubResult], sampling: dict[str, Any], chat: bool,
                               request_id: str, created: int, model: str, include_usage: bool) -> web.StreamResponse:
+        """SSE: each choice's tokens as they arrive, in order; its last chunk has the
+        finish reason and its ``pdd`` record; a failure after the first event ends the
+        stream with an error event, one before it is a plain error response."""
         ready: asyncio.Queue[tuple[SubResult, int | None]] = asyncio.Queue()
         tasks: list[asyncio.Future[None]] = []
         for s in subs:
@@ -303,12 +306,22 @@ class PddRouter(PipelineRunner):
             return b"data: " + json.dumps(data).encode() + b"\n\n"
 
         sent = {s.index: 0 for s in subs}
+        prepared = False
+
+        async def write(data: bytes) -> None:
+            # The status line goes out with the first event: a request that fails before
+            # any (an engine refusing it, every engine down) gets a plain error response.
+            nonlocal prepared
+            if not prepared:
+                prepared = True
+                await response.prepare(request)
+                if chat:
+                    for s in subs:
+                        await response.write(chunk({"index": s.index, "delta": {"role": "assistant", "content": ""},
+                                                    "finish_reason": None}))
+            await response.write(data)
+
         try:
-            await response.prepare(request)
-            if chat:
-                for s in subs:
-                    await response.write(chunk({"index": s.index, "delta": {"role": "assistant", "content": ""},
-                                                "finish_reason": None}))
             open_choices = len(subs)
             while open_choices:
                 sub, start = await ready.get()
@@ -333,16 +346,18 @@ class PddRouter(PipelineRunner):
                              "token_ids": ids}
                     if start is None:
                         c["pdd"] = sub.pdd_info()
-                    await response.write(chunk(c))
+                    await write(chunk(c))
             failed = [s for s in subs if s.error is not None]
+            if failed and not prepared:
+                return _error_response(_worst(failed))
             if failed:
                 # The stream ends with an error event, as vLLM's server ends one.
-                await response.write(b"data: " + json.dumps(_worst(failed).body()).encode() + b"\n\n")
+                await write(b"data: " + json.dumps(_worst(failed).body()).encode() + b"\n\n")
             elif include_usage:
                 data = {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
                         "usage": _usage(subs)}
-                await response.write(b"data: " + json.dumps(data).encode() + b"\n\n")
-            await response.write(b"data: [DONE]\n\n")
+                await write(b"data: " + json.dumps(data).encode() + b"\n\n")
+            await write(b"data: [DONE]\n\n")
             await response.write_eof()
         finally:
             # The client went away (a failed write, or the handler cancelled): stop every
