@@ -37,6 +37,7 @@ class Engine:
         self.die_after: int | None = None
         self.hang_s = 0.0
         self.healthy = True
+        self.dead = False
         self.requests: list[dict[str, Any]] = []
         self.aborted = 0
         self.blocks: set[tuple[int, ...]] = set()
@@ -60,7 +61,17 @@ class Engine:
                 except (BrokenPipeError, ConnectionResetError):
                     self.close_connection = True  # the router went away (its client did)
 
+            def _dead(self) -> bool:
+                # A closed engine also drops the keep-alive connections it still has, as a
+                # dead process's sockets do.
+                if engine.dead:
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                return engine.dead
+
             def do_GET(self) -> None:
+                if self._dead():
+                    return
                 if self.path == "/health":
                     self._json(200 if engine.healthy else 503, {})
                 elif self.path == "/v1/models":
@@ -69,6 +80,8 @@ class Engine:
                     self._json(404, {})
 
             def do_POST(self) -> None:
+                if self._dead():
+                    return
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with engine.lock:
                     engine.requests.append(body)
@@ -136,6 +149,7 @@ class Engine:
                 self.blocks.add(tuple(tokens[:end]))
 
     def close(self) -> None:
+        self.dead = True
         self.server.shutdown()
         self.server.server_close()
 
@@ -600,3 +614,23 @@ def test_cache_view_follows_records_capacity_and_mds_reports() -> None:
     b = list(range(1000, 1000 + 128))
     view.record(b)
     assert view.held_tokens(b) == 128 and view.held_tokens(a) == 0
+
+
+def test_a_failed_prefill_leaves_md_to_compute_and_says_so(deploy: Any) -> None:
+    # vLLM's MD with kv_load_failure_policy "recompute" computes the prompt itself when
+    # P's push never comes; the stand-in MD answers regardless, as that MD would.
+    d = deploy()
+    d.p.status = 500
+    status, body, _ = request(d.url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["token_ids"] == reference(PROMPT, 6) and "HTTP 500" in choice["pdd"]["prefill_error"]
+
+
+def test_models_without_a_configured_name_asks_md(deploy: Any) -> None:
+    d = deploy(model=None)
+    status, body, _ = request(d.url, "/v1/models", method="GET")
+    assert status == 200 and [m["id"] for m in body["data"]] == ["tiny"]
+    d.md.close()
+    status, body, _ = request(d.url, "/v1/models", method="GET")
+    assert_error(status, body, 503)

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Protocol
@@ -540,29 +540,43 @@ class PipelineRunner:
         except UpstreamError as e:
             sub.prefill_error = str(e)
 
+    @contextlib.asynccontextmanager
+    async def _prefill_alongside(self, sub: SubResult, sampling: dict[str, Any], destination: str,
+                                 relay: str | None) -> AsyncIterator[None]:
+        """P's copy runs while the block runs. Once the decoders are done P's answer is
+        awaited (its own call is bounded), so that a prefill error is reported; when the
+        request is cancelled P's stream is closed too (vLLM aborts it)."""
+        prefill = asyncio.ensure_future(self._prefill(sub, sampling, destination, relay))
+        try:
+            yield
+        except asyncio.CancelledError:
+            await cancel_and_wait(prefill)
+            raise
+        except BaseException:
+            await prefill
+            raise
+        await prefill
+
     async def _run_p_md(self, sub: SubResult, sampling: dict[str, Any], out: OutputSlots) -> None:
         c = self.config
-        prefill = asyncio.ensure_future(self._prefill(sub, sampling, c.main_kv_address, None))
-        try:
+        async with self._prefill_alongside(sub, sampling, c.main_kv_address, None):
             end = await self._stream("MD", c.main_url, self._body(sampling, sub.prompt, sub.max_tokens,
                                                                   decode_params(sub.key)), self._emitter(out, 0, "md"))
             sub.finish_reason = end.finish_reason
             self.md_cache.record(sub.prompt + sub.token_ids[:-1])
-        finally:
-            await cancel_and_wait(prefill)
 
     async def _run_p_rld(self, sub: SubResult, sampling: dict[str, Any], out: OutputSlots) -> None:
         c = self.config
         assert c.relay_url and c.relay_kv_address
-        prefill = asyncio.ensure_future(self._prefill(sub, sampling, c.relay_kv_address, None))
-        self._relay_load(+1)
-        try:
-            end = await self._stream("RLD", c.relay_url, self._body(sampling, sub.prompt, sub.max_tokens,
-                                                                    decode_params(sub.key)), self._emitter(out, 0, "rld"))
-            sub.finish_reason = end.finish_reason
-        finally:
-            self._relay_load(-1)
-            await cancel_and_wait(prefill)
+        async with self._prefill_alongside(sub, sampling, c.relay_kv_address, None):
+            self._relay_load(+1)
+            try:
+                end = await self._stream("RLD", c.relay_url, self._body(sampling, sub.prompt, sub.max_tokens,
+                                                                        decode_params(sub.key)),
+                                         self._emitter(out, 0, "rld"))
+                sub.finish_reason = end.finish_reason
+            finally:
+                self._relay_load(-1)
 
     async def _continue_on(self, who: str, sub: SubResult, sampling: dict[str, Any], out: OutputSlots) -> None:
         """Continue ``sub`` on RLD or MD from the tokens the client has, to the end."""
@@ -585,15 +599,14 @@ class PipelineRunner:
         assert c.relay_kv_address and self._relay_dispatch and self._main_dispatch
         request_id = int(kv.request_id_of(sub.key)) or 1
         state: dict[str, Any] = {"rld_finish": None}
-        prefill = asyncio.ensure_future(self._prefill(sub, sampling, c.main_kv_address, c.relay_kv_address))
-        relay = asyncio.ensure_future(self._relay_side(sub, sampling, out, request_id, state))
-        main = asyncio.ensure_future(self._main_side(sub, sampling, out, request_id, state))
-        try:
-            await asyncio.gather(relay, main)
-        finally:
-            for t in (relay, main):
-                await cancel_and_wait(t)
-            await cancel_and_wait(prefill)
+        async with self._prefill_alongside(sub, sampling, c.main_kv_address, c.relay_kv_address):
+            relay = asyncio.ensure_future(self._relay_side(sub, sampling, out, request_id, state))
+            main = asyncio.ensure_future(self._main_side(sub, sampling, out, request_id, state))
+            try:
+                await asyncio.gather(relay, main)
+            finally:
+                for t in (relay, main):
+                    await cancel_and_wait(t)
         # The output's end: MD's stream after the final handoff, RLD's own end (its
         # sequence ended before MD took over: MD only extended it), or every token given.
         sub.finish_reason = state.get("md_finish") or state["rld_finish"] or (
