@@ -1,42 +1,48 @@
-"""PDD on real vLLM against cross-DC P/D, on the same engines and the same emulated line.
+"""PDD on real vLLM against cross-DC P/D, on the same engines and the same emulated line,
+both through the PDD router (``pdd_transport.integrations.vllm_router``).
 
 Starts four vLLM servers of a tiny random-weight Llama (``vllm_pd.PdCluster`` with a
 RelayDecode): a plain reference, P, MainDecode (behind ``pdd_transport.wanem``, 30 ms
 RTT +-5 ms, 0.2 Gbit/s by default: the tiny model's 1 KB of KV per token over it takes
-the seconds per token of the paper's ~50 KB over 10 Gbit/s) and RelayDecode (next to P, local path). It replays a
-multi-turn agentic workload (a long system prefix shared by every conversation, turns
-that grow by the previous answer and a new message, short outputs) twice:
+the seconds per token of the paper's ~50 KB over 10 Gbit/s) and RelayDecode (next to P,
+local path), and two routers in this process on the same engines:
 
-- ``pd``: cross-DC P/D, P -> MD only (``PdProxy``: the connector before PDD);
-- ``pdd``: P-RLD-MD (``vllm_pdd.PddProxy``): P pushes to RLD and MD at once, RLD
-  answers at once, the token-ID handoff moves the request to MD (the handoff link also
-  crosses an emulated line).
+- ``pd``: cross-DC P/D, every request P-MD (``--pipeline p_md``: the connector before PDD);
+- ``pdd``: the pipeline per request by the library's policy from the router's view of
+  MD's cache: P-MD for a small miss, P-RLD-MD (RLD answers at once, the token-ID
+  handoff moves the request to MD; the handoff link crosses an emulated line of its
+  own) otherwise, P-RLD for the anomaly filter's long, new, short-answer requests.
 
-Each mode gets conversations of its own (the same shapes, other tokens), interleaved
-so that both see the same load. Every answer is checked against the plain instance's.
-Run with the vLLM venv::
+It replays a multi-turn agentic workload (a long system prefix shared by every
+conversation, turns that grow by the previous answer and a new message, short outputs,
+and a few long new prompts with very short answers) through each router, streamed (SSE),
+each mode with conversations of its own (the same shapes, other tokens), interleaved so
+that both see the same load. Every answer is checked against the plain instance's. The
+tiny model's prompts are ~25x shorter than the paper's 64K, so the policy's TTFT budget
+and the anomaly filter's "long input" are scaled down with them (``--ttft-budget-ms``,
+``--anomaly-long-input-tokens``). Run with the vLLM venv::
 
     PYTHONPATH=python ~/.cache/pdd_transport/vllm-venv/bin/python examples/vllm_pdd.py --json
-
-What is not here yet: the per-request pipeline choice (every PDD request takes
-P-RLD-MD; ``pipelines`` says so).
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
+import socket
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vllm_pd
-from pdd_transport.integrations.vllm_pdd import MainAgent, PddProxy, RelayAgent
-from pdd_transport.integrations.vllm_proxy import PdProxy
+from pdd_transport import policy
+from pdd_transport.integrations.vllm_router import BackgroundRouter, RouterConfig
 from pdd_transport.wanem import Wanem
 from vllm_pd import BLOCK_SIZE, prompt_ids
 
@@ -50,30 +56,82 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stream(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+    """One streamed completion through a router: tokens, TTFT (request sent -> first
+    token chunk), the choice's ``pdd`` record, and the error event if any."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    out: dict[str, Any] = {"tokens": [], "ttft_s": None, "pdd": None, "error": None, "finish_reason": None}
+    t0 = time.perf_counter()
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(dict(body, stream=True)), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            out["error"] = f"HTTP {resp.status}: {resp.read()[:300]!r}"
+            return out
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data: "):
+                continue
+            if line[6:] == b"[DONE]":
+                break
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                out["error"] = chunk["error"]["message"]
+                continue
+            for ch in chunk["choices"]:
+                if ch["token_ids"] and out["ttft_s"] is None:
+                    out["ttft_s"] = time.perf_counter() - t0
+                out["tokens"] += ch["token_ids"]
+                if ch.get("finish_reason"):
+                    out["finish_reason"] = ch["finish_reason"]
+                if "pdd" in ch:
+                    out["pdd"] = ch["pdd"]
+    finally:
+        conn.close()
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="vllm-pdd-"))
     cluster = vllm_pd.PdCluster(log_dir, rtt_ms=args.rtt_ms, rate_gbit=args.rate_gbit, relay=True,
                                 jitter_ms=args.jitter_ms)
     handoff_wan = None
-    main = relay = None
+    routers: dict[str, BackgroundRouter] = {}
     try:
         assert cluster.wan is not None and cluster.relay is not None
-        main = MainAgent(cluster.decode.url, timeout=180)
-        # The handoff link crosses the WAN too: its own emulated line, same RTT.
-        handoff_wan = Wanem(main.address, rtt_ms=args.rtt_ms, rate_gbit=args.rate_gbit, jitter_ms=args.jitter_ms)
-        relay = RelayAgent(cluster.relay.url, handoff_wan.address_str, timeout=180)
-        pdd = PddProxy(cluster.prefill.url, relay, main, md_kv_address=cluster.wan.address_str,
-                       rld_kv_address=cluster.relay.kv_address(), model="tiny", timeout=180)
-        pd = PdProxy(cluster.prefill.url, cluster.decode.url, cluster.wan.address_str, model="tiny", timeout=180)
+        # The handoff link crosses the WAN too: its own emulated line, same RTT. The
+        # router's MD side listens on a port chosen here, RLD's side connects through it.
+        handoff_port = _free_port()
+        handoff_wan = Wanem(f"127.0.0.1:{handoff_port}", rtt_ms=args.rtt_ms, rate_gbit=args.rate_gbit,
+                            jitter_ms=args.jitter_ms)
+        common: dict[str, Any] = dict(
+            prefill_url=cluster.prefill.url, main_url=cluster.decode.url, main_kv_address=cluster.wan.address_str,
+            model="tiny", upstream_timeout_s=180.0, main_block_size=BLOCK_SIZE, wan_goodput_gbit=args.rate_gbit,
+            wan_rtt_ms=args.rtt_ms, kv_bytes_per_token=vllm_pd.kv_bytes_per_block() // BLOCK_SIZE)
+        routers["pd"] = BackgroundRouter(RouterConfig(**common, force_pipeline="p_md"))
+        routers["pdd"] = BackgroundRouter(RouterConfig(
+            **common, relay_url=cluster.relay.url, relay_kv_address=cluster.relay.kv_address(),
+            handoff_listen=f"127.0.0.1:{handoff_port}", handoff_connect=handoff_wan.address_str,
+            pipeline_policy=policy.PipelinePolicy(ttft_budget_ms=args.ttft_budget_ms),
+            anomaly_policy=policy.AnomalyPolicy(long_input_tokens=args.anomaly_long_input_tokens,
+                                                short_output_tokens=args.anomaly_output_tokens + 1)))
         # Warm every path once (first connections, first compiled shapes): not counted.
-        pd.complete({"prompt": prompt_ids(64, 999), "max_tokens": 2, "temperature": 0, "ignore_eos": True})
-        pdd.complete(prompt_ids(64, 998), 2, temperature=0, ignore_eos=True)
+        for m, r in routers.items():
+            stream(r.url, {"prompt": prompt_ids(64, 999 - len(m)), "max_tokens": 2, "temperature": 0, "ignore_eos": True})
         cluster.plain_complete(prompt_ids(64, 997), 2)
 
         modes = ("pd", "pdd")
         system = {m: prompt_ids(args.system_tokens, 10 + i) for i, m in enumerate(modes)}
         history: dict[tuple[str, int], list[int]] = {}
         out: dict[str, dict[str, Any]] = {m: {"ttft": [], "wan": 0, "full": 0, "equal": True, "errors": 0} for m in modes}
+        pipelines = {"p_md": 0, "p_rld_md": 0, "p_rld": 0}
         handoffs = {"one_shot": 0, "catch_up": 0}
         decoded = {"rld": 0, "md": 0}
         extend_tokens = 0
@@ -82,81 +140,91 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         handoff_tokens: list[int] = []
         requests = 0
         mismatches: list[dict[str, Any]] = []
-        for turn in range(args.turns):
-            for conv in range(args.conversations):
-                order = modes if (turn + conv) % 2 == 0 else modes[::-1]
-                for mode in order:
-                    seed = 1000 * (1 + modes.index(mode)) + 10 * conv + turn
+        # (turn, conversation) steps, then the anomaly-filter requests after the turns.
+        steps: list[tuple[str, int, int]] = [("turn", t, c) for t in range(args.turns) for c in range(args.conversations)]
+        steps += [("anomaly", 0, k) for k in range(args.anomalies)]
+        for kind, turn, conv in steps:
+            order = modes if (turn + conv) % 2 == 0 else modes[::-1]
+            for mode in order:
+                seed = 1000 * (1 + modes.index(mode)) + 10 * conv + turn
+                if kind == "anomaly":
+                    prompt, max_tokens = prompt_ids(args.anomaly_tokens, 50_000 + seed), args.anomaly_output_tokens
+                else:
                     prev = history.get((mode, conv), system[mode] + prompt_ids(args.first_tokens, seed))
                     prompt = prev if turn == 0 else prev + prompt_ids(args.turn_tokens, seed)
-                    want = cluster.plain_complete(prompt, args.tokens)["choices"][0]["token_ids"]
-                    wan_before = _c2u(cluster.wan)
-                    hand_before = _c2u(handoff_wan)
-                    o = out[mode]
-                    if mode == "pd":
-                        r = pd.complete({"prompt": prompt, "max_tokens": args.tokens, "temperature": 0, "ignore_eos": True})
-                        tokens, ttft, err = r.token_ids, r.ttft_s, r.prefill_error
-                        by: list[str] = ["md"] * len(tokens)
-                    else:
-                        res = pdd.complete(prompt, args.tokens, temperature=0, ignore_eos=True)
-                        tokens, ttft = res.token_ids, res.ttft_s
-                        err = res.prefill_error or res.md_error or res.rld_error
-                        by = res.decoded_by
-                        n = res.decoded_by.count("rld")
-                        exactly_once &= (len(tokens) == args.tokens
-                                         and res.decoded_by == ["rld"] * n + ["md"] * (args.tokens - n))
-                        if res.mode in handoffs and res.handoffs:
-                            handoffs[res.mode] += 1
-                        decoded["rld"] += n
-                        decoded["md"] += args.tokens - n
-                        extend_tokens += sum(count for _, count, _ in res.handoffs)
-                        if n:
-                            handoff_bytes.append(_c2u(handoff_wan) - hand_before)
-                            handoff_tokens.append(n)
-                    o["wan"] += _c2u(cluster.wan) - wan_before
-                    o["full"] += (len(prompt) - 1) // BLOCK_SIZE * vllm_pd.kv_bytes_per_block()
-                    o["equal"] &= tokens == want
-                    o["errors"] += int(err is not None or tokens != want)
-                    if tokens != want:
-                        at = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), min(len(tokens), len(want)))
-                        mismatches.append({"mode": mode, "conversation": conv, "turn": turn, "position": at,
-                                           "decoded_by": by[at] if at < len(by) else None, "error": err})
-                    o["ttft"].append(float(ttft or 0.0))
+                    max_tokens = args.tokens
+                want = cluster.plain_complete(prompt, max_tokens)["choices"][0]["token_ids"]
+                wan_before = _c2u(cluster.wan)
+                hand_before = _c2u(handoff_wan)
+                r = stream(routers[mode].url, {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                               "ignore_eos": True})
+                tokens, info, err = r["tokens"], r["pdd"] or {}, r["error"]
+                o = out[mode]
+                if mode == "pdd" and info:
+                    pipelines[info["pipeline"]] += 1
+                    runs = info.get("decoded_by_runs") or []
+                    exactly_once &= (len(tokens) == max_tokens
+                                     and sum(n for _, n in runs) == max_tokens
+                                     and [who for who, _ in runs] in (["rld"], ["md"], ["rld", "md"]))
+                    if info.get("handoff_mode") in handoffs and info.get("handoffs"):
+                        handoffs[info["handoff_mode"]] += 1
+                    n_rld = info["tokens_decoded"]["rld"]
+                    decoded["rld"] += n_rld
+                    decoded["md"] += info["tokens_decoded"]["md"]
+                    extend_tokens += sum(count for _, count, _ in info.get("handoffs") or [])
+                    if info.get("handoffs"):
+                        handoff_bytes.append(_c2u(handoff_wan) - hand_before)
+                        handoff_tokens.append(sum(count for _, count, _ in info["handoffs"]))
+                elif mode == "pdd":
+                    exactly_once = False
+                o["wan"] += _c2u(cluster.wan) - wan_before
+                o["full"] += (len(prompt) - 1) // BLOCK_SIZE * vllm_pd.kv_bytes_per_block()
+                o["equal"] &= tokens == want
+                o["errors"] += int(err is not None or tokens != want)
+                if tokens != want:
+                    at = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), min(len(tokens), len(want)))
+                    mismatches.append({"mode": mode, "kind": kind, "conversation": conv, "turn": turn, "position": at,
+                                       "pipeline": info.get("pipeline"), "error": err})
+                o["ttft"].append(float(r["ttft_s"] or 0.0))
+                if kind == "turn":
                     history[(mode, conv)] = prompt + want
-                    requests += 1
+                requests += 1
         return {
             "greedy_equal": all(out[m]["equal"] for m in modes),
             "exactly_once": bool(exactly_once),
             **{f"ttft_p{q}_s": {m: _pct(out[m]["ttft"], q / 100) for m in modes} for q in (50, 90, 99)},
             "wan_kv_bytes": {m: out[m]["wan"] for m in modes},
             "full_kv_bytes": out["pdd"]["full"],
-            "pipelines": {"p_md": 0, "p_rld_md": requests // 2, "p_rld": 0},
+            "pipelines": pipelines,
             "handoffs": handoffs,
             "tokens_decoded": decoded,
             "md_extend_tokens_computed": extend_tokens,
-            # Handoff link bytes RLD -> MD during each PDD request (HANDOFF frames and
-            # whatever else RLD sent then: PINGs, its ABORTs) and the tokens it handed.
+            # Handoff link bytes RLD -> MD during each PDD request with a handoff (HANDOFF
+            # frames and whatever else RLD sent then: PINGs, its ABORTs) and the tokens it handed.
             "handoff_wan_bytes": handoff_bytes,
             "handoff_tokens": handoff_tokens,
             "handoff_wan_bytes_median": statistics.median(handoff_bytes) if handoff_bytes else None,
             "requests": requests,
             "errors": sum(out[m]["errors"] for m in modes),
-            # Each answer that differs from the plain instance's: where, and who decoded
-            # that token (a near-tie can flip where MD computed handed tokens in a batch).
+            # Each answer that differs from the plain instance's: where, and on which pipeline
+            # (a near-tie can flip where MD computed handed tokens in a batch).
             "mismatches": mismatches,
+            "router_counters": {m: r.router.counters for m, r in routers.items()},
+            "md_view_corrections": routers["pdd"].router.md_cache.corrections,
             "ttft_all_s": {m: out[m]["ttft"] for m in modes},
             "line": {"rtt_ms": args.rtt_ms, "jitter_ms": args.jitter_ms, "rate_gbit": args.rate_gbit},
+            "policy": {"ttft_budget_ms": args.ttft_budget_ms, "anomaly_long_input_tokens": args.anomaly_long_input_tokens},
             "workload": {"conversations": args.conversations, "turns": args.turns, "system_tokens": args.system_tokens,
                          "first_tokens": args.first_tokens, "turn_tokens": args.turn_tokens,
-                         "output_tokens": args.tokens},
+                         "output_tokens": args.tokens, "anomalies": args.anomalies,
+                         "anomaly_tokens": args.anomaly_tokens, "anomaly_output_tokens": args.anomaly_output_tokens},
             "cores": {"prefill": cluster.prefill.cores, "relay": cluster.relay.cores,
                       "decode": cluster.decode.cores},
             "logs": str(log_dir),
         }
     finally:
-        for agent in (relay, main):
-            if agent is not None:
-                agent.close()
+        for r in routers.values():
+            r.close()
         if handoff_wan is not None:
             handoff_wan.close()
         cluster.close()
@@ -176,6 +244,15 @@ def main() -> None:
     ap.add_argument("--first-tokens", type=int, default=512)
     ap.add_argument("--turn-tokens", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=96, help="output tokens per request")
+    # By the policy's estimate at 0.2 Gbit/s and 30 ms RTT (45 ms of set-up, 0.05 ms per
+    # missing token): a conversation's first turn misses its 512 own tokens, or 2,560
+    # for the first conversation (the system prefix too): 71 or 176 ms; a later turn
+    # ~260 (the new message): ~58 ms. 65 ms sends first turns P-RLD-MD, later ones P-MD.
+    ap.add_argument("--ttft-budget-ms", type=float, default=65.0, help="the pipeline policy's TTFT budget")
+    ap.add_argument("--anomalies", type=int, default=2, help="long new prompts with very short answers")
+    ap.add_argument("--anomaly-tokens", type=int, default=2304)
+    ap.add_argument("--anomaly-output-tokens", type=int, default=4)
+    ap.add_argument("--anomaly-long-input-tokens", type=int, default=2048, help="the anomaly filter's long input")
     ap.add_argument("--log-dir", default=None)
     args = ap.parse_args()
     result = run(args)
