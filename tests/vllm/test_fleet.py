@@ -10,6 +10,7 @@ import urllib.request
 import uuid
 import warnings
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import vllm_pd
@@ -145,3 +146,78 @@ def test_a_grant_after_prefill_gave_up_fails_fast_and_is_counted(cluster: vllm_p
     while cluster.decode.metric("vllm:kv_cache_usage_perc") != 0.0 or cluster.prefill.metric("vllm:kv_cache_usage_perc") != 0.0:
         assert time.monotonic() < deadline, "an engine still holds blocks"
         time.sleep(0.2)
+
+
+def _connector_classes() -> tuple[Any, ...]:
+    """The connector's two halves, its metadata and vLLM's RequestStatus."""
+    with warnings.catch_warnings():  # importing vLLM and torch warns of their own deprecations
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from pdd_transport.integrations.vllm import PddConnectorMetadata, _SchedulerSide, _WorkerSide
+        from vllm.v1.request import RequestStatus
+    return _SchedulerSide, _WorkerSide, PddConnectorMetadata, RequestStatus
+
+
+def test_the_scheduler_tells_both_sides_when_a_request_ends_early() -> None:
+    # No engine: the connector's scheduler half with requests as vLLM hands them over.
+    scheduler_side, _, _, status = _connector_classes()
+
+    class Scheduler(scheduler_side):  # type: ignore[misc, valid-type]
+        _conn_block_size, _is_producer, _is_consumer = 32, True, True
+
+    s = Scheduler()
+    s._init_scheduler()
+    step = SimpleNamespace(total_num_scheduled_tokens=0, scheduled_new_reqs=[], num_scheduled_tokens={},
+                           scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]))
+
+    def request(req_id: str, params: dict[str, object], finished: object) -> SimpleNamespace:
+        return SimpleNamespace(request_id=req_id, kv_transfer_params=params, status=finished, num_prompt_tokens=100)
+
+    # D: aborted while queued (never allocated): an empty grant, so P frees its blocks now.
+    queued = request("d1", decode_params("key-d1", prefill_node=7), status.FINISHED_ABORTED)
+    assert s.request_finished(queued, []) == (False, None)
+    meta = s.build_connector_meta(step)
+    assert [(r.req_id, r.key, r.block_ids, r.peer, r.notice) for r in meta.recv] == [("d1", "key-d1", [], 7, True)]
+    # P: ended before any push began: its key goes to the worker's give-up list.
+    never = request("p1", prefill_params("key-p1", "10.0.0.2:7100"), status.FINISHED_ABORTED)
+    s.update_state_after_alloc(never, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    assert s.request_finished(never, [])[0] is False
+    # P: pushed, then aborted: the worker aborts its push instead of ending it.
+    pushed = request("p2", prefill_params("key-p2", "10.0.0.2:7100"), status.FINISHED_ABORTED)
+    s.update_state_after_alloc(pushed, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    s._send_scheduled.add("p2")
+    assert s.request_finished(pushed, [])[0] is True  # blocks kept until the worker reports the push over
+    finished = request("p3", prefill_params("key-p3", "10.0.0.2:7100"), status.FINISHED_LENGTH_CAPPED)
+    s.update_state_after_alloc(finished, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
+    s._send_scheduled.add("p3")
+    s.request_finished(finished, [])
+    meta = s.build_connector_meta(step)
+    assert meta.given_up == [("key-p1", ["10.0.0.2:7100"])] and meta.aborted == {"p2"}
+    assert meta.recv == [] and s.build_connector_meta(step).aborted == set()  # each told once
+
+
+def test_the_worker_aborts_an_aborted_requests_push_and_ends_a_finished_ones() -> None:
+    import numpy as np
+    from pdd_transport import kv
+    from pdd_transport.transfers import Pusher, Settings
+
+    _, worker_side, metadata, _ = _connector_classes()
+
+    class Worker(worker_side):  # type: ignore[misc, valid-type]
+        _conn_block_size, _is_producer, _is_consumer = 32, True, False
+
+    w = Worker()
+    w._init_worker()
+    w._cfg = Settings.from_config({"pdd_idle_wait_s": 0.001})
+    pool = kv.pool_from_buffers(np.zeros((2, 4, 4096), np.uint8), 4096, num_layers=2)
+    w._pusher = Pusher(pool, grant_timeout_s=30.0, connect=lambda address: SimpleNamespace(try_grant=lambda key: None, close=lambda: None))
+    try:
+        for req_id in ("aborted", "finished"):
+            w._push_of[req_id] = w._pusher.start(f"key-{req_id}", ["10.0.0.2:7100"], blocks=1, tag=req_id)
+        w._connector_metadata = metadata(aborted={"aborted"})
+        results = w.get_transfer_results({"aborted", "finished"})
+        # The aborted request's blocks are reported free now; the finished one's push
+        # still waits (within its bound) for the grant a short prefill often precedes.
+        assert results.finished_sending == {"aborted"}
+        assert set(w._push_of) == {"finished"}
+    finally:
+        w._pusher.close()
