@@ -33,16 +33,21 @@ these objects, and tests drive them with plain numpy pools (tests/test_transfers
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdd_transport import _native, local
+from pdd_transport.connector_config import LOOPBACK_DESTINATIONS, Settings
 from pdd_transport.errors import InvalidArgument, PddError
+from pdd_transport.security import AllowedDestinations, TlsConfig
+from pdd_transport.transfer_stats import TransferStats
 
 __all__ = [
     "LOCAL_SCHEME",
+    "LOOPBACK_DESTINATIONS",
     "Pull",
     "Puller",
     "Push",
@@ -64,112 +69,6 @@ _FINISHING = "finishing"
 _DONE = "done"
 _FAILED = "failed"
 _ENDED = (_DONE, _FAILED)
-
-
-@dataclass
-class Settings:
-    """A connector's transport settings, read from its engine's config mapping by the
-    same ``pdd_*`` names in every engine (vLLM's ``kv_connector_extra_config``;
-    docs/vllm.md lists them). The secret is never in the mapping itself: it names the
-    environment variable holding it (``pdd_secret_env``, default ``PDD_SECRET``)."""
-
-    listen: str = "127.0.0.1:0"
-    node_id: int | None = None
-    lanes: int = 2
-    secret: bytes | None = None
-    insecure: bool = False
-    deadline_s: float = 30.0
-    grant_timeout_s: float = 10.0
-    dead_after_s: float = 5.0
-    heartbeat_s: float = 1.0
-    connect: list[str] = field(default_factory=list)
-    allow_debug: bool = False
-    idle_wait_s: float = 0.02
-    #: The decode side's path: ``"wan"`` (a :class:`~pdd_transport.kv.KvReceiver`, for a
-    #: MainDecode across the WAN) or ``"local"`` (a
-    #: :class:`~pdd_transport.local.LocalReceiver`, for a RelayDecode next to prefill).
-    path: str = "wan"
-
-    @classmethod
-    def from_config(cls, extra: Mapping[str, Any]) -> Settings:
-        """Parse ``extra``; a value of the wrong kind raises :class:`InvalidArgument`
-        naming the key."""
-        def get(name: str, kind: Callable[[Any], Any], default: Any) -> Any:
-            value = extra.get(f"pdd_{name}")
-            if value is None:
-                return default
-            try:
-                return kind(value)
-            except (TypeError, ValueError) as e:
-                raise InvalidArgument(f"pdd_{name}={value!r}: {e}", "invalid_argument") from None
-
-        secret_env = extra.get("pdd_secret_env", "PDD_SECRET")
-        secret_text = os.environ.get(str(secret_env)) if secret_env else None
-        connect = extra.get("pdd_connect") or []
-        if isinstance(connect, str):
-            connect = [connect]
-        d = cls()
-        path = get("path", str, d.path)
-        if path not in ("wan", "local"):
-            raise InvalidArgument(f"pdd_path={path!r}: expected 'wan' or 'local'", "invalid_argument")
-        return cls(
-            path=path,
-            listen=get("listen", str, d.listen),
-            node_id=get("node_id", int, None),
-            lanes=get("lanes", int, d.lanes),
-            secret=secret_text.encode() if secret_text else None,
-            insecure=get("insecure", bool, d.insecure),
-            deadline_s=get("deadline_s", float, d.deadline_s),
-            grant_timeout_s=get("grant_timeout_s", float, d.grant_timeout_s),
-            dead_after_s=get("dead_after_s", float, d.dead_after_s),
-            heartbeat_s=get("heartbeat_s", float, d.heartbeat_s),
-            connect=[str(a) for a in connect],
-            allow_debug=get("allow_debug", bool, d.allow_debug),
-            idle_wait_s=get("idle_wait_s", float, d.idle_wait_s),
-        )
-
-    def decode_side(self, pool: Any) -> Puller:
-        """A decode instance's end: a receiver over ``pool`` listening on ``listen``
-        (a :class:`~pdd_transport.kv.KvReceiver` on the WAN path, a
-        :class:`~pdd_transport.local.LocalReceiver` where ``path`` is ``"local"``), its
-        address published as a prefill side names it (``host:port``, or
-        ``local://host:port``; see :func:`publish_address`), and a :class:`Puller` that
-        owns it."""
-        receiver: Any
-        if self.path == "local":
-            from pdd_transport.local import LocalReceiver
-
-            receiver = LocalReceiver(pool, self.listen, secret=self.secret, insecure=self.insecure,
-                                     heartbeat_s=self.heartbeat_s, dead_after_s=self.dead_after_s)
-        else:
-            receiver = _native.KvReceiver(pool, self.listen, secret=self.secret, insecure=self.insecure,
-                                          heartbeat_s=self.heartbeat_s, dead_after_s=self.dead_after_s)
-        host, port = receiver.address
-        publish_address(f"{LOCAL_SCHEME if self.path == 'local' else ''}{host}:{port}")
-        return Puller(receiver, grant_timeout_s=self.grant_timeout_s, deadline_s=self.deadline_s, owns_receiver=True)
-
-    def prefill_side(self, pool: Any, on_send: Callable[[Push, str, int, int, int], None] | None = None) -> Pusher:
-        """A prefill instance's end: a :class:`Pusher` over ``pool``, already
-        connecting to each ``connect`` address (one that cannot be reached yet is
-        retried by the first push to it)."""
-        pusher = Pusher(pool, grant_timeout_s=self.grant_timeout_s, deadline_s=self.deadline_s,
-                        wan_options=self.wan_options(), local_options=self.local_options(), on_send=on_send)
-        for address in self.connect:
-            try:
-                pusher.sender_for(address)
-            except PddError:
-                pass  # the first push to it tries again, and fails with the reason
-        return pusher
-
-    def wan_options(self) -> dict[str, Any]:
-        """What each WAN :class:`~pdd_transport.kv.KvSender` of a :class:`Pusher` gets."""
-        return {"lanes": self.lanes, "node_id": self.node_id, "secret": self.secret,
-                "heartbeat_s": self.heartbeat_s, "dead_after_s": self.dead_after_s}
-
-    def local_options(self) -> dict[str, Any]:
-        """What each :class:`~pdd_transport.local.LocalSender` of a :class:`Pusher` gets."""
-        return {"node_id": self.node_id, "secret": self.secret, "heartbeat_s": self.heartbeat_s,
-                "dead_after_s": self.dead_after_s}
 
 
 def pool_from_block_tensors(tensors: Sequence[Any], names: Sequence[str] | None = None) -> Any:
@@ -211,6 +110,10 @@ def publish_address(address: str, env: str = "PDD_VLLM_ADDRESS_FILE") -> None:
     with open(tmp, "w") as f:
         f.write(address)
     os.replace(tmp, path)
+
+
+def _unreachable_code(e: PddError) -> str:
+    return "destination_not_allowed" if e.reason == "destination_not_allowed" else "unreachable"
 
 
 def _check_bounds(grant_timeout_s: float, deadline_s: float) -> None:
@@ -262,8 +165,13 @@ class PushLeg:
     sent: list[int] = field(default_factory=list)
     granted_at: float | None = None
     finished_at: float | None = None
+    #: When it ended (confirmed or failed).
+    ended_at: float | None = None
     #: Bytes the destination confirmed, once done.
     bytes: int = 0
+    #: A stable word for why it failed (an error reason, or one of
+    #: :data:`pdd_transport.transfer_stats.FAILURE_CODES`), for metrics.
+    code: str | None = None
 
     @property
     def pages(self) -> int:
@@ -356,7 +264,7 @@ class Push:
         done with the request (as after :meth:`end`)."""
         self._ended_by_engine = True
         for leg in self.legs:
-            self._fail(leg, reason)
+            self._fail(leg, reason, "aborted")
 
     # -- what the engine reads
 
@@ -387,12 +295,15 @@ class Push:
 
     # -- internals
 
-    def _fail(self, leg: PushLeg, reason: str) -> None:
+    def _fail(self, leg: PushLeg, reason: str, code: str = "unspecified") -> None:
         if leg.ended:
             return
-        leg.state, leg.reason = _FAILED, reason
+        leg.state, leg.reason, leg.code = _FAILED, reason, code
         if leg.out is not None:
             _abort(leg.out, reason)
+        else:  # no grant taken: one that comes later must not hold the decoder's pages
+            self._pusher._gave_up(self.key, leg.address)
+        self._pusher._leg_ended(self, leg)
 
     def _take_grant(self, leg: PushLeg, out: Any, now: float) -> None:
         count = int(out.page_count)
@@ -400,7 +311,7 @@ class Push:
         leg.out, leg.granted_at = out, now
         if int(out.layer_count) != pusher.layers or int(out.page_bytes) != pusher.page_bytes or count > self.block_count:
             self._fail(leg, f"grant shape {out.layer_count} layers x {count} pages x {out.page_bytes} B does not fit "
-                            f"{pusher.layers} layers x {self.block_count} blocks x {pusher.page_bytes} B")
+                            f"{pusher.layers} layers x {self.block_count} blocks x {pusher.page_bytes} B", "grant_shape")
             return
         leg.first = self.block_count - count
         leg.state = _SENDING
@@ -424,7 +335,7 @@ class Push:
             try:
                 out.send_pages(grant_pages, src, layer=layer)
             except PddError as e:
-                self._fail(leg, f"{e.reason}: {e}")
+                self._fail(leg, f"{e.reason}: {e}", e.reason)
                 return
             if self._pusher._on_send is not None:
                 self._pusher._on_send(self, leg.address, layer, leg.sent[layer], upto)
@@ -446,7 +357,28 @@ class Pusher:
     bounds are measured in (seconds, monotonic). ``on_send(push, address, layer,
     first, end)`` is called after grant pages ``[first, end)`` of ``layer`` were queued
     to ``address`` (an engine's trace; it must not raise).
+
+    ``allowed``: the destinations this prefill side may connect to
+    (:class:`~pdd_transport.security.AllowedDestinations`; None: any). A destination
+    outside it is refused before any connection is tried: that destination of the push
+    fails (``destination_not_allowed``). ``tls_for(address)``: the
+    :class:`~pdd_transport.security.TlsConfig` a sender to ``address`` uses (None: no
+    TLS), so that each decoder's certificate name can follow its address.
+
+    A grant that arrives for a request after its destination failed without one (no
+    grant within ``grant_timeout_s``, the engine aborted the request) or after the
+    engine said it will not push it (:meth:`give_up`) is aborted at once, so the
+    decoder frees its pages instead of waiting out its deadline. The engine may be idle
+    by then (no step calls :meth:`poll`), so one watcher thread does it, woken by the
+    process's transfer doorbell, while any such key is remembered: for ``deadline_s``
+    (the longest a decoder's grant can wait), at most :attr:`GIVEN_UP_LIMIT` of them.
+    Keys must be unique per request (a key reused while remembered has its grant
+    refused until a new push of it starts). :attr:`stats` counts what ended
+    (:mod:`pdd_transport.transfer_stats`).
     """
+
+    #: How many given-up requests are watched for a late grant at once (the oldest go first).
+    GIVEN_UP_LIMIT = 4096
 
     def __init__(
         self,
@@ -459,9 +391,20 @@ class Pusher:
         connect: Callable[[str], Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_send: Callable[[Push, str, int, int, int], None] | None = None,
+        allowed: AllowedDestinations | None = None,
+        tls_for: Callable[[str], TlsConfig | None] | None = None,
     ):
         _check_bounds(grant_timeout_s, deadline_s)
         self._on_send = on_send
+        self.allowed = allowed if allowed is not None else AllowedDestinations(None)
+        self._tls_for = tls_for
+        self.stats = TransferStats()
+        # (key, address) -> when to stop watching for a late grant; insertion-ordered.
+        # Shared with the watcher thread, under _lock (as are the stats).
+        self._given_up: dict[tuple[str, str], float] = {}
+        self._lock = threading.Lock()
+        self._watcher: threading.Thread | None = None
+        self._closed = False
         self.pool = pool
         self.layers = int(pool.layers)
         self.page_bytes = int(pool.page_bytes)
@@ -484,14 +427,21 @@ class Pusher:
                                   "invalid_argument")
         sender = self._senders.get(address)
         if sender is None:
+            if not self.allowed.allows(address):
+                # Checked before anything connects: a request's parameters name the
+                # address, and whoever reaches the engine's API writes those.
+                raise InvalidArgument(f"{address} is not on this prefill instance's allow list of decode "
+                                      "instances (pdd_allowed_decoders)", "destination_not_allowed")
+            tls = self._tls_for(address) if self._tls_for is not None else None
+            extra: dict[str, Any] = {"tls": tls} if tls is not None else {}
             if self._connect is not None:
                 sender = self._connect(address)
             elif is_local_address(address):
                 from pdd_transport.local import LocalSender
 
-                sender = LocalSender(self.pool, address[len(LOCAL_SCHEME):], **self._local_options)
+                sender = LocalSender(self.pool, address[len(LOCAL_SCHEME):], **{**self._local_options, **extra})
             else:
-                sender = _native.KvSender(self.pool, address, **self._wan_options)
+                sender = _native.KvSender(self.pool, address, **{**self._wan_options, **extra})
             self._senders[address] = sender
         return sender
 
@@ -516,11 +466,14 @@ class Pusher:
         if type(blocks) is not int or blocks < 0:
             raise InvalidArgument(f"push {key!r}: blocks must be an int >= 0, got {blocks!r}", "invalid_argument")
         push = Push(self, key, dests, blocks, self._clock(), tag)
+        with self._lock:
+            for address in dests:  # a new push of a key takes its grants again
+                self._given_up.pop((key, address), None)
         for leg in push.legs:
             try:
                 self.sender_for(leg.address)
             except PddError as e:
-                push._fail(leg, f"cannot reach {leg.address}: {e.reason}: {e}")
+                push._fail(leg, f"cannot reach {leg.address}: {e.reason}: {e}", _unreachable_code(e))
         self._pushes[key] = push
         self._advance(push, push.started)
         return push
@@ -546,6 +499,24 @@ class Pusher:
                 del self._pushes[key]
                 over.append(push)
         return over
+
+    def give_up(self, key: str, destinations: Iterable[str]) -> None:
+        """The engine will not push request ``key`` (it was aborted or finished before
+        a push began): a grant any of ``destinations`` sends for it later is aborted at
+        once (by :meth:`poll`) instead of holding that decoder's pages."""
+        for address in destinations:
+            if key not in self._pushes:
+                self._gave_up(key, address)
+
+    def give_up_all(self, requests: Iterable[tuple[str, Iterable[str]]]) -> None:
+        """:meth:`give_up` for each ``(key, destinations)``."""
+        for key, destinations in requests:
+            self.give_up(key, destinations)
+
+    def take_stats(self) -> dict[str, dict[str, Any]]:
+        """What ended since the last call (:meth:`TransferStats.take`)."""
+        with self._lock:
+            return self.stats.take()
 
     def advance(self) -> None:
         """What :meth:`poll` does, without collecting: for a call site that cannot
@@ -579,6 +550,12 @@ class Pusher:
 
     def close(self) -> None:
         """Abort every live push and close the senders."""
+        with self._lock:
+            self._closed = True
+            self._given_up.clear()
+        watcher = self._watcher
+        if watcher is not None:
+            watcher.join(timeout=2.0)  # it wakes within its 0.25 s wait and sees _closed
         for push in self._pushes.values():
             push.abort("the prefill side closed")
         self._pushes.clear()
@@ -588,6 +565,63 @@ class Pusher:
             except PddError:
                 pass
         self._senders.clear()
+
+    def _gave_up(self, key: str, address: str) -> None:
+        if address not in self._senders:
+            return  # no session to that decoder: no grant can come through us
+        with self._lock:
+            if self._closed:
+                return
+            self._given_up.pop((key, address), None)
+            self._given_up[(key, address)] = self._clock() + self.deadline_s
+            while len(self._given_up) > self.GIVEN_UP_LIMIT:
+                del self._given_up[next(iter(self._given_up))]
+            if self._given_up and self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch_late_grants, name="pdd-late-grants", daemon=True)
+                self._watcher.start()
+
+    def _watch_late_grants(self) -> None:
+        """The watcher thread: refuse late grants as they arrive; end once nothing is
+        remembered (every key expires within ``deadline_s``) or the Pusher closed."""
+        while True:
+            seen = _native.transfer_activity()
+            with self._lock:
+                if not self._closed:
+                    self._refuse_late_grants()
+                if self._closed or not self._given_up:
+                    self._watcher = None
+                    return
+            _native.wait_transfer_activity(seen, 0.25)  # a grant rings it; expiries are checked at least 4x/s
+
+    def _refuse_late_grants(self) -> None:
+        now = self._clock()
+        for (key, address), until in list(self._given_up.items()):
+            sender = self._senders.get(address)
+            if sender is None or now >= until:
+                del self._given_up[(key, address)]
+                continue
+            if not getattr(sender, "connected", True):
+                continue  # try_grant would start a reconnect; a dead session brings no grant
+            try:
+                out = sender.try_grant(key)
+            except PddError:
+                del self._given_up[(key, address)]
+                continue
+            if out is not None:
+                del self._given_up[(key, address)]
+                _abort(out, "the prefill side gave up on this request before its grant arrived")
+                self.stats.late_grant_refused("local" if is_local_address(address) else "wan")
+
+    def _leg_ended(self, push: Push, leg: PushLeg) -> None:
+        leg.ended_at = now = self._clock()
+        path = "local" if is_local_address(leg.address) else "wan"
+        wait = (leg.granted_at - push.started) if leg.granted_at is not None else None
+        if leg.state == _DONE:
+            outcome = "ok" if leg.pages else "empty"
+            self.stats.ended("send", path, outcome, nbytes=leg.bytes, pages=leg.pages * self.layers,
+                             seconds=now - (leg.granted_at or now), grant_wait_s=wait)
+        else:
+            self.stats.ended("send", path, "failed", code=leg.code, grant_wait_s=wait)
 
     def _drop_sender(self, address: str, sender: Any) -> None:
         if self._senders.get(address) is sender:
@@ -609,23 +643,27 @@ class Pusher:
                     try:
                         leg.out.finish()
                     except PddError as e:
-                        push._fail(leg, f"{e.reason}: {e}")
+                        push._fail(leg, f"{e.reason}: {e}", e.reason)
                         continue
                     leg.state, leg.finished_at = _FINISHING, now
                 elif push._ended_by_engine:
-                    push._fail(leg, "the request ended before every granted page was computed")
+                    push._fail(leg, "the request ended before every granted page was computed", "request_ended")
                     continue
                 elif now - (leg.granted_at or now) >= self.deadline_s:
-                    push._fail(leg, f"prefill did not compute every granted page within {self.deadline_s:g} s")
+                    push._fail(leg, f"prefill did not compute every granted page within {self.deadline_s:g} s",
+                               "deadline_exceeded")
             if leg.state == _FINISHING:
                 state = _poll(leg.out)
                 if state == "complete":
                     leg.state = _DONE
                     leg.bytes = int(leg.out.status().get("bytes", 0) or 0)
+                    self._leg_ended(push, leg)
                 elif state == "failed":
                     leg.state, leg.reason = _FAILED, _reason_of(leg.out)
+                    leg.code = str(leg.out.status().get("reason") or "unspecified")
+                    self._leg_ended(push, leg)
                 elif now - (leg.granted_at or now) >= self.deadline_s:
-                    push._fail(leg, f"no confirmation within {self.deadline_s:g} s of the grant")
+                    push._fail(leg, f"no confirmation within {self.deadline_s:g} s of the grant", "deadline_exceeded")
 
     def _await_grant(self, push: Push, leg: PushLeg, now: float) -> None:
         sender = self._senders.get(leg.address)
@@ -633,12 +671,12 @@ class Pusher:
             try:
                 sender = self.sender_for(leg.address)
             except PddError as e:
-                push._fail(leg, f"cannot reach {leg.address}: {e.reason}: {e}")
+                push._fail(leg, f"cannot reach {leg.address}: {e.reason}: {e}", _unreachable_code(e))
                 return
         try:
             out = sender.try_grant(push.key)
         except PddError as e:
-            push._fail(leg, f"no grant: {e.reason}: {e}")
+            push._fail(leg, f"no grant: {e.reason}: {e}", e.reason)
             if is_local_address(leg.address):
                 # A local sender's try_grant raises only once its session died (lost,
                 # or ended by the receiver), and it does not come back by itself (a WAN
@@ -649,7 +687,7 @@ class Pusher:
         if out is not None:
             push._take_grant(leg, out, now)
         elif now - push.started >= self.grant_timeout_s:
-            push._fail(leg, f"no grant within {self.grant_timeout_s:g} s")
+            push._fail(leg, f"no grant within {self.grant_timeout_s:g} s", "grant_timeout")
 
 
 # ---------------------------------------------------------------- decode side
@@ -677,6 +715,10 @@ class Pull:
     transfer: Any = None
     #: The engine aborted it while it loaded: reported once no write can land.
     cancelled: bool = False
+    #: When the grant reached the receiver's session with the prefill side.
+    granted_at: float | None = None
+    #: A stable word for why it failed (for metrics), once failed.
+    code: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -687,7 +729,9 @@ class Pull:
 class Puller:
     """The decode side of one engine process, over its receiver (a
     :class:`~pdd_transport.kv.KvReceiver` or a
-    :class:`~pdd_transport.local.LocalReceiver`)."""
+    :class:`~pdd_transport.local.LocalReceiver`). :attr:`stats` counts what settled
+    (:mod:`pdd_transport.transfer_stats`, side ``recv``, path ``local`` for a
+    ``LocalReceiver``, else ``wan``)."""
 
     def __init__(
         self,
@@ -700,6 +744,8 @@ class Puller:
     ):
         _check_bounds(grant_timeout_s, deadline_s)
         self.receiver = receiver
+        self.path = "local" if isinstance(receiver, _native.LocalReceiver) else "wan"
+        self.stats = TransferStats()
         self._owns_receiver = owns_receiver
         self.grant_timeout_s = float(grant_timeout_s)
         self.deadline_s = float(deadline_s)
@@ -755,7 +801,26 @@ class Puller:
             if self._settled(pull):
                 del self._pulls[key]
                 settled.append(pull)
+                self._count(pull)
         return settled
+
+    def take_stats(self) -> dict[str, dict[str, Any]]:
+        """What settled since the last call (:meth:`TransferStats.take`)."""
+        return self.stats.take()
+
+    def _count(self, pull: Pull) -> None:
+        now = self._clock()
+        wait = pull.granted_at - pull.claimed_at if pull.granted_at is not None else None
+        if pull.cancelled or pull.state == _CANCELLED:
+            self.stats.ended("recv", self.path, "cancelled", grant_wait_s=wait)
+        elif pull.state == _COMPLETE:
+            status = pull.transfer.status() if pull.transfer is not None else {}
+            pages = len(pull.block_ids) * int(getattr(pull.transfer, "layer_count", 0) or 0)
+            self.stats.ended("recv", self.path, "ok" if pull.block_ids else "empty",
+                             nbytes=int(status.get("bytes", 0) or 0), pages=pages,
+                             seconds=now - (pull.granted_at or now), grant_wait_s=wait)
+        else:
+            self.stats.ended("recv", self.path, "failed", code=pull.code, grant_wait_s=wait)
 
     def close(self) -> None:
         """Cancel every live pull; close the receiver if this Puller owns it (made by
@@ -777,6 +842,7 @@ class Puller:
             pull.state = _COMPLETE
         else:
             pull.state, pull.reason = _FAILED, _reason_of(pull.transfer)
+            pull.code = str(pull.transfer.status().get("reason") or "unspecified")
         return True
 
     def _try_grant(self, pull: Pull, now: float) -> None:
@@ -785,6 +851,6 @@ class Puller:
         except PddError as e:
             if e.reason == "connection_lost" and now - pull.claimed_at < self.grant_timeout_s:
                 return  # the prefill instance has not connected yet: a later poll retries
-            pull.state, pull.reason = _FAILED, f"{e.reason}: {e}"
+            pull.state, pull.reason, pull.code = _FAILED, f"{e.reason}: {e}", e.reason
             return
-        pull.state = _LOADING
+        pull.state, pull.granted_at = _LOADING, now

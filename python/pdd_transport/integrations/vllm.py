@@ -1,19 +1,15 @@
 """pdd_transport as a vLLM v1 KV connector, ``PddConnector``: vLLM's glue over the
-library's engine-neutral transfers (:mod:`pdd_transport.transfers`). docs/vllm.md has
-the deployment, the ``kv_transfer_params`` contract, every knob and the failure
-semantics. Decode first: a proxy sends each request to D and P at once; D's scheduler
-claims only the block-aligned prompt tokens its own prefix cache lacks and its worker
-grants those blocks (none: an empty grant, so P frees its blocks at once); P's worker
-queues each layer's newly computed blocks after that layer and keeps them allocated
-until D confirmed. One page is one block of one layer: vLLM's CPU attention stores a
-layer as one ``[num_blocks, kv_heads, block_size, 2 * head_size]`` tensor, registered
-without a copy. This module imports vLLM and torch; ``import pdd_transport`` never does.
+library's engine-neutral transfers (:mod:`pdd_transport.transfers`); docs/vllm.md has
+the deployment, the ``kv_transfer_params`` contract, every knob and the failures.
+Decode first: D's scheduler claims the block-aligned prompt blocks its prefix cache
+lacks and its worker grants them (none: an empty grant, so P frees its blocks at once);
+P's worker queues each layer's new blocks after that layer and keeps them until D
+confirmed. One page is one block of one layer of vLLM's CPU KV cache (registered
+without a copy). This module imports vLLM and torch; ``import pdd_transport`` never does.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,10 +21,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 from vllm.logger import init_logger
+from vllm.v1.request import RequestStatus
 
 from pdd_transport import kv
 from pdd_transport.errors import InvalidArgument, PddError
 from pdd_transport.integrations import vllm_params as kvp
+from pdd_transport.integrations import vllm_trace as tr
+from pdd_transport.integrations.vllm_metrics import PddStatsMixin
 from pdd_transport.transfers import Pull, Puller, Push, Pusher, Settings, pool_from_block_tensors
 
 if TYPE_CHECKING:
@@ -45,18 +44,8 @@ __all__ = ["PddConnector", "PddConnectorMetadata", "decode_params", "prefill_par
 # Under "vllm." so that vLLM's logging configuration (handlers, VLLM_LOGGING_LEVEL) applies.
 logger = init_logger(f"vllm.{__name__}")
 
-_TRACE = os.environ.get("PDD_VLLM_TRACE") == "1"
-
-
-def _trace(what: str, req_id: str) -> None:
-    """PDD_VLLM_TRACE=1: each step of a transfer with a wall-clock time (P's and D's logs line up)."""
-    if _TRACE:
-        logger.info("pdd trace %.6f %s %s", time.time(), what, req_id)
-
-
 # The proxy's contract (pdd_transport.integrations.vllm_params), re-exported.
 request_id_of, decode_params, prefill_params = kv.request_id_of, kvp.decode_params, kvp.prefill_params
-
 
 
 @dataclass
@@ -89,11 +78,15 @@ class _SendReq:
 @dataclass
 class PddConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """Scheduler to worker, once per step. ``idle``: nothing is computed this step, so
-    the worker may wait briefly for transfer events instead of letting the loop spin."""
+    the worker may wait briefly for transfer events instead of letting the loop spin.
+    P: ``aborted``, pushed requests vLLM aborted (their pushes are aborted, not ended);
+    ``given_up``, (key, destinations) of requests that ended before any push began."""
 
     recv: list[_RecvReq] = field(default_factory=list)
     send: list[_SendReq] = field(default_factory=list)
     idle: bool = False
+    aborted: set[str] = field(default_factory=set)
+    given_up: list[tuple[str, list[str]]] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- scheduler side
@@ -109,6 +102,7 @@ class _SchedulerSide:
     _kv_cache_config: KVCacheConfig
 
     def _init_scheduler(self) -> None:
+        self._pending_meta = PddConnectorMetadata()  # P's aborts and give-ups for the next step
         self._pending_recv: list[_RecvReq] = []
         self._recv_started: set[str] = set()
         self._send: dict[str, Request] = {}  # P: requests whose KV goes to a decode instance
@@ -131,7 +125,7 @@ class _SchedulerSide:
         missing = self._wanted_tokens(request) - num_computed_tokens
         if key is None or missing <= 0:
             return 0, False
-        _trace("d_claims", request.request_id)
+        tr.trace("d_claims", request.request_id)
         return missing, True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -142,7 +136,7 @@ class _SchedulerSide:
         if key is None or req_id in self._recv_started:
             return
         assert params is not None
-        peer = int(params[kvp.PREFILL_NODE]) if params.get(kvp.PREFILL_NODE) is not None else None
+        peer = kvp.prefill_node(params)
         self._recv_started.add(req_id)
         if num_external_tokens <= 0:
             # Nothing to load (D holds every block P could send, or the prompt is
@@ -156,12 +150,13 @@ class _SchedulerSide:
         self._pending_recv.append(_RecvReq(req_id, key, list(block_ids[end - count : end]), peer, corrupt))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = PddConnectorMetadata(recv=self._pending_recv, idle=scheduler_output.total_num_scheduled_tokens == 0)
+        meta, self._pending_meta = self._pending_meta, PddConnectorMetadata()
+        meta.recv, meta.idle = self._pending_recv, scheduler_output.total_num_scheduled_tokens == 0
         self._pending_recv = []
-        if _TRACE:  # a step that computes a request whose KV D loaded
+        if tr.TRACE:  # a step that computes a request whose KV D loaded
             for rid in scheduler_output.num_scheduled_tokens:
                 if rid in self._recv_started:
-                    _trace("d_scheduled", rid)
+                    tr.trace("d_scheduled", rid)
         if self._send:
             for req_data in scheduler_output.scheduled_new_reqs:
                 self._add_send(meta, req_data.req_id, int(req_data.num_computed_tokens), scheduler_output)
@@ -183,7 +178,12 @@ class _SchedulerSide:
         self._send_scheduled.add(req_id)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        req_id = request.request_id
+        req_id, params = request.request_id, request.kv_transfer_params or {}
+        key = kvp.key_of(params, kvp.DO_REMOTE_PREFILL) if self._is_consumer else None
+        if key is not None and req_id not in self._recv_started:
+            # D: it ended (aborted) before its blocks were allocated: an empty grant tells
+            # P now, so P frees its blocks instead of waiting out pdd_grant_timeout_s.
+            self._pending_recv.append(_RecvReq(req_id, key, [], kvp.prefill_node(params), corrupt=False, notice=True))
         self._recv_started.discard(req_id)
         if self._send.pop(req_id, None) is None:
             return False, None
@@ -191,12 +191,16 @@ class _SchedulerSide:
         # request the worker has seen can be reported.
         scheduled = req_id in self._send_scheduled
         self._send_scheduled.discard(req_id)
-        return scheduled, {kvp.KEY: (request.kv_transfer_params or {}).get(kvp.KEY)}
+        if not scheduled:  # no push will begin: a grant that comes for it is refused at once
+            self._pending_meta.given_up.append((str(params[kvp.KEY]), kvp.destinations(params)))
+        elif request.status == RequestStatus.FINISHED_ABORTED:
+            self._pending_meta.aborted.add(req_id)
+        return scheduled, {kvp.KEY: params.get(kvp.KEY)}
 
     def update_connector_output(self, connector_output: Any) -> None:
-        if _TRACE:  # the scheduler learns that a request's KV landed
+        if tr.TRACE:  # the scheduler learns that a request's KV landed
             for req_id in connector_output.finished_recving or ():
-                _trace("d_ready", req_id)
+                tr.trace("d_ready", req_id)
         super().update_connector_output(connector_output)  # type: ignore[misc]
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
@@ -244,7 +248,7 @@ class _WorkerSide:
             self._puller = self._cfg.decode_side(pool)
             logger.info("pdd: KV receiver listening on %s:%d", *self._puller.receiver.address)
         if self._is_producer:
-            self._pusher = self._cfg.prefill_side(pool, on_send=_trace_send if _TRACE else None)
+            self._pusher = self._cfg.prefill_side(pool, on_send=tr.trace_send if tr.TRACE else None)
 
     # -- P: push each layer's newly computed blocks as the layer is computed
 
@@ -264,7 +268,7 @@ class _WorkerSide:
                     logger.warning("pdd: cannot push KV of %s: %s", req.req_id, e)
                     self._unpushed.add(req.req_id)  # reported as over once vLLM finishes it
                     continue
-                _trace("p_first_layer", req.req_id)
+                tr.trace("p_first_layer", req.req_id)
                 self._push_of[req.req_id] = push
             if layer == 0 or not push.in_step:  # this step computes tokens [start, end)
                 bs = self._conn_block_size
@@ -276,7 +280,7 @@ class _WorkerSide:
         for push in pusher.poll():  # over: sent (or failed) and finished by vLLM
             if push.failures:
                 logger.warning("pdd: sending KV of %s failed: %s", push.tag, push.failures)
-            _trace("p_over", push.tag)
+            tr.trace("p_over", push.tag)
             del self._push_of[push.tag]
             results.finished_sending.add(push.tag)
 
@@ -294,7 +298,7 @@ class _WorkerSide:
                 self._refused.append(req)
                 continue
             self._pulls[req.key] = req
-            _trace("d_claimed", req.req_id)
+            tr.trace("d_claimed", req.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: a request joins a batch once all its KV landed
@@ -312,11 +316,16 @@ class _WorkerSide:
         results = KVConnectorTransferResults()
         meta, pusher, puller = self._connector_metadata, self._pusher, self._puller
         idle = bool(meta is not None and meta.idle)
+        if meta is not None and pusher is not None:
+            pusher.give_up_all(meta.given_up)
         if pusher is not None and (self._push_of or self._unpushed):
             results.finished_sending |= finished & self._unpushed
             self._unpushed -= finished
             for req_id in finished & self._push_of.keys():
-                self._push_of[req_id].end()
+                if meta is not None and req_id in meta.aborted:  # P's client went away: free at once
+                    self._push_of[req_id].abort("the prefill request was aborted")
+                else:
+                    self._push_of[req_id].end()
             self._collect_pushes(pusher, results)
             if idle and not results.finished_sending and self._push_of:
                 # The engine steps just to ask: wait briefly for a grant or a
@@ -349,7 +358,7 @@ class _WorkerSide:
             results.failed_recving.add(req.req_id)
         elif req.corrupt:
             self._corrupt(req)
-        _trace("d_loaded" if pull.ok else "d_failed", req.req_id)
+        tr.trace("d_loaded" if pull.ok else "d_failed", req.req_id)
 
     def _corrupt(self, req: _RecvReq) -> None:
         """The negative control: zero the KV that just landed, so the test can prove D
@@ -370,14 +379,10 @@ class _WorkerSide:
                 pass
 
 
-def _trace_send(push: Push, address: str, layer: int, first: int, end: int) -> None:
-    _trace(f"p_sent layer={layer} pages={first}..{end} to={address}", push.key)
-
-
 # ---------------------------------------------------------------- the connector
 
 
-class PddConnector(_SchedulerSide, _WorkerSide, KVConnectorBase_V1):  # type: ignore[misc]
+class PddConnector(_SchedulerSide, _WorkerSide, PddStatsMixin, KVConnectorBase_V1):  # type: ignore[misc]
     """vLLM v1 KV connector over pdd_transport (module docstring; docs/vllm.md). vLLM
     makes one per role: the scheduler's uses :class:`_SchedulerSide`'s methods, each
     worker's :class:`_WorkerSide`'s."""

@@ -9,7 +9,7 @@ from typing import Any
 from pdd_transport.errors import InvalidArgument
 
 __all__ = ["DEBUG_CORRUPT", "DECODE_ADDRESS", "DO_REMOTE_DECODE", "DO_REMOTE_PREFILL", "KEY", "PREFILL_NODE",
-           "RELAY_ADDRESS", "decode_params", "destinations", "key_of", "prefill_params"]
+           "RELAY_ADDRESS", "decode_params", "destinations", "key_of", "prefill_node", "prefill_params"]
 
 KEY = "pdd_key"  # str: the transfer key both sides derive the wire request id from
 DO_REMOTE_PREFILL = "do_remote_prefill"  # D: load the prompt's KV from a prefill instance
@@ -43,6 +43,11 @@ def prefill_params(key: str, decode_address: str, relay_address: str | None = No
 def destinations(params: dict[str, Any]) -> list[str]:
     """The addresses P pushes a request's KV to, from its ``kv_transfer_params``."""
     return [str(a) for a in (params.get(DECODE_ADDRESS), params.get(RELAY_ADDRESS)) if a]
+
+
+def prefill_node(params: dict[str, Any]) -> int | None:
+    """The prefill sender's node id D grants to, from D's ``kv_transfer_params`` (None: any)."""
+    return int(params[PREFILL_NODE]) if params.get(PREFILL_NODE) is not None else None
 
 
 def key_of(params: dict[str, Any] | None, flag: str, strict: bool = False) -> str | None:
