@@ -1186,6 +1186,48 @@ fn a_lane_acknowledged_but_not_delivered_is_revoked_by_the_receivers_count() {
 }
 
 #[test]
+fn a_lane_that_owed_nothing_starts_its_stall_clock_when_it_owes() {
+    let mut tx = sender(WAN | capability::LANE_DELIVERY, 2, ms(0));
+    // Lane 1 owes nothing for a long time (everything sent was read), lane 2 moves.
+    for t in (0..=1_000).step_by(100) {
+        tx.handle_frame(delivered(&[(1, 100), (2, 100 + t)]), ms(t));
+        tx.lane_samples(&[acked(1, 100), acked(1 + t, 200 + t)], ms(t));
+    }
+    // Now lane 1 owes bytes: it has the whole bound from now, not from long ago.
+    tx.lane_samples(&[acked(1, 300), acked(2_000, 1_300)], ms(1_050));
+    tx.handle_frame(delivered(&[(1, 100), (2, 1_200)]), ms(1_100));
+    tx.lane_samples(&[acked(1, 300), acked(2_001, 1_400)], ms(1_100));
+    let (f, _) = drain_tx(&mut tx, ms(1_100));
+    assert!(
+        !f.iter().any(|x| matches!(x, Frame::LaneRevoke(_))),
+        "revoked 50 ms after it began to owe: {f:?}"
+    );
+    tx.handle_frame(delivered(&[(1, 100), (2, 1_400)]), ms(1_250));
+    tx.lane_samples(&[acked(1, 300), acked(2_002, 1_500)], ms(1_250));
+    let (f, _) = drain_tx(&mut tx, ms(1_250));
+    assert!(
+        f.contains(&Frame::LaneRevoke(LaneRevoke { lane: 1 })),
+        "{f:?}"
+    );
+}
+
+#[test]
+fn a_lane_delivered_report_is_bounded_and_names_each_data_lane_once() {
+    use pdd_core::wire::encode_frame_to_vec;
+    assert!(encode_frame_to_vec(&delivered(&[(1, 5), (2, 6)]), 1 << 20).is_ok());
+    for bad in [
+        vec![(0, 1)],
+        vec![(3, 1), (3, 2)],
+        (1..=257).map(|l| (l, 0)).collect::<Vec<_>>(),
+    ] {
+        assert!(
+            encode_frame_to_vec(&delivered(&bad), 1 << 20).is_err(),
+            "{bad:?}"
+        );
+    }
+}
+
+#[test]
 fn the_delivery_stall_bound_is_at_least_two_heartbeats() {
     // Heartbeat 300 ms, stall bound 200 ms: the counts come every 300 ms, so a lane
     // is stalled by them only after 600 ms (a report in between is not missed).

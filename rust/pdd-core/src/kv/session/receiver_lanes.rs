@@ -89,8 +89,10 @@ impl ReceiverEndpoint {
             .lanes
             .iter()
             .filter_map(|(&lane, instance)| {
+                // `lanes` names each index's current connection: a revoked or
+                // replaced one is not there any more.
                 let st = s.live_lanes.get(instance)?;
-                (!st.revoked).then_some((lane, st.delivered))
+                Some((lane, st.delivered))
             })
             .take(MAX_DELIVERED_LANES)
             .collect();
