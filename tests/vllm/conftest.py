@@ -41,3 +41,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[vllm_pd.PdClus
         yield c
     finally:
         c.close()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """test_prefill_death.py kills the shared prefill engine: it runs last, whatever
+    the files' order (test_router.py, after it alphabetically, needs a live P)."""
+    items.sort(key=lambda item: item.nodeid.startswith("tests/vllm/test_prefill_death.py"))

@@ -1,6 +1,6 @@
 """A prefill instance killed while D's grant is live: D recomputes, no hang, no leak.
 
-Runs after test_pd.py (it kills the shared P). P's KV writes cannot be cut in the
+Runs last (conftest.py orders it: it kills the shared P). P's KV writes cannot be cut in the
 middle from outside: once P has written a page into its socket the kernel delivers it
 even after P dies. So D's grant is held on the WAN (the D -> P direction stalled): P
 computes the prompt and waits for the grant with every page unsent, and is killed
