@@ -37,6 +37,15 @@ from pdd_transport.integrations.vllm_proxy import PdProxy, PdResult, post_json, 
 from pdd_transport.wanem import Wanem  # noqa: E402
 
 BLOCK_SIZE = 32
+# The engines compute in float32 (the weights are stored in bf16 and widened on load).
+# In bf16, KV that P computed in one prefill chunk and KV that a plain instance
+# computed another way (decode steps, other chunk boundaries) differ in their last bits,
+# and a random-weight model's near-tied logits then flipped a greedy token now and then
+# (one answer in 28 of the PDD benchmark, at position 13, on the P/D baseline itself).
+# In float32 those differences are ~65,000x smaller: the greedy checks compare what the
+# transport moved, not two rounding paths. The transport is dtype-blind (pages of bytes).
+DTYPE = "float32"
+DTYPE_BYTES = 4
 MODEL_DIR = Path(os.environ.get("PDD_VLLM_MODEL_DIR", Path.home() / ".cache/pdd_transport/tiny-llama-v1"))
 ENGINE_ENV = {
     "VLLM_TARGET_DEVICE": "cpu",
@@ -117,7 +126,7 @@ class Engine:
             "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
             "--block-size", str(BLOCK_SIZE), "--max-model-len", "4096",
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--dtype", "bfloat16", "--max-num-seqs", "8",
+            "--dtype", DTYPE, "--max-num-seqs", "8",
         ]  # fmt: skip
         if kv_config is not None:
             args += ["--kv-transfer-config", json.dumps(kv_config)]
@@ -133,8 +142,14 @@ class Engine:
         self._log = open(self.log_path, "wb")
         # Own process group: teardown kills the engine core and worker children too. And
         # if this process dies without a teardown, the kernel kills the server with it.
+        # Not its own session: with the kernel's autogroup scheduling (on by default)
+        # each session is a scheduling group that gets a fair share of a core whatever
+        # its threads do, and vLLM's engine core and worker spin on sched_yield() for a
+        # second after each step. A waiting RelayDecode in a group of its own then took
+        # half of P's core through P's whole prefill (TTFT 1.3-3.1 s where 0.26 s was
+        # P's own time); in one group, a yielding spinner gives way to P's compute.
         self.proc = subprocess.Popen(
-            args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True, preexec_fn=_die_with_parent
+            args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, process_group=0, preexec_fn=_die_with_parent
         )
 
     def wait_ready(self, timeout: float) -> None:
@@ -399,10 +414,10 @@ def _wan_bytes(after: Any, before: Any) -> int:
 
 def kv_bytes_per_block() -> int:
     """KV bytes of one block of the tiny model, every layer: layers x kv_heads x
-    block_size x (K + V) x head_dim x 2 bytes (bf16). One pdd_transport page is one
+    block_size x (K + V) x head_dim x DTYPE_BYTES. One pdd_transport page is one
     layer's share of it."""
     kv_heads, head_dim, layers = 4, 32, 2
-    return layers * kv_heads * BLOCK_SIZE * 2 * head_dim * 2
+    return layers * kv_heads * BLOCK_SIZE * 2 * head_dim * DTYPE_BYTES
 
 
 def main() -> None:

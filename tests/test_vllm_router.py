@@ -501,6 +501,11 @@ def test_pipeline_follows_the_policy_fed_by_mds_cache_view(deploy: Any) -> None:
     assert by["rld"] > 0 and by["md"] > 0 and by["rld"] + by["md"] == 30
     assert first["pdd"]["handoff_mode"] in ("one_shot", "catch_up")
     assert d.p.requests[-1]["kv_transfer_params"]["pdd_relay_address"] == "local://127.0.0.1:7300"
+    # Where the time went, in the order it went there: P and both decoders asked at
+    # once, RLD's first token before MD's load answered, MD's stream after the handoff.
+    t = first["pdd"]["timeline"]
+    assert max(t["p_sent"], t["rld_sent"], t["md_sent"]) <= t["rld_first_chunk"] == t["first_token"]
+    assert t["rld_first_chunk"] <= t["md_loaded"] <= t["handoff_received"] <= t["md_first_chunk"]
 
     # The next turn: MD holds the first turn (the view says so), so P-MD.
     turn2 = prompt + first["token_ids"] + list(range(2000, 2010))

@@ -242,13 +242,20 @@ class SubResult:
     notes: list[str] = field(default_factory=list)
     ttft_s: float | None = None
     started: float = field(default_factory=time.monotonic)
+    #: When each step first happened, ms after the sub-request started (``mark``).
+    timeline: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, step: str) -> None:
+        """Note the first time ``step`` happened (the operator's view of where a
+        request's time went: ``pdd.timeline`` in the answer)."""
+        self.timeline.setdefault(step, round((time.monotonic() - self.started) * 1000.0, 1))
 
     def pdd_info(self) -> dict[str, Any]:
         return {"pipeline": self.pipeline, "route_reason": self.route_reason, "md_held_tokens": self.md_held_tokens,
                 "handoff_mode": self.handoff_mode, "handoffs": [list(h) for h in self.handoffs],
                 "tokens_decoded": {"rld": self.decoded_by.count("rld"), "md": self.decoded_by.count("md")},
                 "decoded_by_runs": _runs(self.decoded_by),
-                "prefill_error": self.prefill_error, "notes": self.notes}
+                "prefill_error": self.prefill_error, "notes": self.notes, "timeline": dict(self.timeline)}
 
 
 def _runs(names: list[str]) -> list[list[Any]]:
@@ -285,6 +292,7 @@ class OutputSlots:
         if len(sub.token_ids) > start:
             if sub.ttft_s is None:
                 sub.ttft_s = time.monotonic() - sub.started
+                sub.mark("first_token")
             self.notify(sub, start)
 
     @property
@@ -524,6 +532,7 @@ class PipelineRunner:
 
         def on_chunk(ids: list[int], text: str) -> bool:
             nonlocal position
+            out.sub.mark(f"{who}_first_chunk")
             for i, t in enumerate(ids):
                 out.put(position, t, who, text if i == 0 else "")
                 position += 1
@@ -534,9 +543,11 @@ class PipelineRunner:
     async def _prefill(self, sub: SubResult, sampling: dict[str, Any], destination: str, relay: str | None) -> None:
         """P computes the prompt and pushes its KV; a P that fails leaves the decoders
         to recompute (their connector's ``kv_load_failure_policy``)."""
+        sub.mark("p_sent")
         try:
             await self._post("P", self.config.prefill_url,
                              self._body(sampling, sub.prompt, 1, prefill_params(sub.key, destination, relay)))
+            sub.mark("p_answered")
         except UpstreamError as e:
             sub.prefill_error = str(e)
 
@@ -560,6 +571,7 @@ class PipelineRunner:
     async def _run_p_md(self, sub: SubResult, sampling: dict[str, Any], out: OutputSlots) -> None:
         c = self.config
         async with self._prefill_alongside(sub, sampling, c.main_kv_address, None):
+            sub.mark("md_sent")
             end = await self._stream("MD", c.main_url, self._body(sampling, sub.prompt, sub.max_tokens,
                                                                   decode_params(sub.key)), self._emitter(out, 0, "md"))
             sub.finish_reason = end.finish_reason
@@ -632,6 +644,7 @@ class PipelineRunner:
 
             def on_chunk(ids: list[int], text: str) -> bool:
                 nonlocal emitted
+                sub.mark("rld_first_chunk")
                 for i, t in enumerate(ids):
                     if not link.is_decoding(request_id):
                         return False
@@ -644,6 +657,7 @@ class PipelineRunner:
                         return False
                 return True
 
+            sub.mark("rld_sent")
             try:
                 end = await self._stream("RLD", c.relay_url, self._body(sampling, sub.prompt, sub.max_tokens,
                                                                         decode_params(sub.key)), on_chunk)
@@ -691,7 +705,9 @@ class PipelineRunner:
             try:
                 # The prompt's KV: MD claims what its prefix cache lacks and P pushes it
                 # over the WAN; the one token this computes is RLD's to give.
+                sub.mark("md_sent")
                 await self._post("MD", c.main_url, self._body(sampling, sub.prompt, 1, decode_params(sub.key)))
+                sub.mark("md_loaded")
             except UpstreamError as e:
                 state["md_error"] = e
                 link.abort(request_id, "cancelled", f"loading the prompt's KV failed: {e}"[:200])
@@ -720,6 +736,7 @@ class PipelineRunner:
                 if not isinstance(event, handoff.Handoff):
                     continue
                 handed += [int(t) for t in event.token_ids]
+                sub.mark("handoff_received")
                 sub.handoffs.append((int(event.first_position) - len(sub.prompt), len(event), bool(event.final)))
                 extended = sub.prompt + handed
                 try:
