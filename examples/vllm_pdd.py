@@ -3,9 +3,8 @@ both through the PDD router (``pdd_transport.integrations.vllm_router``).
 
 Starts four vLLM servers of a tiny random-weight Llama (``vllm_pd.PdCluster`` with a
 RelayDecode): a plain reference, P, MainDecode (behind ``pdd_transport.wanem``, 30 ms
-RTT +-5 ms, 0.2 Gbit/s by default: the tiny model's 1 KB of KV per token over it takes
-the seconds per token of the paper's ~50 KB over 10 Gbit/s) and RelayDecode (next to P,
-local path), and two routers in this process on the same engines:
+RTT +-5 ms, 0.1 Gbit/s by default: see ``--rate-gbit`` for why) and RelayDecode (next
+to P, local path), and two routers in this process on the same engines:
 
 - ``pd``: cross-DC P/D, every request P-MD (``--pipeline p_md``: the connector before PDD);
 - ``pdd``: the pipeline per request by the library's policy from the router's view of
@@ -235,20 +234,24 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--rtt-ms", type=float, default=30.0)
     ap.add_argument("--jitter-ms", type=float, default=5.0)
-    # The tiny model holds 1 KB of KV per token: 0.2 Gbit/s gives it the seconds per
-    # token of the paper's ~50 KB per token over 10 Gbit/s.
-    ap.add_argument("--rate-gbit", type=float, default=0.2)
+    # The line is scaled by what sets cross-DC TTFT: how fast P makes KV against how
+    # fast the line carries it. The design's prefill cluster makes > 180 Gbit/s of KV
+    # for a 10-100 Gbit/s line (1.8-18x). The tiny model (2 KB of KV per token in
+    # float32) on one core here makes ~0.3 Gbit/s (2,560 tokens in ~0.13 s): 0.1 Gbit/s
+    # is ~3x, inside the design's range. At 0.4 Gbit/s (bytes per token scaled as the
+    # paper's 50 KB over 10 Gbit/s) the line keeps up with P and hides under its prefill.
+    ap.add_argument("--rate-gbit", type=float, default=0.1)
     ap.add_argument("--conversations", type=int, default=4)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--system-tokens", type=int, default=2048)
     ap.add_argument("--first-tokens", type=int, default=512)
     ap.add_argument("--turn-tokens", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=96, help="output tokens per request")
-    # By the policy's estimate at 0.2 Gbit/s and 30 ms RTT (45 ms of set-up, 0.05 ms per
-    # missing token): a conversation's first turn misses its 512 own tokens, or 2,560
-    # for the first conversation (the system prefix too): 71 or 176 ms; a later turn
-    # ~260 (the new message): ~58 ms. 65 ms sends first turns P-RLD-MD, later ones P-MD.
-    ap.add_argument("--ttft-budget-ms", type=float, default=65.0, help="the pipeline policy's TTFT budget")
+    # By the policy's estimate at 0.1 Gbit/s and 30 ms RTT (45 ms of set-up, then 0.2 ms
+    # per missing token: 2 KB at 80% of the line): a first turn misses 512 tokens or
+    # more (150 ms and up), a later turn the new message and a partial block (~290
+    # tokens, ~103 ms): 120 ms sends first turns P-RLD-MD and later turns P-MD.
+    ap.add_argument("--ttft-budget-ms", type=float, default=120.0, help="the pipeline policy's TTFT budget")
     ap.add_argument("--anomalies", type=int, default=2, help="long new prompts with very short answers")
     ap.add_argument("--anomaly-tokens", type=int, default=2304)
     ap.add_argument("--anomaly-output-tokens", type=int, default=4)
