@@ -276,3 +276,91 @@ def test_single_instance_fields_and_lists_merge() -> None:
                 dict(prefills=["http://p:1"], main_decodes=[("http://md:1", "a:1")], health_down_after=0)):
         with pytest.raises(ValueError):
             RouterConfig(**bad)
+
+
+# -- the router's /metrics --------------------------------------------------------------
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of the router's /metrics, parsed strictly (the text format 0.0.4)."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = r.read().decode()
+    out: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+    typed: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            typed.add(line.split()[2])
+            continue
+        if line.startswith("#") or not line:
+            continue
+        m = re.fullmatch(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)', line)
+        assert m, line
+        labels = frozenset(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(3) or ""))
+        assert any(m.group(1) == t or m.group(1).startswith(t + "_") for t in typed), line
+        out[(m.group(1), labels)] = float(m.group(4).replace("+Inf", "inf"))
+    return out
+
+
+def value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def test_metrics_count_routing_ttft_hits_health_and_errors(fleet: Any) -> None:
+    f = fleet(n_md=2, kv_bytes_per_token=100)
+    prompt = conversation(200, 4 * BLOCK)
+    status, body = f.complete(prompt, 4)
+    first = md_of(body)
+    prompt2 = prompt + body["choices"][0]["token_ids"] + conversation(201, BLOCK)
+    status, body = f.complete(prompt2, 4)
+    assert status == 200 and md_of(body) == first
+    m = scrape(f.url)
+    assert value(m, "pdd_router_requests_total", pipeline="p_md") == 2
+    assert value(m, "pdd_router_ttft_seconds_count", pipeline="p_md") == 2
+    assert value(m, "pdd_router_ttft_seconds_bucket", pipeline="p_md", le="+Inf") == 2
+    assert value(m, "pdd_router_md_choices_total", instance=first, reason="no_hit") == 1
+    assert value(m, "pdd_router_md_choices_total", instance=first, reason="prefix") == 1
+    held = body["choices"][0]["pdd"]["md_held_tokens"]
+    assert held >= 4 * BLOCK - BLOCK
+    assert value(m, "pdd_router_md_held_tokens_total") == held
+    assert value(m, "pdd_router_md_prompt_tokens_total") == len(prompt) + len(prompt2)
+    assert value(m, "pdd_router_md_prefix_hit_ratio") == pytest.approx(held / (len(prompt) + len(prompt2)))
+    whole = [(len(p) - 1) // BLOCK * BLOCK for p in (prompt, prompt2)]
+    assert value(m, "pdd_router_wan_kv_bytes_estimated_total", instance=first) == (whole[0] + whole[1] - held) * 100
+    assert value(m, "pdd_router_instance_up", role="main_decode", instance="md1", url=f.mds[1].url) == 1
+    assert value(m, "pdd_router_instance_requests_total", role="prefill", instance="p0") == 2
+    # An MD goes down: its gauge and transition; then none up: 503s counted.
+    f.mds[1].healthy = False
+    md1 = f.router.router.fleet.instances["main_decode"][1]
+    assert wait_for(lambda: not md1.up, 5.0)
+    f.mds[0].healthy = False
+    md0 = f.router.router.fleet.instances["main_decode"][0]
+    assert wait_for(lambda: not md0.up, 5.0)
+    assert f.complete(prompt)[0] == 503
+    m = scrape(f.url)
+    assert value(m, "pdd_router_instance_up", role="main_decode", instance="md1", url=f.mds[1].url) == 0
+    assert value(m, "pdd_router_instance_transitions_total", role="main_decode", instance="md1", to="down") == 1
+    assert value(m, "pdd_router_errors_total", code="503") == 1
+
+
+def test_metric_families_render_the_text_format() -> None:
+    from pdd_transport.integrations.vllm_router_metrics import Family
+
+    c = Family("x_total", "counter", 'a "help"\nline', ("who",))
+    c.inc(who='a"b\\c\nd')
+    c.inc(2, who="z")
+    with pytest.raises(ValueError):
+        c.inc(-1, who="z")
+    with pytest.raises(ValueError):
+        c.inc(who="z", extra="1")
+    assert c.render() == ['# HELP x_total a "help"\\nline', "# TYPE x_total counter",
+                          'x_total{who="a\\"b\\\\c\\nd"} 1', 'x_total{who="z"} 2']
+    h = Family("t_seconds", "histogram", "t", ("p",), buckets=(0.1, 1.0))
+    for v in (0.05, 0.5, 5.0):
+        h.observe(v, p="x")
+    assert h.render()[2:] == ['t_seconds_bucket{p="x",le="0.1"} 1', 't_seconds_bucket{p="x",le="1"} 2',
+                              't_seconds_bucket{p="x",le="+Inf"} 3', 't_seconds_sum{p="x"} 5.55',
+                              't_seconds_count{p="x"} 3']

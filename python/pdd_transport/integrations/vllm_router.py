@@ -3,7 +3,7 @@ running ``PddConnector``: P (prefill), RLD (RelayDecode, next to P) and MD
 (MainDecode, across the WAN, prefix caching on).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as SSE
-or not), ``GET /health``, ``GET /v1/models``. Built on aiohttp, server and client: every
+or not), ``GET /health``, ``GET /v1/models``, ``GET /metrics`` (Prometheus text). Built on aiohttp, server and client: every
 upstream call is bounded in time (:class:`RouterConfig`), and a client that goes away
 cancels its request's tasks, which closes every upstream stream (vLLM aborts a request
 whose HTTP stream is closed) and aborts its handoff.
@@ -65,6 +65,7 @@ from pdd_transport.integrations.vllm_pipelines import (
     UpstreamError,
     cancel_and_wait,
 )
+from pdd_transport.integrations.vllm_router_metrics import CONTENT_TYPE, RouterMetrics
 
 __all__ = ["ApiError", "BackgroundRouter", "EngineSpec", "HfTokenizer", "MainDecodeCacheView", "PddRouter", "RouterConfig", "SubResult", "Tokenizer",
            "UpstreamError", "main", "serve"]
@@ -92,7 +93,15 @@ class HfTokenizer:
         return [int(t) for t in ids]
 
 class PddRouter(PipelineRunner):
-    """The OpenAI-compatible HTTP face of :class:`PipelineRunner` (:meth:`app`)."""
+    """The OpenAI-compatible HTTP face of :class:`PipelineRunner` (:meth:`app`), with
+    its Prometheus metrics on ``GET /metrics``."""
+
+    def __init__(self, config: RouterConfig):
+        super().__init__(config)
+        self.metrics = RouterMetrics()
+
+    def on_sub_end(self, sub: SubResult) -> None:
+        self.metrics.observe(self, sub)
 
     def app(self) -> web.Application:
         """The aiohttp application; starts and closes the router with it."""
@@ -101,6 +110,7 @@ class PddRouter(PipelineRunner):
         application.router.add_post("/v1/chat/completions", self._handle_chat)
         application.router.add_get("/health", self._handle_health)
         application.router.add_get("/v1/models", self._handle_models)
+        application.router.add_get("/metrics", self._handle_metrics)
 
         async def on_startup(_: web.Application) -> None:
             await self.start()
@@ -132,6 +142,9 @@ class PddRouter(PipelineRunner):
         degraded = any(not i["healthy"] for insts in report.values() for i in insts)
         return web.json_response({"status": "degraded" if degraded else "ok", "engines": engines,
                                   "instances": report})
+
+    async def _handle_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(self).encode(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _handle_models(self, request: web.Request) -> web.Response:
         c = self.config
