@@ -91,14 +91,15 @@ class Tokenizer(Protocol):
 class MainDecodeCacheView:
     """What MD's prefix cache holds, as far as the router can know it.
 
-    vLLM's own KV cache events did not reach a subscriber from the CPU build 0.32.0 in
-    an earlier probe, and its API has no prefix query, so the router keeps a model:
+    The "shadow" source (``md_cache_source``; the "events" source, MD's own KV cache
+    events, is :class:`~pdd_transport.integrations.vllm_kv_events.MainDecodeEventView`):
+    vLLM's API has no prefix query, so the router keeps a model:
 
     - every sequence MD finished (its prompt, loaded from P or computed, plus the output
       whose KV MD computed) is inserted into a shadow :class:`~pdd_transport.radix.RadixCache`
       of MD's block size; its CACHE_EVENTS frames feed the library's
-      :class:`~pdd_transport.radix.PrefixMirror`, which answers :meth:`held_tokens`
-      (per MD instance: ready for several later);
+      :class:`~pdd_transport.radix.PrefixMirror` (one for the fleet, this MD's
+      ``instance``), which answers :meth:`held_tokens`;
     - the shadow holds at most ``capacity_blocks`` (MD's KV cache size), evicting the
       least recently used first, as vLLM's free-block queue does;
     - MD's own reports correct it: a request MD served from its prefix cache alone (no

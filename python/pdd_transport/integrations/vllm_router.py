@@ -1,6 +1,9 @@
-"""The PDD router: an OpenAI-compatible HTTP server in front of three vLLM engines
-running ``PddConnector``: P (prefill), RLD (RelayDecode, next to P) and MD
-(MainDecode, across the WAN, prefix caching on).
+"""The PDD router: an OpenAI-compatible HTTP server in front of vLLM engines running
+``PddConnector``: P (prefill), RLD (RelayDecode, next to P) and MD (MainDecode, across
+the WAN, prefix caching on), one or several of each (a fleet:
+:mod:`pdd_transport.integrations.vllm_fleet` chooses the instances per request, P and
+RLD by load, MD by the prefix it holds and its load; a health check takes instances out
+and puts them back).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as SSE
 or not), ``GET /health``, ``GET /v1/models``, ``GET /metrics`` (Prometheus text). Built on aiohttp, server and client: every
@@ -18,9 +21,10 @@ key) the router picks a pipeline with :func:`pdd_transport.policy.route`:
 - ``p_rld``: the anomaly filter's requests (long input, low MD hit, short output): P
   pushes to RLD only, RLD decodes everything, nothing crosses the WAN.
 
-MD's hit comes from :class:`MainDecodeCacheView`: the library's prefix mirror of what
-the router made MD hold, corrected by what MD reports (see its docstring for the
-limits). Without a RelayDecode configured every request takes ``p_md``.
+MD's hit comes from its view: the library's prefix mirror of what the router made MD
+hold, corrected by what MD reports (:class:`MainDecodeCacheView`, see its docstring for
+the limits), or of MD's own KV cache events (``md_cache_source="events"``). Without a
+RelayDecode configured every request takes ``p_md``.
 
 Prompts must reach the router as token ids unless it has a tokenizer
 (``--tokenizer``): the engines run with ``skip_tokenizer_init``, and the handoff and
