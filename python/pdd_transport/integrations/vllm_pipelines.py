@@ -634,7 +634,8 @@ class PipelineRunner:
             self.on_sub_end(sub)
             return
         self.counters[sub.pipeline] += 1
-        with self.fleet.busy(sub.r.main):
+        # MD's load: every request that decodes there (P-RLD never reaches MD).
+        with self.fleet.busy(sub.r.main if sub.pipeline != "p_rld" else None):
             await self._run_pipeline(sub, sampling, out)
         self.on_sub_end(sub)
 
