@@ -364,3 +364,22 @@ def test_metric_families_render_the_text_format() -> None:
     assert h.render()[2:] == ['t_seconds_bucket{p="x",le="0.1"} 1', 't_seconds_bucket{p="x",le="1"} 2',
                               't_seconds_bucket{p="x",le="+Inf"} 3', 't_seconds_sum{p="x"} 5.55',
                               't_seconds_count{p="x"} 3']
+
+
+def test_metrics_parse_with_prometheus_clients_own_parser(fleet: Any) -> None:
+    # The test extra has prometheus_client (the router itself does not need it).
+    parser = pytest.importorskip("prometheus_client.parser")
+    import urllib.request
+
+    f = fleet(n_md=2)
+    assert f.complete(conversation(300))[0] == 200
+    with urllib.request.urlopen(f.url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    families = {fam.name: fam for fam in parser.text_string_to_metric_families(text)}
+    assert families["pdd_router_ttft_seconds"].type == "histogram"
+    assert families["pdd_router_requests"].type == "counter"
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in families.values() for s in fam.samples}
+    assert samples[("pdd_router_requests_total", (("pipeline", "p_md"),))] == 1
+    assert samples[("pdd_router_ttft_seconds_count", (("pipeline", "p_md"),))] == 1
+    ups = [v for (name, labels), v in samples.items() if name == "pdd_router_instance_up"]
+    assert sorted(ups) == [1.0, 1.0, 1.0]
