@@ -199,13 +199,21 @@ def test_an_unhealthy_md_is_taken_out_and_put_back(fleet: Any) -> None:
     assert names == {"md0", "md1"}
 
 
-def test_a_dead_md_fails_its_request_clearly_and_gets_no_more(fleet: Any) -> None:
-    # The health check is slow here: the connection refused takes the MD out at once.
-    f = fleet(n_md=2, health_interval_s=30.0, md_choice="round_robin")
+@pytest.mark.parametrize("pooled", [True, False])
+def test_a_dead_md_fails_its_request_clearly_and_gets_no_more(fleet: Any, pooled: bool) -> None:
+    # The health check probes once at start (pooled: it leaves a kept-alive connection
+    # to each engine) or never, and not again: the failed request itself takes the MD
+    # out, whether its connection was pooled (dropped: the MD is probed at once) or new
+    # (refused).
+    f = fleet(n_md=2, health_interval_s=300.0 if pooled else 0.0, md_choice="round_robin")
+    md0 = f.router.router.fleet.instances["main_decode"][0]
+    if pooled:
+        assert wait_for(lambda: md0.successes == 1, 5.0)
     f.mds[0].close()
     status, body = f.complete(conversation(60))
     assert_error(status, body, 502)
     assert "md" in body["error"]["message"].lower()
+    assert not md0.up and md0.last_error
     for i in range(4):
         status, body = f.complete(conversation(61 + i))
         assert status == 200 and md_of(body) == "md1", body

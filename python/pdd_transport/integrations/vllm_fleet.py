@@ -40,7 +40,8 @@ import aiohttp
 if TYPE_CHECKING:
     from pdd_transport.integrations.vllm_pipelines import MainDecodeCacheView, RouterConfig
 
-__all__ = ["MD_CHOICES", "ROLES", "EngineSpec", "Fleet", "Instance", "NoInstanceError", "engine_specs"]
+__all__ = ["MD_CHOICES", "ROLES", "EngineSpec", "Fleet", "Instance", "NoInstanceError", "Route", "engine_specs",
+           "normalize_fleet"]
 
 ROLES = ("prefill", "main_decode", "relay_decode")
 MD_CHOICES = ("prefix", "round_robin")
@@ -80,6 +81,47 @@ def engine_specs(items: Iterable[Any], role: str) -> list[EngineSpec]:
             raise ValueError(f"{role} {spec.url}: its KV address (as P reaches it) is required")
         out.append(EngineSpec(spec.url.rstrip("/"), spec.kv_address, spec.name, spec.events))
     return out
+
+
+def normalize_fleet(config: RouterConfig) -> None:
+    """``config``'s instances as :class:`EngineSpec` lists, the single-instance fields
+    first (and then naming the first of each role), and the fleet's knobs checked."""
+    c = config
+
+    def merged(single: list[Any], more: list[Any], role: str) -> list[EngineSpec]:
+        out: list[EngineSpec] = []
+        for spec in engine_specs(list(single) + list(more), role):
+            same = [s for s in out if s.url == spec.url]
+            if same and (same[0].kv_address, same[0].events) != (spec.kv_address, spec.events):
+                raise ValueError(f"{role} {spec.url} is configured twice, differently")
+            if not same:
+                out.append(spec)
+        return out
+
+    if bool(c.relay_url) != bool(c.relay_kv_address):
+        raise ValueError("relay_url and relay_kv_address go together")
+    if bool(c.main_url) != bool(c.main_kv_address):
+        raise ValueError("main_url and main_kv_address go together")
+    c.prefills = merged([c.prefill_url] if c.prefill_url else [], c.prefills, "prefill")
+    c.main_decodes = merged([(c.main_url, c.main_kv_address)] if c.main_url else [], c.main_decodes, "main_decode")
+    c.relay_decodes = merged([(c.relay_url, c.relay_kv_address)] if c.relay_url else [], c.relay_decodes,
+                             "relay_decode")
+    if not c.prefills or not c.main_decodes:
+        raise ValueError("the router needs at least one prefill and one MainDecode instance")
+    c.prefill_url = c.prefills[0].url
+    c.main_url, c.main_kv_address = c.main_decodes[0].url, c.main_decodes[0].kv_address
+    if c.relay_decodes:
+        c.relay_url, c.relay_kv_address = c.relay_decodes[0].url, c.relay_decodes[0].kv_address
+    if c.md_choice not in MD_CHOICES:
+        raise ValueError(f"md_choice {c.md_choice!r}: expected one of {', '.join(MD_CHOICES)}")
+    if c.md_cache_source not in ("shadow", "events"):
+        raise ValueError(f"md_cache_source {c.md_cache_source!r}: expected shadow or events")
+    if c.md_cache_source == "events" and not all(m.events for m in c.main_decodes):
+        raise ValueError("md_cache_source 'events' needs every MainDecode's events endpoint (EngineSpec.events)")
+    if c.md_load_weight_tokens < 0 or c.health_interval_s < 0:
+        raise ValueError("md_load_weight_tokens and health_interval_s must be >= 0")
+    if c.health_down_after < 1 or c.health_up_after < 1:
+        raise ValueError("health_down_after and health_up_after must be >= 1")
 
 
 class NoInstanceError(Exception):
@@ -123,6 +165,23 @@ class Instance:
     def info(self) -> dict[str, Any]:
         return {"name": self.name, "url": self.url, "up": self.up, "in_flight": self.in_flight,
                 "requests": self.requests, "last_error": self.last_error}
+
+
+@dataclass
+class Route:
+    """The instances one sub-request runs on."""
+
+    prefill: Instance
+    main: Instance
+    relay: Instance | None = None
+    #: Why this MD: "prefix", "no_hit" or "round_robin".
+    md_reason: str = ""
+
+    def names(self) -> dict[str, str]:
+        out = {"prefill": self.prefill.name, "main_decode": self.main.name}
+        if self.relay is not None:
+            out["relay_decode"] = self.relay.name
+        return out
 
 
 @dataclass

@@ -20,7 +20,7 @@ import aiohttp
 
 from pdd_transport import handoff, kv, policy, radix
 from pdd_transport.errors import PddError
-from pdd_transport.integrations.vllm_fleet import MD_CHOICES, EngineSpec, Fleet, Instance, NoInstanceError, engine_specs
+from pdd_transport.integrations.vllm_fleet import EngineSpec, Fleet, Instance, NoInstanceError, Route, normalize_fleet
 from pdd_transport.integrations.vllm_params import decode_params, prefill_params
 
 __all__ = ["PIPELINES", "ApiError", "EngineSpec", "MainDecodeCacheView", "OutputSlots", "PipelineRunner", "Route",
@@ -260,31 +260,7 @@ class RouterConfig:
     health_up_after: int = 1
 
     def __post_init__(self) -> None:
-        def merged(single: list[Any], more: list[Any], role: str) -> list[EngineSpec]:
-            out: list[EngineSpec] = []
-            for spec in engine_specs(list(single) + list(more), role):
-                same = [s for s in out if s.url == spec.url]
-                if same and (same[0].kv_address, same[0].events) != (spec.kv_address, spec.events):
-                    raise ValueError(f"{role} {spec.url} is configured twice, differently")
-                if not same:
-                    out.append(spec)
-            return out
-
-        if bool(self.relay_url) != bool(self.relay_kv_address):
-            raise ValueError("relay_url and relay_kv_address go together")
-        if bool(self.main_url) != bool(self.main_kv_address):
-            raise ValueError("main_url and main_kv_address go together")
-        self.prefills = merged([self.prefill_url] if self.prefill_url else [], self.prefills, "prefill")
-        self.main_decodes = merged([(self.main_url, self.main_kv_address)] if self.main_url else [],
-                                   self.main_decodes, "main_decode")
-        self.relay_decodes = merged([(self.relay_url, self.relay_kv_address)] if self.relay_url else [],
-                                    self.relay_decodes, "relay_decode")
-        if not self.prefills or not self.main_decodes:
-            raise ValueError("the router needs at least one prefill and one MainDecode instance")
-        self.prefill_url = self.prefills[0].url
-        self.main_url, self.main_kv_address = self.main_decodes[0].url, self.main_decodes[0].kv_address
-        if self.relay_decodes:
-            self.relay_url, self.relay_kv_address = self.relay_decodes[0].url, self.relay_decodes[0].kv_address
+        normalize_fleet(self)  # the instances of each role, and the fleet's knobs
         if self.force_pipeline is not None and self.force_pipeline not in PIPELINES:
             raise ValueError(f"force_pipeline {self.force_pipeline!r}: expected one of {', '.join(PIPELINES)}")
         if self.force_pipeline in ("p_rld_md", "p_rld") and not self.relay_url:
@@ -292,33 +268,6 @@ class RouterConfig:
         for name in ("upstream_timeout_s", "upstream_connect_timeout_s", "upstream_idle_timeout_s", "health_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
-        if self.md_choice not in MD_CHOICES:
-            raise ValueError(f"md_choice {self.md_choice!r}: expected one of {', '.join(MD_CHOICES)}")
-        if self.md_cache_source not in ("shadow", "events"):
-            raise ValueError(f"md_cache_source {self.md_cache_source!r}: expected shadow or events")
-        if self.md_cache_source == "events" and not all(m.events for m in self.main_decodes):
-            raise ValueError("md_cache_source 'events' needs every MainDecode's events endpoint (EngineSpec.events)")
-        if self.md_load_weight_tokens < 0 or self.health_interval_s < 0:
-            raise ValueError("md_load_weight_tokens and health_interval_s must be >= 0")
-        if self.health_down_after < 1 or self.health_up_after < 1:
-            raise ValueError("health_down_after and health_up_after must be >= 1")
-
-
-@dataclass
-class Route:
-    """The instances one sub-request runs on."""
-
-    prefill: Instance
-    main: Instance
-    relay: Instance | None = None
-    #: Why this MD: "prefix", "no_hit" or "round_robin".
-    md_reason: str = ""
-
-    def names(self) -> dict[str, str]:
-        out = {"prefill": self.prefill.name, "main_decode": self.main.name}
-        if self.relay is not None:
-            out["relay_decode"] = self.relay.name
-        return out
 
 
 @dataclass
@@ -518,7 +467,7 @@ class PipelineRunner:
         except asyncio.TimeoutError as e:
             raise UpstreamError(engine, "no answer in time", timed_out=True) from e
         except (aiohttp.ClientError, json.JSONDecodeError) as e:
-            self._unreachable(url, e)
+            await self._unreachable(url, e)
             raise UpstreamError(engine, f"{type(e).__name__}: {e}") from e
 
     async def _stream(self, engine: str, url: str, body: dict[str, Any],
@@ -571,13 +520,23 @@ class PipelineRunner:
         except asyncio.TimeoutError as e:
             raise UpstreamError(engine, f"stream timed out after {len(end.token_ids)} tokens", timed_out=True) from e
         except (aiohttp.ClientError, json.JSONDecodeError) as e:
-            self._unreachable(url, e)
+            await self._unreachable(url, e)
             raise UpstreamError(engine, f"{type(e).__name__} after {len(end.token_ids)} tokens: {e}") from e
 
-    def _unreachable(self, url: str, error: BaseException) -> None:
-        """A connection ``url`` refused: that instance is out until healthy again."""
+    async def _unreachable(self, url: str, error: BaseException) -> None:
+        """A connection to ``url`` failed: refused, that instance is out until healthy
+        again; dropped or reset (a dead engine's pooled connection, or a live engine's
+        hiccup), it is probed now (bounded by ``health_timeout_s``) and out if the
+        probe fails."""
+        why = f"{type(error).__name__}: {error}"
         if isinstance(error, aiohttp.ClientConnectorError):
-            self.fleet.connection_failed(url, f"{type(error).__name__}: {error}")
+            self.fleet.connection_failed(url, why)
+        elif isinstance(error, aiohttp.ClientConnectionError):
+            inst = self.fleet.by_url(url)
+            if inst is not None and self.session is not None:
+                probe = await self.fleet.probe(self.session, inst)
+                if probe is not None:
+                    self.fleet.connection_failed(url, f"{why}; then /health: {probe}")
 
     def view(self, sub: SubResult) -> MainDecodeCacheView:
         """The cache view of ``sub``'s MainDecode."""
