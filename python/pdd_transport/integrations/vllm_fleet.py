@@ -17,7 +17,8 @@ MainDecode holds a request's prefix.
 Health: a task probes every instance's ``GET /health`` every ``health_interval_s``
 (each probe bounded by ``health_timeout_s``); ``health_down_after`` failures in a row
 take an instance out, ``health_up_after`` successes put it back. A connection refused
-by an instance during a request takes it out at once. An instance that is out gets no
+by an instance during a request takes it out at once; a kept-alive connection that
+drops has the instance probed at once (out if the probe fails). An instance that is out gets no
 new request; requests already on it end as the single-instance router ends them (a
 prefill that fails leaves the decoders to recompute; a decoder that fails ends the
 request with an error, or hands it to the other decoder in P-RLD-MD). An MD that comes
