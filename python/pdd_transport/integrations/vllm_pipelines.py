@@ -20,10 +20,11 @@ import aiohttp
 
 from pdd_transport import handoff, kv, policy, radix
 from pdd_transport.errors import PddError
+from pdd_transport.integrations.vllm_fleet import EngineSpec, Fleet, Instance, NoInstanceError, Route, normalize_fleet
 from pdd_transport.integrations.vllm_params import decode_params, prefill_params
 
-__all__ = ["PIPELINES", "ApiError", "MainDecodeCacheView", "OutputSlots", "PipelineRunner", "RouterConfig", "SubResult",
-           "Tokenizer", "UpstreamError", "cancel_and_wait"]
+__all__ = ["PIPELINES", "ApiError", "EngineSpec", "MainDecodeCacheView", "OutputSlots", "PipelineRunner", "Route",
+           "RouterConfig", "SubResult", "Tokenizer", "UpstreamError", "cancel_and_wait"]
 
 PIPELINES = ("p_md", "p_rld_md", "p_rld")
 
@@ -56,14 +57,18 @@ class UpstreamError(Exception):
     """An engine call that failed: HTTP error, connection lost, stream cut, timeout."""
 
     def __init__(self, engine: str, message: str, *, status: int | None = None, timed_out: bool = False,
-                 body: dict[str, Any] | None = None):
+                 body: dict[str, Any] | None = None, unavailable: bool = False):
         super().__init__(f"{engine}: {message}")
         self.engine = engine
         self.status = status
         self.timed_out = timed_out
         self.body = body
+        #: No instance of a role was up: the request never reached an engine (503).
+        self.unavailable = unavailable
 
     def to_api(self) -> ApiError:
+        if self.unavailable:
+            return ApiError(503, f"{self}")
         if self.engine == "router":
             return ApiError(500, f"internal error: {self}")
         if self.timed_out:
@@ -86,14 +91,15 @@ class Tokenizer(Protocol):
 class MainDecodeCacheView:
     """What MD's prefix cache holds, as far as the router can know it.
 
-    vLLM's own KV cache events did not reach a subscriber from the CPU build 0.32.0 in
-    an earlier probe, and its API has no prefix query, so the router keeps a model:
+    The "shadow" source (``md_cache_source``; the "events" source, MD's own KV cache
+    events, is :class:`~pdd_transport.integrations.vllm_kv_events.MainDecodeEventView`):
+    vLLM's API has no prefix query, so the router keeps a model:
 
     - every sequence MD finished (its prompt, loaded from P or computed, plus the output
       whose KV MD computed) is inserted into a shadow :class:`~pdd_transport.radix.RadixCache`
       of MD's block size; its CACHE_EVENTS frames feed the library's
-      :class:`~pdd_transport.radix.PrefixMirror`, which answers :meth:`held_tokens`
-      (per MD instance: ready for several later);
+      :class:`~pdd_transport.radix.PrefixMirror` (one for the fleet, this MD's
+      ``instance``), which answers :meth:`held_tokens`;
     - the shadow holds at most ``capacity_blocks`` (MD's KV cache size), evicting the
       least recently used first, as vLLM's free-block queue does;
     - MD's own reports correct it: a request MD served from its prefix cache alone (no
@@ -107,12 +113,15 @@ class MainDecodeCacheView:
     than expected), never correctness (MD's connector asks P for exactly what MD lacks).
     """
 
-    def __init__(self, block_size: int, capacity_blocks: int | None = None, instance: int = 0):
+    def __init__(self, block_size: int, capacity_blocks: int | None = None, instance: int = 0,
+                 mirror: radix.PrefixMirror | None = None):
         self.block_size = int(block_size)
         self.capacity_blocks = capacity_blocks
         self.instance = int(instance)
         self._shadow = radix.RadixCache(self.block_size)
-        self._mirror = radix.PrefixMirror(self.block_size)
+        #: The mirror this view feeds: its own, or one shared by every MD of a fleet
+        #: (each view its own ``instance``).
+        self.mirror = mirror if mirror is not None else radix.PrefixMirror(self.block_size)
         self._handles = 0
         #: Times MD reported less than the view expected (the view was then reset).
         self.corrections = 0
@@ -121,8 +130,18 @@ class MainDecodeCacheView:
         """Leading tokens of ``tokens`` whose KV MD is believed to hold (whole blocks)."""
         if len(tokens) < self.block_size:
             return 0
-        pages = self._mirror.match_prefix(tokens).get(self.instance, 0)
+        self.refresh()
+        pages = self.mirror.match_prefix(tokens).get(self.instance, 0)
         return int(pages) * self.block_size
+
+    def refresh(self) -> None:
+        """Bring the mirror up to date before a query (the event-fed view applies
+        what arrived; this one is always current)."""
+
+    def reset(self) -> None:
+        """MD holds nothing (it restarted): forget everything."""
+        self._shadow.clear()
+        self._sync()
 
     def record(self, tokens: list[int]) -> None:
         """MD now holds the KV of ``tokens`` (its whole blocks)."""
@@ -150,24 +169,42 @@ class MainDecodeCacheView:
         if cached_tokens >= expected:
             return True
         self.corrections += 1
-        self._shadow.clear()
-        self._sync()
+        self.reset()
         self.record(tokens[:cached_tokens])
         return False
 
     def _sync(self) -> None:
         for frame in self._shadow.drain_event_frames(self.instance):
-            self._mirror.apply_frame(frame)
+            self.mirror.apply_frame(frame)
+
+    def start(self) -> None:
+        """Called when the router starts (the event-fed view subscribes here)."""
+
+    def close(self) -> None:
+        """Called when the router closes."""
+
+
+def make_view(config: RouterConfig, index: int, mirror: radix.PrefixMirror) -> MainDecodeCacheView:
+    """The cache view of MainDecode ``index``, by ``config.md_cache_source``."""
+    if config.md_cache_source == "events":
+        from pdd_transport.integrations.vllm_kv_events import MainDecodeEventView
+
+        endpoint = config.main_decodes[index].events
+        assert endpoint
+        return MainDecodeEventView(config.main_block_size, endpoint, instance=index, mirror=mirror)
+    return MainDecodeCacheView(config.main_block_size, config.main_capacity_blocks, instance=index, mirror=mirror)
 
 
 @dataclass
 class RouterConfig:
     """Where the engines are and every knob of the router (docs/vllm.md, "PDD on vLLM")."""
 
-    prefill_url: str
-    main_url: str
+    #: One engine per role (the single-instance form; each joins the lists below as
+    #: their first entry). Afterwards they name the first instance of each role.
+    prefill_url: str | None = None
+    main_url: str | None = None
     #: MD's KV receiver (``pdd_listen``) as P reaches it, across the WAN.
-    main_kv_address: str
+    main_kv_address: str | None = None
     relay_url: str | None = None
     #: RLD's ``local://host:port`` as P reaches it.
     relay_kv_address: str | None = None
@@ -203,14 +240,31 @@ class RouterConfig:
     #: max_tokens of a chat request that names none.
     default_chat_max_tokens: int = 1024
     tokenizer: Tokenizer | None = None
+    #: The fleet (docs/vllm.md, "Running a fleet"): every instance of each role, as
+    #: :class:`EngineSpec`, a URL (prefill) or ``(url, kv_address)`` (decoders).
+    prefills: list[Any] = field(default_factory=list)
+    main_decodes: list[Any] = field(default_factory=list)
+    relay_decodes: list[Any] = field(default_factory=list)
+    #: MainDecode choice: "prefix" (held prefix and load) or "round_robin".
+    md_choice: str = "prefix"
+    #: Prefix tokens one more request in flight on an MD is worth ("prefix" choice).
+    md_load_weight_tokens: int = 512
+    #: Where the router's view of each MD's cache comes from: "shadow" (what the
+    #: router sent it, corrected by its reports) or "events" (its KV cache events,
+    #: ``EngineSpec.events``).
+    md_cache_source: str = "shadow"
+    #: The health check: interval (0: off), failures in a row that take an instance
+    #: out, successes in a row that put it back. Each probe is bounded by health_timeout_s.
+    health_interval_s: float = 2.0
+    health_down_after: int = 2
+    health_up_after: int = 1
 
     def __post_init__(self) -> None:
+        normalize_fleet(self)  # the instances of each role, and the fleet's knobs
         if self.force_pipeline is not None and self.force_pipeline not in PIPELINES:
             raise ValueError(f"force_pipeline {self.force_pipeline!r}: expected one of {', '.join(PIPELINES)}")
         if self.force_pipeline in ("p_rld_md", "p_rld") and not self.relay_url:
             raise ValueError(f"force_pipeline {self.force_pipeline!r} needs a RelayDecode (relay_url)")
-        if bool(self.relay_url) != bool(self.relay_kv_address):
-            raise ValueError("relay_url and relay_kv_address go together")
         for name in ("upstream_timeout_s", "upstream_connect_timeout_s", "upstream_idle_timeout_s", "health_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
@@ -244,14 +298,22 @@ class SubResult:
     started: float = field(default_factory=time.monotonic)
     #: When each step first happened, ms after the sub-request started (``mark``).
     timeline: dict[str, float] = field(default_factory=dict)
+    #: The engines this sub-request runs on (chosen at the start of ``run_sub``).
+    route: Route | None = None
 
     def mark(self, step: str) -> None:
         """Note the first time ``step`` happened (the operator's view of where a
         request's time went: ``pdd.timeline`` in the answer)."""
         self.timeline.setdefault(step, round((time.monotonic() - self.started) * 1000.0, 1))
 
+    @property
+    def r(self) -> Route:
+        assert self.route is not None, "run_sub chooses the engines first"
+        return self.route
+
     def pdd_info(self) -> dict[str, Any]:
         return {"pipeline": self.pipeline, "route_reason": self.route_reason, "md_held_tokens": self.md_held_tokens,
+                "instances": self.route.names() if self.route is not None else {},
                 "handoff_mode": self.handoff_mode, "handoffs": [list(h) for h in self.handoffs],
                 "tokens_decoded": {"rld": self.decoded_by.count("rld"), "md": self.decoded_by.count("md")},
                 "decoded_by_runs": _runs(self.decoded_by),
@@ -345,7 +407,12 @@ class PipelineRunner:
 
     def __init__(self, config: RouterConfig):
         self.config = config
-        self.md_cache = MainDecodeCacheView(config.main_block_size, config.main_capacity_blocks)
+        # One view per MD, all feeding one mirror (one instance per MD).
+        self.md_mirror = radix.PrefixMirror(config.main_block_size)
+        self.md_views: list[MainDecodeCacheView] = [
+            make_view(config, i, self.md_mirror) for i in range(len(config.main_decodes))]
+        self.md_cache = self.md_views[0]
+        self.fleet = Fleet(config, self.md_views)
         self.wan = policy.WanEstimate(config.wan_goodput_gbit, config.wan_rtt_ms)
         self.session: aiohttp.ClientSession | None = None
         self.main_link: handoff.MainLink | None = None
@@ -355,13 +422,17 @@ class PipelineRunner:
         self._relay_active = 0
         #: Counters since start: pipelines chosen, handoffs by mode, errors.
         self.counters: dict[str, int] = {p: 0 for p in PIPELINES} | {"one_shot": 0, "catch_up": 0, "errors": 0,
-                                                                     "rld_recoveries": 0, "md_recoveries": 0}
+                                                                     "rld_recoveries": 0, "md_recoveries": 0,
+                                                                     "unavailable": 0}
 
     # -- life cycle ---------------------------------------------------------------
 
     async def start(self) -> None:
         c = self.config
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        for view in self.md_views:
+            view.start()
+        self.fleet.start(self.session)
         if c.relay_url:
             self.main_link = handoff.MainLink.listen(c.handoff_listen, secret=c.handoff_secret,
                                                      insecure=c.handoff_secret is None)
@@ -373,6 +444,9 @@ class PipelineRunner:
             self._relay_dispatch = _LinkDispatch(self.relay_link)
 
     async def close(self) -> None:
+        await self.fleet.close()
+        for view in self.md_views:
+            view.close()
         for d in (self._relay_dispatch, self._main_dispatch):
             if d is not None:
                 await d.close()
@@ -401,6 +475,7 @@ class PipelineRunner:
         except asyncio.TimeoutError as e:
             raise UpstreamError(engine, "no answer in time", timed_out=True) from e
         except (aiohttp.ClientError, json.JSONDecodeError) as e:
+            await self._unreachable(url, e)
             raise UpstreamError(engine, f"{type(e).__name__}: {e}") from e
 
     async def _stream(self, engine: str, url: str, body: dict[str, Any],
@@ -453,14 +528,51 @@ class PipelineRunner:
         except asyncio.TimeoutError as e:
             raise UpstreamError(engine, f"stream timed out after {len(end.token_ids)} tokens", timed_out=True) from e
         except (aiohttp.ClientError, json.JSONDecodeError) as e:
+            await self._unreachable(url, e)
             raise UpstreamError(engine, f"{type(e).__name__} after {len(end.token_ids)} tokens: {e}") from e
 
+    async def _unreachable(self, url: str, error: BaseException) -> None:
+        """A connection to ``url`` failed: refused, that instance is out until healthy
+        again; dropped or reset (a dead engine's pooled connection, or a live engine's
+        hiccup), it is probed now (bounded by ``health_timeout_s``) and out if the
+        probe fails."""
+        why = f"{type(error).__name__}: {error}"
+        if isinstance(error, aiohttp.ClientConnectorError):
+            self.fleet.connection_failed(url, why)
+        elif isinstance(error, aiohttp.ClientConnectionError):
+            inst = self.fleet.by_url(url)
+            if inst is not None and self.session is not None:
+                probe = await self.fleet.probe(self.session, inst)
+                if probe is not None:
+                    self.fleet.connection_failed(url, f"{why}; then /health: {probe}")
+
+    def view(self, sub: SubResult) -> MainDecodeCacheView:
+        """The cache view of ``sub``'s MainDecode."""
+        return self.md_views[sub.r.main.index]
+
     # -- routing ------------------------------------------------------------------
+
+    def choose_engines(self, sub: SubResult, sampling: dict[str, Any]) -> None:
+        """The instances and the pipeline of ``sub``: its MainDecode by prefix and load
+        (or in turn), the pipeline from that MD's view, a RelayDecode by load when the
+        pipeline needs one, a prefill instance by load. Raises
+        :class:`~pdd_transport.integrations.vllm_fleet.NoInstanceError`."""
+        choice = self.fleet.pick_main(sub.prompt)
+        sub.route = Route(prefill=self.fleet.pick_by_load("prefill"), main=choice.instance, md_reason=choice.reason)
+        sub.md_held_tokens = min(choice.held_tokens, len(sub.prompt))
+        self.choose_pipeline(sub, sampling)
+        if sub.pipeline in ("p_rld_md", "p_rld"):
+            try:
+                sub.route.relay = self.fleet.pick_by_load("relay_decode")
+            except NoInstanceError:
+                if self.config.force_pipeline is not None:
+                    raise
+                sub.pipeline = "p_md"
+                sub.route_reason += "; p_md: no RelayDecode is up"
 
     def choose_pipeline(self, sub: SubResult, sampling: dict[str, Any]) -> None:
         """Set ``sub.pipeline`` (and why) from the policy and MD's cache view."""
         c = self.config
-        sub.md_held_tokens = min(self.md_cache.held_tokens(sub.prompt), len(sub.prompt))
         if c.force_pipeline is not None:
             sub.pipeline, sub.route_reason = c.force_pipeline, "forced by configuration"
             return
@@ -480,8 +592,24 @@ class PipelineRunner:
 
     async def run_sub(self, sub: SubResult, sampling: dict[str, Any], out: OutputSlots) -> None:
         """One sub-request through its pipeline, to the end; failures land in ``sub.error``."""
-        self.choose_pipeline(sub, sampling)
+        try:
+            self.choose_engines(sub, sampling)
+        except NoInstanceError as e:
+            sub.error = UpstreamError("router", str(e), unavailable=True)
+            self.counters["errors"] += 1
+            self.counters["unavailable"] += 1
+            self.on_sub_end(sub)
+            return
         self.counters[sub.pipeline] += 1
+        # MD's load: every request that decodes there (P-RLD never reaches MD).
+        with self.fleet.busy(sub.r.main if sub.pipeline != "p_rld" else None):
+            await self._run_pipeline(sub, sampling, out)
+        self.on_sub_end(sub)
+
+    def on_sub_end(self, sub: SubResult) -> None:
+        """A sub-request ended (the router's metrics count it here)."""
+
+    async def _run_pipeline(self, sub: SubResult, sampling: dict[str, Any], out: OutputSlots) -> None:
         try:
             if sub.pipeline == "p_md":
                 await self._run_p_md(sub, sampling, out)
@@ -545,8 +673,9 @@ class PipelineRunner:
         to recompute (their connector's ``kv_load_failure_policy``)."""
         sub.mark("p_sent")
         try:
-            await self._post("P", self.config.prefill_url,
-                             self._body(sampling, sub.prompt, 1, prefill_params(sub.key, destination, relay)))
+            with self.fleet.busy(sub.r.prefill):
+                await self._post("P", sub.r.prefill.url,
+                                 self._body(sampling, sub.prompt, 1, prefill_params(sub.key, destination, relay)))
             sub.mark("p_answered")
         except UpstreamError as e:
             sub.prefill_error = str(e)
@@ -569,49 +698,56 @@ class PipelineRunner:
         await prefill
 
     async def _run_p_md(self, sub: SubResult, sampling: dict[str, Any], out: OutputSlots) -> None:
-        c = self.config
-        async with self._prefill_alongside(sub, sampling, c.main_kv_address, None):
+        r = sub.r
+        assert r.main.kv_address
+        async with self._prefill_alongside(sub, sampling, r.main.kv_address, None):
             sub.mark("md_sent")
-            end = await self._stream("MD", c.main_url, self._body(sampling, sub.prompt, sub.max_tokens,
+            end = await self._stream("MD", r.main.url, self._body(sampling, sub.prompt, sub.max_tokens,
                                                                   decode_params(sub.key)), self._emitter(out, 0, "md"))
             sub.finish_reason = end.finish_reason
-            self.md_cache.record(sub.prompt + sub.token_ids[:-1])
+            self.view(sub).record(sub.prompt + sub.token_ids[:-1])
 
     async def _run_p_rld(self, sub: SubResult, sampling: dict[str, Any], out: OutputSlots) -> None:
-        c = self.config
-        assert c.relay_url and c.relay_kv_address
-        async with self._prefill_alongside(sub, sampling, c.relay_kv_address, None):
-            self._relay_load(+1)
+        relay = sub.r.relay
+        assert relay is not None and relay.kv_address
+        async with self._prefill_alongside(sub, sampling, relay.kv_address, None):
+            self._relay_load(+1, relay)
             try:
-                end = await self._stream("RLD", c.relay_url, self._body(sampling, sub.prompt, sub.max_tokens,
+                end = await self._stream("RLD", relay.url, self._body(sampling, sub.prompt, sub.max_tokens,
                                                                         decode_params(sub.key)),
                                          self._emitter(out, 0, "rld"))
                 sub.finish_reason = end.finish_reason
             finally:
-                self._relay_load(-1)
+                self._relay_load(-1, relay)
 
     async def _continue_on(self, who: str, sub: SubResult, sampling: dict[str, Any], out: OutputSlots) -> None:
         """Continue ``sub`` on RLD or MD from the tokens the client has, to the end."""
-        url = self.config.relay_url if who == "rld" else self.config.main_url
+        relay = sub.r.relay
+        url = relay.url if who == "rld" and relay is not None else sub.r.main.url if who == "md" else None
         assert url
         done = list(sub.token_ids)
         end = await self._stream(who.upper(), url, self._body(sampling, sub.prompt + done, sub.max_tokens - len(done), None),
                                  self._emitter(out, len(done), who))
         sub.finish_reason = end.finish_reason or "length"
         if who == "md":
-            self.md_cache.record(sub.prompt + sub.token_ids[:-1])
+            self.view(sub).record(sub.prompt + sub.token_ids[:-1])
 
-    def _relay_load(self, delta: int) -> None:
+    def _relay_load(self, delta: int, relay: Instance | None = None) -> None:
         self._relay_active += delta
+        if relay is not None:
+            relay.in_flight += delta
         if self.relay_link is not None:
-            self.relay_link.set_load(min(1.0, self._relay_active / max(1, self.config.relay_capacity)))
+            # The handoff policy's load: requests on every RelayDecode over their capacity.
+            capacity = self.config.relay_capacity * max(1, len(self.config.relay_decodes))
+            self.relay_link.set_load(min(1.0, self._relay_active / capacity))
 
     async def _run_p_rld_md(self, sub: SubResult, sampling: dict[str, Any], out: OutputSlots) -> None:
-        c = self.config
-        assert c.relay_kv_address and self._relay_dispatch and self._main_dispatch
+        r = sub.r
+        assert r.relay is not None and r.relay.kv_address and r.main.kv_address
+        assert self._relay_dispatch and self._main_dispatch
         request_id = int(kv.request_id_of(sub.key)) or 1
         state: dict[str, Any] = {"rld_finish": None}
-        async with self._prefill_alongside(sub, sampling, c.main_kv_address, c.relay_kv_address):
+        async with self._prefill_alongside(sub, sampling, r.main.kv_address, r.relay.kv_address):
             relay = asyncio.ensure_future(self._relay_side(sub, sampling, out, request_id, state))
             main = asyncio.ensure_future(self._main_side(sub, sampling, out, request_id, state))
             try:
@@ -635,9 +771,10 @@ class PipelineRunner:
                           state: dict[str, Any]) -> None:
         c = self.config
         link = self.relay_link
-        assert c.relay_url and link is not None and self._relay_dispatch is not None
+        relay = sub.r.relay
+        assert relay is not None and link is not None and self._relay_dispatch is not None
         events = self._relay_dispatch.register(request_id)
-        self._relay_load(+1)
+        self._relay_load(+1, relay)
         try:
             link.open(request_id, len(sub.prompt))
             emitted = 0
@@ -659,7 +796,7 @@ class PipelineRunner:
 
             sub.mark("rld_sent")
             try:
-                end = await self._stream("RLD", c.relay_url, self._body(sampling, sub.prompt, sub.max_tokens,
+                end = await self._stream("RLD", relay.url, self._body(sampling, sub.prompt, sub.max_tokens,
                                                                         decode_params(sub.key)), on_chunk)
             except UpstreamError as e:
                 state["rld_error"] = e
@@ -690,7 +827,7 @@ class PipelineRunner:
             mode = link.mode(request_id)
             if mode is not None:
                 sub.handoff_mode = mode
-            self._relay_load(-1)
+            self._relay_load(-1, relay)
             self._relay_dispatch.forget(request_id)
             link.forget(request_id)
 
@@ -698,6 +835,7 @@ class PipelineRunner:
                          state: dict[str, Any]) -> None:
         c = self.config
         link = self.main_link
+        main_url, view = sub.r.main.url, self.view(sub)
         assert link is not None and self._main_dispatch is not None
         events = self._main_dispatch.register(request_id)
         try:
@@ -706,13 +844,13 @@ class PipelineRunner:
                 # The prompt's KV: MD claims what its prefix cache lacks and P pushes it
                 # over the WAN; the one token this computes is RLD's to give.
                 sub.mark("md_sent")
-                await self._post("MD", c.main_url, self._body(sampling, sub.prompt, 1, decode_params(sub.key)))
+                await self._post("MD", main_url, self._body(sampling, sub.prompt, 1, decode_params(sub.key)))
                 sub.mark("md_loaded")
             except UpstreamError as e:
                 state["md_error"] = e
                 link.abort(request_id, "cancelled", f"loading the prompt's KV failed: {e}"[:200])
                 return
-            self.md_cache.record(sub.prompt)
+            view.record(sub.prompt)
             try:
                 link.report_progress(request_id, len(sub.prompt), True)
             except PddError as e:  # RLD's side ended the handoff meanwhile
@@ -743,10 +881,10 @@ class PipelineRunner:
                     if not event.final or state["rld_finish"] is not None or len(handed) >= sub.max_tokens:
                         # A Catch-Up chunk, or RLD's whole output: MD computes its KV (one
                         # extend step); the one token it yields is discarded.
-                        answer = await self._post("MD", c.main_url, self._body(sampling, extended, 1, None))
+                        answer = await self._post("MD", main_url, self._body(sampling, extended, 1, None))
                         cached = ((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
-                        self.md_cache.confirm(extended, cached)
-                        self.md_cache.record(extended)
+                        view.confirm(extended, cached)
+                        view.record(extended)
                         if event.final:
                             return
                         try:
@@ -755,15 +893,15 @@ class PipelineRunner:
                             state["md_error"] = UpstreamError("handoff", f"{type(e).__name__}: {e}")
                             return
                         continue
-                    end = await self._stream("MD", c.main_url,
+                    end = await self._stream("MD", main_url,
                                              self._body(sampling, extended, sub.max_tokens - len(handed), None),
                                              self._emitter(out, len(handed), "md"))
                 except UpstreamError as e:
                     state["md_error"] = e
                     link.abort(request_id, "cancelled", str(e)[:200])
                     return
-                self.md_cache.confirm(extended, end.cached_tokens)
-                self.md_cache.record(extended + end.token_ids[:-1])
+                view.confirm(extended, end.cached_tokens)
+                view.record(extended + end.token_ids[:-1])
                 state["md_finish"] = end.finish_reason or "length"
                 return
         finally:

@@ -1,9 +1,12 @@
-"""The PDD router: an OpenAI-compatible HTTP server in front of three vLLM engines
-running ``PddConnector``: P (prefill), RLD (RelayDecode, next to P) and MD
-(MainDecode, across the WAN, prefix caching on).
+"""The PDD router: an OpenAI-compatible HTTP server in front of vLLM engines running
+``PddConnector``: P (prefill), RLD (RelayDecode, next to P) and MD (MainDecode, across
+the WAN, prefix caching on), one or several of each (a fleet:
+:mod:`pdd_transport.integrations.vllm_fleet` chooses the instances per request, P and
+RLD by load, MD by the prefix it holds and its load; a health check takes instances out
+and puts them back).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as SSE
-or not), ``GET /health``, ``GET /v1/models``. Built on aiohttp, server and client: every
+or not), ``GET /health``, ``GET /v1/models``, ``GET /metrics`` (Prometheus text). Built on aiohttp, server and client: every
 upstream call is bounded in time (:class:`RouterConfig`), and a client that goes away
 cancels its request's tasks, which closes every upstream stream (vLLM aborts a request
 whose HTTP stream is closed) and aborts its handoff.
@@ -18,9 +21,10 @@ key) the router picks a pipeline with :func:`pdd_transport.policy.route`:
 - ``p_rld``: the anomaly filter's requests (long input, low MD hit, short output): P
   pushes to RLD only, RLD decodes everything, nothing crosses the WAN.
 
-MD's hit comes from :class:`MainDecodeCacheView`: the library's prefix mirror of what
-the router made MD hold, corrected by what MD reports (see its docstring for the
-limits). Without a RelayDecode configured every request takes ``p_md``.
+MD's hit comes from its view: the library's prefix mirror of what the router made MD
+hold, corrected by what MD reports (:class:`MainDecodeCacheView`, see its docstring for
+the limits), or of MD's own KV cache events (``md_cache_source="events"``). Without a
+RelayDecode configured every request takes ``p_md``.
 
 Prompts must reach the router as token ids unless it has a tokenizer
 (``--tokenizer``): the engines run with ``skip_tokenizer_init``, and the handoff and
@@ -55,6 +59,7 @@ from pdd_transport import policy
 from pdd_transport.integrations.vllm_pipelines import (
     PIPELINES,
     ApiError,
+    EngineSpec,
     MainDecodeCacheView,
     OutputSlots,
     PipelineRunner,
@@ -64,8 +69,9 @@ from pdd_transport.integrations.vllm_pipelines import (
     UpstreamError,
     cancel_and_wait,
 )
+from pdd_transport.integrations.vllm_router_metrics import CONTENT_TYPE, RouterMetrics
 
-__all__ = ["ApiError", "BackgroundRouter", "HfTokenizer", "MainDecodeCacheView", "PddRouter", "RouterConfig", "SubResult", "Tokenizer",
+__all__ = ["ApiError", "BackgroundRouter", "EngineSpec", "HfTokenizer", "MainDecodeCacheView", "PddRouter", "RouterConfig", "SubResult", "Tokenizer",
            "UpstreamError", "main", "serve"]
 
 # Fields the router cannot honour across its splicing of two engines' outputs.
@@ -91,7 +97,15 @@ class HfTokenizer:
         return [int(t) for t in ids]
 
 class PddRouter(PipelineRunner):
-    """The OpenAI-compatible HTTP face of :class:`PipelineRunner` (:meth:`app`)."""
+    """The OpenAI-compatible HTTP face of :class:`PipelineRunner` (:meth:`app`), with
+    its Prometheus metrics on ``GET /metrics``."""
+
+    def __init__(self, config: RouterConfig):
+        super().__init__(config)
+        self.metrics = RouterMetrics()
+
+    def on_sub_end(self, sub: SubResult) -> None:
+        self.metrics.observe(self, sub)
 
     def app(self) -> web.Application:
         """The aiohttp application; starts and closes the router with it."""
@@ -100,6 +114,7 @@ class PddRouter(PipelineRunner):
         application.router.add_post("/v1/chat/completions", self._handle_chat)
         application.router.add_get("/health", self._handle_health)
         application.router.add_get("/v1/models", self._handle_models)
+        application.router.add_get("/metrics", self._handle_metrics)
 
         async def on_startup(_: web.Application) -> None:
             await self.start()
@@ -114,27 +129,26 @@ class PddRouter(PipelineRunner):
     # -- HTTP handlers ------------------------------------------------------------
 
     async def _handle_health(self, request: web.Request) -> web.Response:
-        c = self.config
-        engines = {"prefill": c.prefill_url, "main_decode": c.main_url}
-        if c.relay_url:
-            engines["relay_decode"] = c.relay_url
+        """Every instance probed now: 200 while each configured role has one healthy
+        instance ("degraded" when some instance is not), else 503 naming them."""
         session = self.session
         assert session is not None
-
-        async def probe(url: str) -> str | None:
-            try:
-                timeout = aiohttp.ClientTimeout(total=c.health_timeout_s)
-                async with session.get(url + "/health", timeout=timeout) as resp:
-                    return None if resp.status == 200 else f"HTTP {resp.status}"
-            except (asyncio.TimeoutError, aiohttp.ClientError) as e:
-                return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-
-        results = await asyncio.gather(*(probe(u) for u in engines.values()))
-        failed = {name: why for name, why in zip(engines, results) if why is not None}
+        everyone = [(role, inst) for role, insts in self.fleet.instances.items() for inst in insts]
+        results = await asyncio.gather(*(self.fleet.probe(session, inst) for _, inst in everyone))
+        report: dict[str, list[dict[str, Any]]] = {}
+        for (role, inst), why in zip(everyone, results):
+            report.setdefault(role, []).append(dict(inst.info(), healthy=why is None, error=why))
+        failed = [role for role, insts in report.items() if not any(i["healthy"] for i in insts)]
         if failed:
-            msg = "; ".join(f"{n} ({engines[n]}): {why}" for n, why in failed.items())
+            msg = "; ".join(f"{role} {i['name']} ({i['url']}): {i['error']}" for role in failed for i in report[role])
             return _error_response(ApiError(503, f"engines not ready: {msg}"))
-        return web.json_response({"status": "ok", "engines": engines})
+        engines = {role: insts[0]["url"] for role, insts in report.items()}
+        degraded = any(not i["healthy"] for insts in report.values() for i in insts)
+        return web.json_response({"status": "degraded" if degraded else "ok", "engines": engines,
+                                  "instances": report})
+
+    async def _handle_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(self).encode(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _handle_models(self, request: web.Request) -> web.Response:
         c = self.config
@@ -144,8 +158,11 @@ class PddRouter(PipelineRunner):
                  "root": c.model, "parent": None}]})
         assert self.session is not None
         try:
+            mains = self.fleet.up("main_decode")
+            if not mains:
+                raise UpstreamError("MD", "no MainDecode instance is up")
             timeout = aiohttp.ClientTimeout(total=c.health_timeout_s)
-            async with self.session.get(c.main_url + "/v1/models", timeout=timeout) as resp:
+            async with self.session.get(mains[0].url + "/v1/models", timeout=timeout) as resp:
                 if resp.status != 200:
                     raise UpstreamError("MD", f"HTTP {resp.status}")
                 return web.json_response(await resp.json())
@@ -460,11 +477,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--model", default=None, help="served model name (requests naming another get 404)")
-    ap.add_argument("--prefill", required=True, help="P's OpenAI server, http://host:port")
-    ap.add_argument("--main-decode", required=True, help="MD's OpenAI server, http://host:port")
-    ap.add_argument("--main-decode-kv-address", required=True, help="MD's pdd_listen address as P reaches it")
-    ap.add_argument("--relay-decode", default=None, help="RLD's OpenAI server (without it: P-MD only)")
-    ap.add_argument("--relay-decode-kv-address", default=None, help="RLD's local://host:port as P reaches it")
+    ap.add_argument("--prefill", action="append", required=True,
+                    help="a P's OpenAI server, http://host:port (repeat for several)")
+    ap.add_argument("--main-decode", action="append", required=True,
+                    help="an MD's OpenAI server, http://host:port (repeat for several)")
+    ap.add_argument("--main-decode-kv-address", action="append", required=True,
+                    help="that MD's pdd_listen address as P reaches it (one per --main-decode, same order)")
+    ap.add_argument("--main-decode-events", action="append", default=None,
+                    help="that MD's KV cache event publisher, tcp://host:port (one per --main-decode; "
+                         "with --md-cache-source events)")
+    ap.add_argument("--relay-decode", action="append", default=None,
+                    help="an RLD's OpenAI server (repeat for several; without it: P-MD only)")
+    ap.add_argument("--relay-decode-kv-address", action="append", default=None,
+                    help="that RLD's local://host:port as P reaches it (one per --relay-decode)")
+    ap.add_argument("--md-choice", choices=("prefix", "round_robin"), default="prefix",
+                    help="MainDecode choice: by held prefix and load, or in turn")
+    ap.add_argument("--md-load-weight-tokens", type=int, default=512,
+                    help="prefix tokens one more request in flight on an MD is worth")
+    ap.add_argument("--md-cache-source", choices=("shadow", "events"), default="shadow",
+                    help="the view of each MD's cache: the router's shadow, or the MD's KV cache events")
+    ap.add_argument("--health-interval-s", type=float, default=2.0, help="health check period (0: off)")
+    ap.add_argument("--health-timeout-s", type=float, default=2.0, help="bound of one health probe")
+    ap.add_argument("--health-down-after", type=int, default=2, help="failed probes in a row that take one out")
+    ap.add_argument("--health-up-after", type=int, default=1, help="passed probes in a row that put one back")
     ap.add_argument("--upstream-timeout-s", type=float, default=600.0, help="bound of each upstream call, whole")
     ap.add_argument("--upstream-connect-timeout-s", type=float, default=5.0)
     ap.add_argument("--upstream-idle-timeout-s", type=float, default=60.0, help="longest silence inside a stream")
@@ -486,9 +521,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--default-chat-max-tokens", type=int, default=1024)
     ap.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer: text prompts, chat, output text")
     args = ap.parse_args(argv)
+    relays, relay_kv = args.relay_decode or [], args.relay_decode_kv_address or []
+    events = args.main_decode_events or [None] * len(args.main_decode)
+    if len(args.main_decode_kv_address) != len(args.main_decode) or len(events) != len(args.main_decode):
+        ap.error("give one --main-decode-kv-address (and --main-decode-events, if any) per --main-decode")
+    if len(relay_kv) != len(relays):
+        ap.error("give one --relay-decode-kv-address per --relay-decode")
     config = RouterConfig(
-        prefill_url=args.prefill, main_url=args.main_decode, main_kv_address=args.main_decode_kv_address,
-        relay_url=args.relay_decode, relay_kv_address=args.relay_decode_kv_address, model=args.model,
+        prefills=list(args.prefill), main_decodes=[EngineSpec(u, a, events=e) for u, a, e in
+                                                   zip(args.main_decode, args.main_decode_kv_address, events)],
+        relay_decodes=[EngineSpec(u, a) for u, a in zip(relays, relay_kv)], model=args.model,
+        md_choice=args.md_choice, md_load_weight_tokens=args.md_load_weight_tokens,
+        md_cache_source=args.md_cache_source, health_interval_s=args.health_interval_s,
+        health_timeout_s=args.health_timeout_s, health_down_after=args.health_down_after,
+        health_up_after=args.health_up_after,
         upstream_timeout_s=args.upstream_timeout_s, upstream_connect_timeout_s=args.upstream_connect_timeout_s,
         upstream_idle_timeout_s=args.upstream_idle_timeout_s, wan_goodput_gbit=args.wan_goodput_gbit,
         wan_rtt_ms=args.wan_rtt_ms, kv_bytes_per_token=args.kv_bytes_per_token,
