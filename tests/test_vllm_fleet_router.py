@@ -231,22 +231,43 @@ def test_a_dead_prefill_is_taken_out_and_the_others_serve(fleet: Any) -> None:
         assert body["choices"][0]["pdd"]["prefill_error"] is None
 
 
-@pytest.mark.parametrize("role", ["prefill", "main_decode"])
-def test_no_instance_of_a_role_up_is_a_503_error_object(fleet: Any, role: str) -> None:
+def test_no_main_decode_up_is_a_503_error_object(fleet: Any) -> None:
     f = fleet(n_p=2, n_md=2)
-    engines = f.ps if role == "prefill" else f.mds
-    for e in engines:
+    for e in f.mds:
         e.healthy = False
-    insts = f.router.router.fleet.instances[role]
+    insts = f.router.router.fleet.instances["main_decode"]
     assert wait_for(lambda: not any(i.up for i in insts), 5.0)
     before = [len(e.requests) for e in f.ps + f.mds]
     for stream in (False, True):
         status, body = f.complete(conversation(80), stream=stream)
         assert_error(status, body, 503)
-        assert f"no {role.replace('_', ' ')} instance is up" in body["error"]["message"]
+        assert "no main decode instance is up" in body["error"]["message"]
     assert [len(e.requests) for e in f.ps + f.mds] == before  # nothing reached an engine
     status, health, _ = request(f.url, "/health", method="GET")
     assert_error(status, health, 503)
+
+
+def test_no_prefill_up_has_md_compute_the_prompt_itself_at_once(fleet: Any) -> None:
+    """P down: MD computes the prompt without asking for KV (nobody would send it), so
+    no request waits out a grant timeout; the answer says why."""
+    f = fleet(n_p=2, n_md=1)
+    for e in f.ps:
+        e.healthy = False
+    insts = f.router.router.fleet.instances["prefill"]
+    assert wait_for(lambda: not any(i.up for i in insts), 5.0)
+    before = [len(e.requests) for e in f.ps]
+    for stream in (False, True):
+        prompt = conversation(81 + int(stream))
+        status, body = f.complete(prompt, 6, stream=stream)
+        assert status == 200, body
+        # Streamed: the chunks (the last one the [DONE] marker), their tokens in order.
+        choices = [ch for c in body[:-1] for ch in c["choices"]] if stream else body["choices"]
+        assert [t for ch in choices for t in ch["token_ids"]] == reference(prompt, 6)
+        info = [ch["pdd"] for ch in choices if "pdd" in ch][0]
+        assert info["pipeline"] == "p_md" and "prefill" not in info["instances"]
+        assert "no prefill instance is up" in info["prefill_error"]
+        assert "kv_transfer_params" not in f.mds[0].requests[-1]  # MD was not told to wait
+    assert [len(e.requests) for e in f.ps] == before  # nothing reached a prefill instance
 
 
 def test_with_no_relay_up_requests_take_p_md(fleet: Any) -> None:

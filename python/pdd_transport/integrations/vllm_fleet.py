@@ -22,9 +22,11 @@ drops has the instance probed at once (out if the probe fails). An instance that
 new request; requests already on it end as the single-instance router ends them (a
 prefill that fails leaves the decoders to recompute; a decoder that fails ends the
 request with an error, or hands it to the other decoder in P-RLD-MD). An MD that comes
-back starts with an empty view (a restarted engine holds nothing). With no instance of
-a role up, a request ends in a 503 error object; with RelayDecodes configured and none
-up, requests take P-MD instead (RLD only masks latency) unless a pipeline is forced.
+back starts with an empty view (a restarted engine holds nothing). With no MainDecode
+up, a request ends in a 503 error object; with no prefill instance up, MD computes the
+prompt itself (no transfer is asked for: nobody would send it; a pipeline other than
+P-MD forced: 503); with RelayDecodes configured and none up, requests take P-MD instead
+(RLD only masks latency) unless a pipeline is forced.
 """
 
 from __future__ import annotations
@@ -172,14 +174,17 @@ class Instance:
 class Route:
     """The instances one sub-request runs on."""
 
-    prefill: Instance
+    #: None: no prefill instance was up (MD computes the prompt itself).
+    prefill: Instance | None
     main: Instance
     relay: Instance | None = None
     #: Why this MD: "prefix", "no_hit" or "round_robin".
     md_reason: str = ""
 
     def names(self) -> dict[str, str]:
-        out = {"prefill": self.prefill.name, "main_decode": self.main.name}
+        out = {"main_decode": self.main.name}
+        if self.prefill is not None:
+            out["prefill"] = self.prefill.name
         if self.relay is not None:
             out["relay_decode"] = self.relay.name
         return out

@@ -558,8 +558,19 @@ class PipelineRunner:
         pipeline needs one, a prefill instance by load. Raises
         :class:`~pdd_transport.integrations.vllm_fleet.NoInstanceError`."""
         choice = self.fleet.pick_main(sub.prompt)
-        sub.route = Route(prefill=self.fleet.pick_by_load("prefill"), main=choice.instance, md_reason=choice.reason)
+        try:
+            prefill: Instance | None = self.fleet.pick_by_load("prefill")
+        except NoInstanceError as e:
+            if self.config.force_pipeline not in (None, "p_md"):
+                raise
+            # No prefill instance is up: MD computes the prompt itself (its connector is
+            # not asked to wait for KV nobody would send), as it does when P fails.
+            prefill, sub.prefill_error = None, str(e)
+        sub.route = Route(prefill=prefill, main=choice.instance, md_reason=choice.reason)
         sub.md_held_tokens = min(choice.held_tokens, len(sub.prompt))
+        if prefill is None:
+            sub.pipeline, sub.route_reason = "p_md", f"{sub.prefill_error}: MD computes the prompt itself"
+            return
         self.choose_pipeline(sub, sampling)
         if sub.pipeline in ("p_rld_md", "p_rld"):
             try:
@@ -673,6 +684,7 @@ class PipelineRunner:
         to recompute (their connector's ``kv_load_failure_policy``)."""
         sub.mark("p_sent")
         try:
+            assert sub.r.prefill is not None
             with self.fleet.busy(sub.r.prefill):
                 await self._post("P", sub.r.prefill.url,
                                  self._body(sampling, sub.prompt, 1, prefill_params(sub.key, destination, relay)))
@@ -700,6 +712,9 @@ class PipelineRunner:
     async def _run_p_md(self, sub: SubResult, sampling: dict[str, Any], out: OutputSlots) -> None:
         r = sub.r
         assert r.main.kv_address
+        if r.prefill is None:  # no prefill instance up: MD computes the prompt itself
+            await self._continue_on("md", sub, sampling, out)
+            return
         async with self._prefill_alongside(sub, sampling, r.main.kv_address, None):
             sub.mark("md_sent")
             end = await self._stream("MD", r.main.url, self._body(sampling, sub.prompt, sub.max_tokens,

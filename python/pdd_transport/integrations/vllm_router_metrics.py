@@ -134,7 +134,8 @@ class RouterMetrics:
             self.ttft.observe(sub.ttft_s, pipeline=sub.pipeline)
         if sub.handoff_mode in ("one_shot", "catch_up") and sub.handoffs:
             self.handoffs.inc(mode=sub.handoff_mode)
-        self.instance_requests.inc(role="prefill", instance=r.prefill.name)
+        if r.prefill is not None:
+            self.instance_requests.inc(role="prefill", instance=r.prefill.name)
         if r.relay is not None:
             self.instance_requests.inc(role="relay_decode", instance=r.relay.name)
         if sub.pipeline != "p_rld":  # P-RLD never reaches MD
