@@ -10,7 +10,8 @@ use std::ops::Range;
 use std::time::Duration;
 
 use super::{
-    abort_for, abort_with, peer_aborted, SessionTimers, TimerQueue, MAX_TRANSFER_ABORT_MESSAGE,
+    abort_for, abort_with, no_request_zero, peer_aborted, Recent, SessionTimers, TimerQueue,
+    MAX_REFUSAL_REASON, MAX_TRANSFER_ABORT_MESSAGE,
 };
 use crate::error::{Error, Result};
 use crate::kv::{PlannedBlock, SenderTransfer};
@@ -189,6 +190,12 @@ pub struct SenderSession {
     refused: HashSet<u64>,
     /// Transfers taken and in progress, by transfer id.
     transfers: HashMap<u64, Outbound>,
+    /// Requests the receiver refused (its ABORT `refused`), with its reason: a wait
+    /// for their grant fails at once. Kept across reconnects, bounded.
+    refusals: Recent<u64>,
+    /// Requests we declined, with our reason: a grant of one that comes later is
+    /// answered with the refusal at once. Kept across reconnects, bounded.
+    declined: Recent<u64>,
     queue: TimerQueue<Timer>,
     transmit: VecDeque<Frame>,
     events: VecDeque<SenderEvent>,
@@ -216,6 +223,8 @@ impl SenderSession {
             half: HashMap::new(),
             refused: HashSet::new(),
             transfers: HashMap::new(),
+            refusals: Recent::default(),
+            declined: Recent::default(),
             queue: TimerQueue::default(),
             transmit: VecDeque::new(),
             events: VecDeque::new(),
@@ -303,6 +312,18 @@ impl SenderSession {
                     return;
                 }
                 let request_id = g.request_id;
+                if let Some(reason) = self.declined.get(&request_id) {
+                    // We declined it: the receiver hears so again, and frees its pages.
+                    let abort =
+                        abort_with(request_id, AbortReason::Refused, reason, MAX_REFUSAL_REASON);
+                    self.transmit.push_back(Frame::Abort(abort));
+                    if local && g.page_count > 0 {
+                        self.refused.insert(id); // its LOCAL_GRANT is dropped
+                    }
+                    return;
+                }
+                // A new grant of a request supersedes a refusal of it.
+                self.refusals.forget(&request_id);
                 if local && g.page_count > 0 {
                     // Takeable once its LOCAL_GRANT has come.
                     self.half.insert(id, g);
@@ -374,7 +395,11 @@ impl SenderSession {
             Frame::PrefixReply(r) => self.events.push_back(SenderEvent::PrefixReply(r)),
             Frame::Abort(a) if a.request_id == 0 => self.end(peer_aborted(&a), false),
             Frame::Abort(a) => {
-                let error = peer_aborted(&a);
+                let mut error = peer_aborted(&a);
+                if a.reason == AbortReason::Refused {
+                    self.refusals.note(a.request_id, &a.message);
+                    error = self.refusal(a.request_id).unwrap_or(error);
+                }
                 self.grants.retain(|_, g| g.request_id != a.request_id);
                 self.half.retain(|_, g| g.request_id != a.request_id);
                 let mut ids: Vec<u64> = self
@@ -600,6 +625,76 @@ impl SenderSession {
             )));
         }
         found
+    }
+
+    /// The receiver's refusal of `request_id` (an ABORT `refused` for it, before or
+    /// after its grant), remembered while it is among the last [`super::MAX_REFUSALS`]:
+    /// the error a wait for its grant fails with, naming the receiver's reason.
+    pub fn refusal(&self, request_id: u64) -> Option<Error> {
+        self.refusals.get(&request_id).map(|reason| Error::Refused {
+            message: format!("the receiver refused request {request_id}: {reason}"),
+        })
+    }
+
+    /// We will not serve `request_id` (rejected, aborted, not allowed): its grant not
+    /// taken is dropped, its transfer fails (`refused`), and the receiver is told
+    /// (ABORT `refused` with `reason`, cut to [`MAX_REFUSAL_REASON`] bytes); a grant
+    /// of it that comes later is answered the same way (remembered, bounded). Whether
+    /// the receiver was told now (false: no connection). Again: harmless; request 0
+    /// (an ABORT's "whole connection"): refused.
+    pub fn decline(&mut self, request_id: u64, reason: &str) -> Result<bool> {
+        no_request_zero(request_id)?;
+        self.declined.note(request_id, reason);
+        let reason = self
+            .declined
+            .get(&request_id)
+            .unwrap_or_default()
+            .to_string();
+        self.grants.remove(&request_id);
+        let half: Vec<u64> = self
+            .half
+            .iter()
+            .filter(|(_, g)| g.request_id == request_id)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in half {
+            self.half.remove(&id);
+            self.refused.insert(id);
+        }
+        let mut ids: Vec<u64> = self
+            .transfers
+            .iter()
+            .filter(|(_, o)| o.transfer.grant().request_id == request_id)
+            .map(|(&id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        for id in ids {
+            let e = Error::Refused {
+                message: format!("this sender declined request {request_id}: {reason}"),
+            };
+            self.fail(id, e);
+        }
+        if self.conn.is_none() {
+            return Ok(false);
+        }
+        let abort = abort_with(
+            request_id,
+            AbortReason::Refused,
+            &reason,
+            MAX_REFUSAL_REASON,
+        );
+        self.transmit.push_back(Frame::Abort(abort));
+        Ok(true)
+    }
+
+    /// Our decline of `request_id`, if it is remembered.
+    pub fn declined(&self, request_id: u64) -> Option<&str> {
+        self.declined.get(&request_id)
+    }
+
+    /// Refusals and declines remembered (for tests: both stay bounded).
+    pub fn notices_remembered(&self) -> (usize, usize) {
+        (self.refusals.len(), self.declined.len())
     }
 
     /// Whether `transfer_id` is in progress.
