@@ -380,3 +380,147 @@ fn request_zero_is_no_request_and_ends_nothing() {
     assert!(matches!(tx.decline(0, "x"), Err(Error::InvalidArgument(_))));
     assert!(drain_tx(&mut tx, ms(0)).0.is_empty() && tx.is_connected());
 }
+
+/// One step of the property test below.
+#[derive(Debug, Clone)]
+enum Op {
+    Refuse(u64),
+    Decline(u64),
+    Grant(u64),
+    Deliver,
+}
+
+fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+    use proptest::prelude::*;
+    prop_oneof![
+        (1u64..6).prop_map(Op::Refuse),
+        (1u64..6).prop_map(Op::Decline),
+        (1u64..6).prop_map(Op::Grant),
+        Just(Op::Deliver),
+    ]
+}
+
+/// Every frame each side has, to the other, until neither has any.
+fn deliver(rx: &mut ReceiverEndpoint, h: SessionHandle, tx: &mut SenderSession, now: u64) {
+    loop {
+        let to_tx = frames(rx, now);
+        let (to_rx, _) = drain_tx(tx, ms(now));
+        if to_tx.is_empty() && to_rx.is_empty() {
+            return;
+        }
+        for f in to_tx {
+            tx.handle_frame(f, ms(now));
+        }
+        for f in to_rx {
+            rx.handle_frame(h, f, ms(now));
+        }
+    }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+    /// Any interleaving of refusals, declines and grants of a few requests, the frames
+    /// crossing on the wire: no session ends, and once everything is delivered each
+    /// side holds what the last word says (a declined request holds no page and no
+    /// grant anywhere; a refused one no page, and its sender knows; one granted since
+    /// waits at the sender, unrefused).
+    #[test]
+    fn notices_and_grants_in_any_order_settle_as_the_last_word_says(
+        ops in proptest::collection::vec(op(), 0..40),
+        local in proptest::bool::ANY,
+    ) {
+        let caps = if local { LOCAL | R } else { WAN | R };
+        let mut rx = receiver();
+        let h = open(&mut rx, 1, caps, ms(0));
+        let mut tx = sender(caps, 1, ms(0));
+        drain_tx(&mut tx, ms(0));
+        let mut declined = [false; 6];
+        let mut refused_last = [false; 6];
+        let mut granted = [false; 6];
+        let mut draw = ids();
+        for (t, op) in ops.into_iter().enumerate() {
+            let now = t as u64 + 1;
+            match op {
+                Op::Refuse(r) => {
+                    proptest::prop_assert_eq!(rx.refuse(1, r, "refused"), Ok(true));
+                    refused_last[r as usize] = true;
+                }
+                Op::Decline(r) => {
+                    proptest::prop_assert_eq!(tx.decline(r, "declined"), Ok(true));
+                    declined[r as usize] = true;
+                }
+                Op::Grant(r) => {
+                    let page = r as u32;
+                    if rx.grant(1, r, &[page], 1, None, ms(now), &mut draw).is_ok() {
+                        refused_last[r as usize] = false;
+                        granted[r as usize] = true;
+                    }
+                }
+                Op::Deliver => deliver(&mut rx, h, &mut tx, now),
+            }
+        }
+        deliver(&mut rx, h, &mut tx, 1000);
+        proptest::prop_assert!(rx.is_live(h) && tx.is_connected());
+        let live: Vec<u64> = rx
+            .transfers_of(h)
+            .into_iter()
+            .filter_map(|id| rx.state().request_of(id))
+            .collect();
+        for r in 1..6u64 {
+            let i = r as usize;
+            if declined[i] {
+                proptest::prop_assert!(!live.contains(&r), "declined {} still granted", r);
+                proptest::prop_assert!(rx.declined(1, r).is_some());
+                proptest::prop_assert!(tx.pending_grant(r).is_none());
+            } else if refused_last[i] {
+                proptest::prop_assert!(!live.contains(&r), "refused {} still granted", r);
+                proptest::prop_assert!(tx.refusal(r).is_some());
+                proptest::prop_assert!(tx.pending_grant(r).is_none());
+            } else if granted[i] {
+                proptest::prop_assert!(live.contains(&r));
+                proptest::prop_assert!(tx.refusal(r).is_none());
+                proptest::prop_assert!(tx.pending_grant(r).is_some());
+            }
+        }
+        proptest::prop_assert_eq!(rx.state().pages_held(), live.len());
+    }
+}
+
+#[test]
+fn a_receiver_that_never_sends_the_local_grants_of_declined_requests_cannot_grow_the_sender() {
+    let mut tx = sender(LOCAL | R, 1, ms(0));
+    tx.decline(7, "no").unwrap();
+    drain_tx(&mut tx, ms(0));
+    for id in 1..=MAX_REFUSALS as u64 {
+        let g = pdd_core::wire::KvGrant {
+            transfer_id: id,
+            request_id: 7,
+            layer_count: 1,
+            page_count: 1,
+            page_bytes: PAGE_BYTES,
+            deadline_ms: 0,
+        };
+        tx.handle_frame(Frame::KvGrant(g), ms(1));
+    }
+    assert!(
+        tx.is_connected(),
+        "as many as the bound: each answered, kept"
+    );
+    let g = pdd_core::wire::KvGrant {
+        transfer_id: MAX_REFUSALS as u64 + 1,
+        request_id: 7,
+        layer_count: 1,
+        page_count: 1,
+        page_bytes: PAGE_BYTES,
+        deadline_ms: 0,
+    };
+    tx.handle_frame(Frame::KvGrant(g), ms(2));
+    assert!(!tx.is_connected());
+    let (_, events) = drain_tx(&mut tx, ms(2));
+    assert!(events.iter().any(|e| matches!(
+        e,
+        SenderEvent::SessionEnded {
+            error: Error::LimitExceeded { .. }
+        }
+    )));
+}

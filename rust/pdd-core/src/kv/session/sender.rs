@@ -158,6 +158,9 @@ impl Outbound {
     }
 }
 
+#[path = "sender_notices.rs"]
+mod notices;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 enum Timer {
     Ping,
@@ -318,7 +321,7 @@ impl SenderSession {
                         abort_with(request_id, AbortReason::Refused, reason, MAX_REFUSAL_REASON);
                     self.transmit.push_back(Frame::Abort(abort));
                     if local && g.page_count > 0 {
-                        self.refused.insert(id); // its LOCAL_GRANT is dropped
+                        self.drop_local_grant(id);
                     }
                     return;
                 }
@@ -625,76 +628,6 @@ impl SenderSession {
             )));
         }
         found
-    }
-
-    /// The receiver's refusal of `request_id` (an ABORT `refused` for it, before or
-    /// after its grant), remembered while it is among the last [`super::MAX_REFUSALS`]:
-    /// the error a wait for its grant fails with, naming the receiver's reason.
-    pub fn refusal(&self, request_id: u64) -> Option<Error> {
-        self.refusals.get(&request_id).map(|reason| Error::Refused {
-            message: format!("the receiver refused request {request_id}: {reason}"),
-        })
-    }
-
-    /// We will not serve `request_id` (rejected, aborted, not allowed): its grant not
-    /// taken is dropped, its transfer fails (`refused`), and the receiver is told
-    /// (ABORT `refused` with `reason`, cut to [`MAX_REFUSAL_REASON`] bytes); a grant
-    /// of it that comes later is answered the same way (remembered, bounded). Whether
-    /// the receiver was told now (false: no connection). Again: harmless; request 0
-    /// (an ABORT's "whole connection"): refused.
-    pub fn decline(&mut self, request_id: u64, reason: &str) -> Result<bool> {
-        no_request_zero(request_id)?;
-        self.declined.note(request_id, reason);
-        let reason = self
-            .declined
-            .get(&request_id)
-            .unwrap_or_default()
-            .to_string();
-        self.grants.remove(&request_id);
-        let half: Vec<u64> = self
-            .half
-            .iter()
-            .filter(|(_, g)| g.request_id == request_id)
-            .map(|(&id, _)| id)
-            .collect();
-        for id in half {
-            self.half.remove(&id);
-            self.refused.insert(id);
-        }
-        let mut ids: Vec<u64> = self
-            .transfers
-            .iter()
-            .filter(|(_, o)| o.transfer.grant().request_id == request_id)
-            .map(|(&id, _)| id)
-            .collect();
-        ids.sort_unstable();
-        for id in ids {
-            let e = Error::Refused {
-                message: format!("this sender declined request {request_id}: {reason}"),
-            };
-            self.fail(id, e);
-        }
-        if self.conn.is_none() {
-            return Ok(false);
-        }
-        let abort = abort_with(
-            request_id,
-            AbortReason::Refused,
-            &reason,
-            MAX_REFUSAL_REASON,
-        );
-        self.transmit.push_back(Frame::Abort(abort));
-        Ok(true)
-    }
-
-    /// Our decline of `request_id`, if it is remembered.
-    pub fn declined(&self, request_id: u64) -> Option<&str> {
-        self.declined.get(&request_id)
-    }
-
-    /// Refusals and declines remembered (for tests: both stay bounded).
-    pub fn notices_remembered(&self) -> (usize, usize) {
-        (self.refusals.len(), self.declined.len())
     }
 
     /// Whether `transfer_id` is in progress.
