@@ -29,6 +29,7 @@ S = "rust/pdd-core/src/kv/session/sender.rs"
 M = "rust/pdd-core/src/kv/session/mod.rs"
 RL = "rust/pdd-core/src/kv/session/receiver_lanes.rs"  # the receiver's lanes, a child of R
 W = "rust/pdd-core/src/wire/text.rs"  # the one cut of wire text, used by every ABORT
+SN = "rust/pdd-core/src/kv/session/sender_notices.rs"  # the sender's request notices, a child of S
 
 # (id and what the mutant breaks, file, the snippet, its replacement)
 MUTANTS: list[tuple[str, str, str, str]] = [
@@ -83,7 +84,7 @@ MUTANTS: list[tuple[str, str, str, str]] = [
 ("R48 announce: announced twice", R, "        if meta.announced {\n            return Err", "        if false {\n            return Err"),
 ("R49 announce: no deadline", R, "            self.queue\n                .set(Timer::Deadline(transfer_id), now.saturating_add(d));", "            let _ = (d, now);"),
 ("R50 publish: the peer told of a transfer it never heard of", R, ".filter(|m| m.announced && self.sessions.contains_key(&m.owner.generation))", ".filter(|m| self.sessions.contains_key(&m.owner.generation))"),
-("R51 publish: the peer told of its own ABORT", R, ") if !matches!(error, Error::PeerAborted { .. }) => {", ") => {"),
+("R51 publish: the peer told of its own ABORT", R, ") if !matches!(error, Error::PeerAborted { .. } | Error::Refused { .. }) => {", ") if !matches!(error, Error::Refused { .. }) => {"),
 ("R52 publish: a deadline outlives its transfer", R, "                self.queue.clear(Timer::Deadline(id));\n                self.queue.clear(Timer::Tail(id));", "                self.queue.clear(Timer::Tail(id));"),
 ("R53 publish: a tail bound outlives its transfer", R, "                self.queue.clear(Timer::Deadline(id));\n                self.queue.clear(Timer::Tail(id));", "                self.queue.clear(Timer::Deadline(id));"),
 ("R54 publish: no KV_DONE for a complete transfer", R, "                        Some(owner),\n                    ) => self.transmit.push_back((\n                        owner,\n                        Frame::KvDone(KvDone {", "                        Some(owner),\n                    ) if false => self.transmit.push_back((\n                        owner,\n                        Frame::KvDone(KvDone {"),
@@ -179,12 +180,30 @@ MUTANTS: list[tuple[str, str, str, str]] = [
 ("L21 pending_grant misses half grants", S, "            .or_else(|| self.half.values().find(|g| g.request_id == request_id))", ""),
 ("L22 a refused grant on a WAN session not removed", S, "        let found = match self.grants.remove(&request_id) {\n            Some(_) => true,", "        let found = match self.grants.get(&request_id) {\n            Some(_) => true,"),
 ("L23 a dead connection's refused grants excuse LOCAL_GRANTs on the next", S, "        self.refused.clear();\n", ""),
+# --- request notices (capability refusal, ABORT refused for a request)
+("N01 sender: a refusal not remembered", S, "                    self.refusals.note(a.request_id, &a.message);", ""),
+("N02 sender: a new grant does not supersede a refusal", S, "                self.refusals.forget(&request_id);", ""),
+("N03 sender: a grant of a declined request taken", S, "                if let Some(reason) = self.declined.get(&request_id) {", "                if let Some(reason) = self.declined.get(&request_id).filter(|_| false) {"),
+("N04 sender: a declined grant's LOCAL_GRANT not dropped", S, "                        self.drop_local_grant(id);", ""),
+("N05 sender: the dropped-LOCAL_GRANT set unbounded", SN, "        if self.refused.len() >= MAX_REFUSALS {", "        if false {"),
+("N06 decline: the grant not taken stays", SN, "        self.grants.remove(&request_id);\n", ""),
+("N07 decline: a transfer in progress goes on", SN, "            self.fail(id, e);", "            let _ = (id, e);"),
+("N08 decline: request 0 accepted", SN, "        no_request_zero(request_id)?;", ""),
+("N09 receiver: a decline not remembered", R, "                    self.declined.note((session.id, a.request_id), &a.message);", ""),
+("N10 reserve: a declined request granted", R, "        if let Some(reason) = self.declined.get(&(peer, request_id)) {", "        if let Some(reason) = self.declined.get(&(peer, request_id)).filter(|_| false) {"),
+("N11 refuse: told before a grant without the capability", R, "        let told = announced || caps & capability::REFUSAL != 0;", "        let told = true;"),
+("N12 refuse: a capable peer not told before a grant", R, "        let told = announced || caps & capability::REFUSAL != 0;", "        let told = announced;"),
+("N13 refuse: the transfers go on", R, "            let events = self.state.fail(id, e);\n            self.publish(events);\n        }\n        Ok(told)", "            let _ = (id, e);\n        }\n        Ok(told)"),
+("N14 refuse: request 0 accepted", R, "        no_request_zero(request_id)?;\n        let session = self.session(peer)", "        let session = self.session(peer)"),
+("N15 notices unbounded", M, "        while self.order.len() > MAX_REFUSALS {", "        while self.order.len() > usize::MAX - 1 {"),
+("N16 reasons not cut", M, "        let reason = crate::wire::text::cut(reason, MAX_REFUSAL_REASON).to_string();", "        let reason = reason.to_string();"),
 ]
 
 # The receiver's lane handling moved to its child module: a snippet of R found there.
 MUTANTS = [(n, RL if p == R and o not in open(R).read() else p, o, r) for n, p, o, r in MUTANTS]
 
-TESTS = ["-p", "pdd-core", "--lib", "--test", "kv_session_sim", "--test", "kv_session_adversarial"]
+TESTS = ["-p", "pdd-core", "--lib", "--test", "kv_session_sim", "--test", "kv_session_adversarial", "--test",
+         "kv_session_refusal"]
 
 
 def run(only: list[str]) -> list[dict[str, object]]:

@@ -710,6 +710,32 @@ def _rx_ids(h: H, o: Outcome) -> None:
         w.end(t)
 
 
+# Refusals and declines are remembered per key: drawn away from the world's own
+# grant ids (from 1,000,000 up), so that no example refuses another's grant.
+NOTICE_KEY = P(st.one_of(st.integers(2**40, 2**64 - 1), st.text(max_size=20), st.binary(max_size=20)),
+               st.one_of(INTS, TEXT, BYTES))
+
+
+@spec("KvReceiver.refuse")
+def _rx_refuse(h: H, o: Outcome) -> None:
+    w = world()
+    call(h, o, w.rx.refuse, NOTICE_KEY, MESSAGE, peer=P(st.sampled_from([None, w.peer]), INTS))
+    # And a granted request, refused: its transfer ends.
+    rid = w.next_id()
+    t = w.rx.grant(rid, next(WORLD_PAGES), peer=w.peer)
+    try:
+        call(h, o, w.rx.refuse, P(st.just(rid)), MESSAGE, peer=P(st.just(w.peer)))
+    finally:
+        w.end(t)
+
+
+@spec("KvSender.decline", "KvSender.refusal")
+def _tx_notices(h: H, o: Outcome) -> None:
+    w = world()
+    call(h, o, w.tx.decline, NOTICE_KEY, MESSAGE)
+    call(h, o, w.tx.refusal, NOTICE_KEY)
+
+
 @spec("KvReceiver.poll_events")
 def _rx_poll(h: H, o: Outcome) -> None:
     call(h, o, world().rx.poll_events, max=P(st.sampled_from([0, 1, 1024]), INTS))
@@ -890,6 +916,19 @@ def _lrx_ids(h: H, o: Outcome) -> None:
     w = world()
     call(h, o, w.lrx.cancel, U64)
     call(h, o, w.lrx.poll_events, max=P(st.sampled_from([0, 1024]), INTS))
+
+
+@spec("LocalReceiver.refuse")
+def _lrx_refuse(h: H, o: Outcome) -> None:
+    w = world()
+    call(h, o, w.lrx.refuse, NOTICE_KEY, MESSAGE, peer=P(st.sampled_from([None, w.lpeer]), INTS))
+
+
+@spec("LocalSender.decline", "LocalSender.refusal")
+def _ltx_notices(h: H, o: Outcome) -> None:
+    w = world()
+    call(h, o, w.ltx.decline, NOTICE_KEY, MESSAGE)
+    call(h, o, w.ltx.refusal, NOTICE_KEY)
 
 
 @spec("LocalReceiver.close", examples=NET_EXAMPLES)

@@ -376,15 +376,27 @@ def test_give_up_before_any_push_refuses_the_grant(decoder: Decoder) -> None:
         pusher.give_up("never-pushed", [decoder.address, "127.0.0.1:9"])  # no session to the second: ignored
         pull = decoder.puller.claim("never-pushed", [0, 1])
         drive(pusher, [decoder.puller], lambda: not len(decoder.puller), seconds=5.0)
-        assert pull.state == "failed" and "gave up" in (pull.reason or "")
-        # A new push of the same key takes its grants again.
+        # The sender declined it (a grant that crossed the decline is answered at once).
+        assert pull.state == "failed" and pull.code == "refused", pull
+        assert "ended before its push began" in (pull.reason or "")
+        # A declined key is final on both ends (keys are single-use): a new push of it
+        # fails at once, and so does the decoder's claim.
         pusher.give_up("again", [decoder.address])
         again = pusher.start("again", [decoder.address], blocks=1)
-        again.blocks([4], ready=1)
         again.end()
+        time.sleep(0.05)
         second = decoder.puller.claim("again", [2])
+        drive(pusher, [decoder.puller], lambda: not len(pusher) and not len(decoder.puller), seconds=5.0)
+        assert again.leg(decoder.address).code == "declined" and second.code == "refused"
+        # A key given up where no session could be told (no sender): a new push of it
+        # takes its grants again, as before.
+        pusher.give_up("other", ["127.0.0.1:9"])
+        other = pusher.start("other", [decoder.address], blocks=1)
+        other.blocks([4], ready=1)
+        other.end()
+        third = decoder.puller.claim("other", [2])
         drive(pusher, [decoder.puller], lambda: not len(pusher) and not len(decoder.puller))
-        assert again.ok and second.ok
+        assert other.ok and third.ok
     finally:
         pusher.close()
 

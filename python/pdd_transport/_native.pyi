@@ -244,6 +244,9 @@ class KvReceiver:
         deadline_s: float | None = None,
     ) -> InboundTransfer: ...
     def cancel(self, transfer_id: int) -> bool: ...
+    def refuse(self, request_id: _RequestKey, reason: str, *, peer: int | None = None) -> bool:
+        """Refuse ``request_id``, granted or not: the sender is told ``reason`` (ABORT
+        ``refused``). False: nothing granted and the sender predates ``refusal``."""
     def release_lease(self, lease_id: int) -> bool: ...
     def poll_events(self, max: int = 1024) -> list[LayerComplete | TransferComplete | TransferFailed | PrefixQueried]: ...
     def wait_event(self, timeout: float = 10.0) -> bool: ...
@@ -314,6 +317,10 @@ class KvSender:
     def try_grant(self, request_id: _RequestKey) -> OutboundTransfer | None:
         """The grant if it has arrived, else None, without waiting; with no live
         session it starts one background reconnect."""
+    def refusal(self, request_id: _RequestKey) -> str | None:
+        """The receiver's refusal of ``request_id``, if any (the grant waits raise)."""
+    def decline(self, request_id: _RequestKey, reason: str) -> bool:
+        """Decline ``request_id``: the receiver is told ``reason`` (ABORT ``refused``)."""
     def query_prefix(
         self,
         request_id: _RequestKey,
@@ -897,6 +904,8 @@ class LocalReceiver:
         timeout: float = 10.0,
     ) -> LocalInbound: ...
     def cancel(self, transfer_id: int) -> bool: ...
+    def refuse(self, request_id: _RequestKey, reason: str, *, peer: int | None = None) -> bool:
+        """As ``KvReceiver.refuse``, on the local path."""
     def release_lease(self, lease_id: int) -> bool:
         """As ``KvReceiver.release_lease``; the local path has no prefix cache and
         hands out no lease: always False."""
@@ -939,6 +948,10 @@ class LocalSender:
     def wait_grant(self, request_id: _RequestKey, timeout: float = 10.0) -> LocalOutbound: ...
     def try_grant(self, request_id: _RequestKey) -> LocalOutbound | None:
         """The grant if it has arrived, else None, without waiting; raises once the session died."""
+    def refusal(self, request_id: _RequestKey) -> str | None:
+        """As ``KvSender.refusal``."""
+    def decline(self, request_id: _RequestKey, reason: str) -> bool:
+        """As ``KvSender.decline``."""
     def metrics(self) -> dict[str, int]: ...
     def close(self) -> None: ...
 

@@ -56,6 +56,7 @@ FAILURE_CODES = {
     "request_ended": "the engine finished the request before every granted page was computed",
     "grant_shape": "the grant's layers or page size do not fit the source pool",
     "aborted": "the engine aborted the request (or closed the prefill side)",
+    "declined": "the prefill side declined the request (Push.decline): the decoder was told why",
     "unspecified": "the transport gave no reason",
 }
 

@@ -266,6 +266,18 @@ class Push:
         for leg in self.legs:
             self._fail(leg, reason, "aborted")
 
+    def decline(self, reason: str = "the prefill side will not serve this request") -> None:
+        """The prefill side will not serve this request (its engine rejected or aborted
+        it): every live destination fails now (code ``declined``) and each decoder is
+        told ``reason`` (ABORT ``refused``), granted or not: its pull ends at once (a
+        grant it has not made yet fails at once), so it frees its pages and recomputes
+        instead of waiting out its deadline. A grant that arrives later is answered the
+        same way by the sender itself. The engine is done with the request (as after
+        :meth:`abort`)."""
+        self._ended_by_engine = True
+        for leg in self.legs:
+            self._fail(leg, f"declined: {reason}", "declined", decline=reason)
+
     # -- what the engine reads
 
     @property
@@ -295,13 +307,15 @@ class Push:
 
     # -- internals
 
-    def _fail(self, leg: PushLeg, reason: str, code: str = "unspecified") -> None:
+    def _fail(self, leg: PushLeg, reason: str, code: str = "unspecified", decline: str | None = None) -> None:
         if leg.ended:
             return
         leg.state, leg.reason, leg.code = _FAILED, reason, code
-        if leg.out is not None:
+        if decline is not None and self._pusher._decline(self.key, leg.address, decline):
+            pass  # the sender told the decoder, ended the transfer, and answers a late grant itself
+        elif leg.out is not None:
             _abort(leg.out, reason)
-        else:  # no grant taken: one that comes later must not hold the decoder's pages
+        elif code not in ("refused", "declined"):  # no grant taken: one that comes later must not hold the decoder's pages
             self._pusher._gave_up(self.key, leg.address)
         self._pusher._leg_ended(self, leg)
 
@@ -402,6 +416,9 @@ class Pusher:
         # (key, address) -> when to stop watching for a late grant; insertion-ordered.
         # Shared with the watcher thread, under _lock (as are the stats).
         self._given_up: dict[tuple[str, str], float] = {}
+        # (key, address) -> reason of the declines told to senders; insertion-ordered,
+        # at most GIVEN_UP_LIMIT (the senders remember as many).
+        self._declined: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
         self._watcher: threading.Thread | None = None
         self._closed = False
@@ -470,6 +487,11 @@ class Pusher:
             for address in dests:  # a new push of a key takes its grants again
                 self._given_up.pop((key, address), None)
         for leg in push.legs:
+            if (key, leg.address) in self._declined:
+                # Its decoder was told this side will not serve the key, and keeps
+                # refusing to grant it: a declined key is not pushed again.
+                push._fail(leg, f"declined before: {self._declined[(key, leg.address)]}", "declined")
+                continue
             try:
                 self.sender_for(leg.address)
             except PddError as e:
@@ -500,12 +522,14 @@ class Pusher:
                 over.append(push)
         return over
 
-    def give_up(self, key: str, destinations: Iterable[str]) -> None:
+    def give_up(self, key: str, destinations: Iterable[str],
+                reason: str = "the prefill request ended before its push began") -> None:
         """The engine will not push request ``key`` (it was aborted or finished before
-        a push began): a grant any of ``destinations`` sends for it later is aborted at
-        once (by :meth:`poll`) instead of holding that decoder's pages."""
+        a push began): each of ``destinations`` this side has a session with is told
+        ``reason`` now (a decline, :meth:`Push.decline`), and a grant any of them sends
+        for it later is refused at once instead of holding that decoder's pages."""
         for address in destinations:
-            if key not in self._pushes:
+            if key not in self._pushes and not self._decline(key, address, reason):
                 self._gave_up(key, address)
 
     def give_up_all(self, requests: Iterable[tuple[str, Iterable[str]]]) -> None:
@@ -565,6 +589,24 @@ class Pusher:
             except PddError:
                 pass
         self._senders.clear()
+
+    def _decline(self, key: str, address: str, reason: str) -> bool:
+        """Decline ``key`` on the sender to ``address`` (a session this side has):
+        the sender tells the decoder now or answers its later grant. False where there
+        is no such sender, or it cannot decline (a stand-in made by ``connect``)."""
+        sender = self._senders.get(address)
+        decline = getattr(sender, "decline", None)
+        if decline is None:
+            return False
+        try:
+            decline(key, reason)
+        except PddError:
+            return False
+        self._declined.pop((key, address), None)
+        self._declined[(key, address)] = reason
+        while len(self._declined) > self.GIVEN_UP_LIMIT:
+            del self._declined[next(iter(self._declined))]
+        return True
 
     def _gave_up(self, key: str, address: str) -> None:
         if address not in self._senders:
@@ -635,6 +677,11 @@ class Pusher:
         for leg in push.legs:
             if leg.state == _WAITING_GRANT:
                 self._await_grant(push, leg, now)
+            if leg.state == _SENDING and _poll(leg.out) == "failed":
+                # Ended from the decoder's side (it refused the request, a deadline):
+                # the destination is over now, whatever the engine still computes.
+                push._fail(leg, _reason_of(leg.out), str(leg.out.status().get("reason") or "unspecified"))
+                continue
             if leg.state == _SENDING:
                 push._flush_leg(leg)
                 if leg.state != _SENDING:
@@ -677,7 +724,7 @@ class Pusher:
             out = sender.try_grant(push.key)
         except PddError as e:
             push._fail(leg, f"no grant: {e.reason}: {e}", e.reason)
-            if is_local_address(leg.address):
+            if is_local_address(leg.address) and e.reason != "refused":
                 # A local sender's try_grant raises only once its session died (lost,
                 # or ended by the receiver), and it does not come back by itself (a WAN
                 # sender reconnects in try_grant): forget it, so that the next push to
@@ -706,9 +753,11 @@ class Pull:
     block_ids: list[int]
     #: The prefill sender's node id to grant to (None: the only connected one).
     peer: int | None
-    #: An empty grant made only to tell the prefill side there is nothing to send: the
-    #: engine never waits for it.
-    notice: bool
+    #: A notice only, which the engine never waits for: True, an empty grant (the
+    #: decoder holds every block: nothing to send); a str, the request ended before its
+    #: KV arrived and the prefill side is refused with this reason so it frees its
+    #: blocks at once (a prefill sender that predates refusals gets an empty grant).
+    notice: bool | str
     claimed_at: float
     state: str = _WAITING_GRANT
     reason: str | None = None
@@ -719,6 +768,8 @@ class Pull:
     granted_at: float | None = None
     #: A stable word for why it failed (for metrics), once failed.
     code: str | None = None
+    #: The notice reached the prefill side as a refusal (not an empty grant).
+    refused: bool = False
 
     @property
     def ok(self) -> bool:
@@ -752,10 +803,15 @@ class Puller:
         self._clock = clock
         self._pulls: dict[str, Pull] = {}
 
-    def claim(self, key: str, block_ids: Sequence[int], *, peer: int | None = None, notice: bool = False) -> Pull:
+    def claim(self, key: str, block_ids: Sequence[int], *, peer: int | None = None,
+              notice: bool | str = False) -> Pull:
         """Grant ``block_ids`` (possibly none: an empty grant) to the prefill side for
         request ``key``. While the prefill instance has not connected yet the grant is
-        retried on each :meth:`poll`, for at most ``grant_timeout_s``."""
+        retried on each :meth:`poll`, for at most ``grant_timeout_s``. ``notice`` (no
+        blocks, the engine does not wait for it): True, an empty grant; a str, the
+        request ended before its KV arrived and the prefill side is told so with this
+        reason (a refusal: it frees its blocks and stops waiting at once; one that
+        predates refusals gets the empty grant)."""
         if key in self._pulls:
             raise InvalidArgument(f"a pull of {key!r} is already live", "invalid_argument")
         pull = Pull(key=key, block_ids=[int(b) for b in block_ids], peer=peer, notice=notice,
@@ -770,19 +826,32 @@ class Puller:
     def __len__(self) -> int:
         return len(self._pulls)
 
-    def cancel(self, key: str) -> bool:
-        """The engine gave up on ``key`` (aborted, finished): cancel its grant. The pull
-        is still reported by :meth:`poll`, once no write can land in its pages. False if
-        there is no such live pull."""
+    def cancel(self, key: str, reason: str = "the decode request ended before its KV arrived") -> bool:
+        """The engine gave up on ``key`` (aborted, finished): the prefill side is told
+        ``reason`` (a refusal: it stops sending and frees its blocks at once) and the
+        grant ends. The pull is still reported by :meth:`poll`, once no write can land
+        in its pages. False if there is no such live pull."""
         pull = self._pulls.get(key)
         if pull is None or pull.cancelled:
             return False
         pull.cancelled = True
         if pull.transfer is not None:
-            self.receiver.cancel(pull.transfer.transfer_id)
+            if not self._refuse(key, reason, getattr(pull.transfer, "peer", pull.peer)):
+                self.receiver.cancel(pull.transfer.transfer_id)
         elif pull.state == _WAITING_GRANT:
             pull.state = _CANCELLED
+            self._refuse(key, reason, pull.peer)  # a sender that connected meanwhile hears it
         return True
+
+    def _refuse(self, key: str, reason: str, peer: int | None) -> bool:
+        """Tell the prefill side ``reason`` for ``key``; whether it was told."""
+        refuse = getattr(self.receiver, "refuse", None)
+        if refuse is None:
+            return False
+        try:
+            return bool(refuse(key, reason, peer=peer))
+        except PddError:
+            return False
 
     def poll(self, wait_s: float = 0.0) -> list[Pull]:
         """Retry waiting grants, then return (once each, and forget) the pulls that
@@ -811,7 +880,7 @@ class Puller:
     def _count(self, pull: Pull) -> None:
         now = self._clock()
         wait = pull.granted_at - pull.claimed_at if pull.granted_at is not None else None
-        if pull.cancelled or pull.state == _CANCELLED:
+        if pull.cancelled or pull.state == _CANCELLED or pull.refused:
             self.stats.ended("recv", self.path, "cancelled", grant_wait_s=wait)
         elif pull.state == _COMPLETE:
             status = pull.transfer.status() if pull.transfer is not None else {}
@@ -847,6 +916,10 @@ class Puller:
 
     def _try_grant(self, pull: Pull, now: float) -> None:
         try:
+            if isinstance(pull.notice, str) and not pull.block_ids and self._refuse_notice(pull.key, pull.notice,
+                                                                                          pull.peer):
+                pull.state, pull.refused, pull.granted_at = _COMPLETE, True, now
+                return
             pull.transfer = self.receiver.grant(pull.key, pull.block_ids, peer=pull.peer, deadline_s=self.deadline_s)
         except PddError as e:
             if e.reason == "connection_lost" and now - pull.claimed_at < self.grant_timeout_s:
@@ -854,3 +927,9 @@ class Puller:
             pull.state, pull.reason, pull.code = _FAILED, f"{e.reason}: {e}", e.reason
             return
         pull.state, pull.granted_at = _LOADING, now
+
+    def _refuse_notice(self, key: str, reason: str, peer: int | None) -> bool:
+        """A notice as a refusal; False where the prefill sender predates refusals (an
+        empty grant tells it instead). Raises as a grant would (not connected yet)."""
+        refuse = getattr(self.receiver, "refuse", None)
+        return refuse is not None and bool(refuse(key, reason, peer=peer))

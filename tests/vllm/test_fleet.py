@@ -172,16 +172,18 @@ def test_the_scheduler_tells_both_sides_when_a_request_ends_early() -> None:
     def request(req_id: str, params: dict[str, object], finished: object) -> SimpleNamespace:
         return SimpleNamespace(request_id=req_id, kv_transfer_params=params, status=finished, num_prompt_tokens=100)
 
-    # D: aborted while queued (never allocated): an empty grant, so P frees its blocks now.
+    # D: aborted while queued (never allocated): a refusal with its reason (an empty
+    # grant to an older P), so P frees its blocks now.
     queued = request("d1", decode_params("key-d1", prefill_node=7), status.FINISHED_ABORTED)
     assert s.request_finished(queued, []) == (False, None)
     meta = s.build_connector_meta(step)
-    assert [(r.req_id, r.key, r.block_ids, r.peer, r.notice) for r in meta.recv] == [("d1", "key-d1", [], 7, True)]
+    ended = "the decode request ended before its KV arrived"
+    assert [(r.req_id, r.key, r.block_ids, r.peer, r.notice) for r in meta.recv] == [("d1", "key-d1", [], 7, ended)]
     # P: ended before any push began: its key goes to the worker's give-up list.
     never = request("p1", prefill_params("key-p1", "10.0.0.2:7100"), status.FINISHED_ABORTED)
     s.update_state_after_alloc(never, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
     assert s.request_finished(never, [])[0] is False
-    # P: pushed, then aborted: the worker aborts its push instead of ending it.
+    # P: pushed, then aborted: the worker declines its push instead of ending it.
     pushed = request("p2", prefill_params("key-p2", "10.0.0.2:7100"), status.FINISHED_ABORTED)
     s.update_state_after_alloc(pushed, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
     s._send_scheduled.add("p2")

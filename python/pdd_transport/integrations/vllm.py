@@ -50,15 +50,15 @@ request_id_of, decode_params, prefill_params = kv.request_id_of, kvp.decode_para
 
 @dataclass
 class _RecvReq:
-    """D: grant ``block_ids`` (a contiguous run of the prompt's blocks) to P. ``notice``:
-    an empty grant (D holds every block P could send), which vLLM does not wait for."""
+    """D: grant ``block_ids`` (a contiguous run of the prompt's blocks) to P. ``notice``
+    (vLLM does not wait for it): True, an empty grant; a str, P is refused with it."""
 
     req_id: str
     key: str
     block_ids: list[int]
     peer: int | None
     corrupt: bool
-    notice: bool = False
+    notice: bool | str = False
 
 
 @dataclass
@@ -79,7 +79,7 @@ class _SendReq:
 class PddConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """Scheduler to worker, once per step. ``idle``: nothing is computed this step, so
     the worker may wait briefly for transfer events instead of letting the loop spin.
-    P: ``aborted``, pushed requests vLLM aborted (their pushes are aborted, not ended);
+    P: ``aborted``, pushed requests vLLM aborted (their pushes are declined, not ended);
     ``given_up``, (key, destinations) of requests that ended before any push began."""
 
     recv: list[_RecvReq] = field(default_factory=list)
@@ -181,9 +181,9 @@ class _SchedulerSide:
         req_id, params = request.request_id, request.kv_transfer_params or {}
         key = kvp.key_of(params, kvp.DO_REMOTE_PREFILL) if self._is_consumer else None
         if key is not None and req_id not in self._recv_started:
-            # D: it ended (aborted) before its blocks were allocated: an empty grant tells
-            # P now, so P frees its blocks instead of waiting out pdd_grant_timeout_s.
-            self._pending_recv.append(_RecvReq(req_id, key, [], kvp.prefill_node(params), corrupt=False, notice=True))
+            # D: it ended (aborted) before its blocks were allocated: a refusal (an empty
+            # grant to an older P) tells P now, so P frees its blocks at once.
+            self._pending_recv.append(_RecvReq(req_id, key, [], kvp.prefill_node(params), False, kvp.ENDED))
         self._recv_started.discard(req_id)
         if self._send.pop(req_id, None) is None:
             return False, None
@@ -323,7 +323,7 @@ class _WorkerSide:
             self._unpushed -= finished
             for req_id in finished & self._push_of.keys():
                 if meta is not None and req_id in meta.aborted:  # P's client went away: free at once
-                    self._push_of[req_id].abort("the prefill request was aborted")
+                    self._push_of[req_id].decline("the prefill request was aborted")
                 else:
                     self._push_of[req_id].end()
             self._collect_pushes(pusher, results)

@@ -8,7 +8,7 @@ from typing import Any
 
 from pdd_transport.errors import InvalidArgument
 
-__all__ = ["DEBUG_CORRUPT", "DECODE_ADDRESS", "DO_REMOTE_DECODE", "DO_REMOTE_PREFILL", "KEY", "PREFILL_NODE",
+__all__ = ["DEBUG_CORRUPT", "DECODE_ADDRESS", "DO_REMOTE_DECODE", "DO_REMOTE_PREFILL", "ENDED", "KEY", "PREFILL_NODE",
            "RELAY_ADDRESS", "decode_params", "destinations", "key_of", "prefill_node", "prefill_params"]
 
 KEY = "pdd_key"  # str: the transfer key both sides derive the wire request id from
@@ -19,6 +19,8 @@ RELAY_ADDRESS = "pdd_relay_address"  # P (optional): "local://host:port" of a Re
 PREFILL_NODE = "pdd_prefill_node"  # D (optional): P's sender node id, to grant to it only
 DEBUG_CORRUPT = "pdd_debug_corrupt"  # D: zero the received KV (negative control; needs pdd_allow_debug)
 MAX_KEY_CHARS = 256
+#: What D tells P of a decode request that ended before its KV arrived (a refusal).
+ENDED = "the decode request ended before its KV arrived"
 
 
 def decode_params(key: str, prefill_node: int | None = None) -> dict[str, Any]:

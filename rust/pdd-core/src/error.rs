@@ -139,6 +139,13 @@ pub enum Error {
         /// The peer's message.
         message: String,
     },
+    /// The peer will not take part in this request (its ABORT `refused`, remembered),
+    /// or this side refused it: the message names the request and the reason.
+    #[error("{message}")]
+    Refused {
+        /// Who refused which request, and why.
+        message: String,
+    },
     /// A local caller passed an argument the protocol cannot carry.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
@@ -374,6 +381,7 @@ impl Error {
             Error::AuthFailed { .. } => "auth_failed",
             Error::RoleRefused { .. } => "role_refused",
             Error::PeerAborted { .. } => "peer_aborted",
+            Error::Refused { .. } => "refused",
             Error::InvalidArgument(_) => "invalid_argument",
             Error::GrantViolation { .. } | Error::HandoffNotOwned { .. } => "grant_violation",
             Error::UnknownTransfer { .. } => "unknown_transfer",
@@ -410,6 +418,7 @@ impl Error {
             | Error::AuthFailed { .. }
             | Error::RoleRefused { .. }
             | Error::PeerAborted { .. }
+            | Error::Refused { .. }
             | Error::ConnectionLost { .. }
             | Error::Cancelled { .. }
             | Error::LocalPathUnavailable { .. }
@@ -462,6 +471,7 @@ impl Error {
             Error::ChecksumMismatch { .. } => AbortReason::ChecksumMismatch,
             Error::AuthFailed { .. } | Error::RoleRefused { .. } => AbortReason::AuthFailed,
             Error::PeerAborted { reason, .. } => *reason,
+            Error::Refused { .. } => AbortReason::Refused,
             Error::InvalidArgument(_) | Error::PagesBusy { .. } | Error::HandoffClosed { .. } => {
                 AbortReason::Internal
             }

@@ -229,7 +229,8 @@ impl KvSender {
                 | pdd_core::wire::capability::LANE_DELIVERY;
         }
         // This build finishes an empty grant (nothing to send) at once.
-        cfg.hello.capabilities |= pdd_core::wire::capability::EMPTY_GRANT;
+        cfg.hello.capabilities |=
+            pdd_core::wire::capability::EMPTY_GRANT | pdd_core::wire::capability::REFUSAL;
         if cfg.sealed_lanes {
             cfg.hello.capabilities |= pdd_core::wire::capability::SEALED_LANES;
         } else {
@@ -324,6 +325,9 @@ impl KvSender {
         let conn = self.conn().await?;
         let mut changed = self.shared.grants_changed.subscribe();
         loop {
+            if let Some(e) = self.refusal(request_id) {
+                return Err(e);
+            }
             if let Some(t) = self.take_grant(&conn, request_id) {
                 return Ok(t);
             }
@@ -347,6 +351,9 @@ impl KvSender {
                 detail: "sender closed".into(),
             });
         }
+        if let Some(e) = self.refusal(request_id) {
+            return Err(e);
+        }
         // A connect in progress holds the slot: no grant can be waiting then.
         let Ok(slot) = self.shared.conn.try_lock() else {
             return Ok(None);
@@ -356,6 +363,22 @@ impl KvSender {
         };
         drop(slot);
         Ok(self.take_grant(&conn, request_id))
+    }
+
+    /// The receiver's refusal of `request_id` (`pdd_core::Error::Refused`, naming its
+    /// reason), if it refused it: [`KvSender::wait_grant`] and
+    /// [`KvSender::try_grant`] fail with it at once.
+    pub fn refusal(&self, request_id: u64) -> Option<Error> {
+        lock(&self.shared.machine).refusal(request_id)
+    }
+
+    /// This sender will not serve `request_id`: its grant not taken is dropped, its
+    /// transfer in progress fails, and the receiver is told why (ABORT `refused`)
+    /// so it frees its pages at once; a grant of it that comes later is answered the
+    /// same way. True if the receiver was told now (false: no live session; a later
+    /// grant still is).
+    pub fn decline(&self, request_id: u64, reason: &str) -> Result<bool, Error> {
+        with_machine(&self.shared, |m| m.decline(request_id, reason))
     }
 
     /// Whether a session is up now (false while one is being opened or after it was

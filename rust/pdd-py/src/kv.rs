@@ -311,6 +311,22 @@ impl KvReceiver {
         self.inner.cancel(transfer_id)
     }
 
+    /// This receiver will not take `request_id` (an int, or the str/bytes key) from
+    /// `peer` (the only peer with None), granted or not: its transfers of it fail
+    /// and the sender is told `reason` (ABORT `refused`, cut to 512 bytes), so it
+    /// frees its blocks at once. False: nothing was granted and the sender predates
+    /// the `refusal` capability (tell it with an empty grant instead). Raises
+    /// `TransportError` (`connection_lost`) when the peer is not connected.
+    #[pyo3(signature = (request_id, reason, *, peer = None))]
+    fn refuse(&self, request_id: RequestKey, reason: &str, peer: Option<u64>) -> PyResult<bool> {
+        let rt = runtime()?;
+        let _guard = rt.enter();
+        Ok(self
+            .inner
+            .refuse(request_id.id, reason, peer)
+            .map_err(PddErr)?)
+    }
+
     /// Drop a prefix lease (after locking the prefix for the request yourself): its
     /// pin is released. False if it had already lapsed.
     fn release_lease(&self, lease_id: u64) -> bool {
@@ -594,6 +610,24 @@ impl KvSender {
     #[getter]
     fn connected(&self) -> bool {
         self.inner.is_connected()
+    }
+
+    /// The receiver's reason if it refused `request_id` (an int, or the str/bytes
+    /// key): `wait_grant` / `try_grant` for it then raise `TransportError` with
+    /// reason `refused` at once. None otherwise.
+    fn refusal(&self, request_id: RequestKey) -> Option<String> {
+        self.inner.refusal(request_id.id).map(|e| e.to_string())
+    }
+
+    /// This sender will not serve `request_id` (an int, or the str/bytes key): a
+    /// grant of it not taken is dropped, its transfer in progress fails, and the
+    /// receiver is told `reason` (ABORT `refused`, cut to 512 bytes) now and for any
+    /// grant of it that comes later. True if the receiver was told now (False: no
+    /// live session).
+    fn decline(&self, request_id: RequestKey, reason: &str) -> PyResult<bool> {
+        let rt = runtime()?;
+        let _guard = rt.enter();
+        Ok(self.inner.decline(request_id.id, reason).map_err(PddErr)?)
     }
 
     /// Ask the receiver how much of `tokens` it caches (and pin it for `lease_s`).

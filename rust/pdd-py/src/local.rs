@@ -249,6 +249,20 @@ impl LocalReceiver {
         })
     }
 
+    /// This receiver will not take `request_id` from `peer` (the only sender with
+    /// None), granted or not, as `KvReceiver.refuse`: its transfers of it fail (keys
+    /// revoked) and the sender is told `reason`. False: nothing was granted and the
+    /// sender predates `refusal`.
+    #[pyo3(signature = (request_id, reason, *, peer = None))]
+    fn refuse(&self, request_id: RequestKey, reason: &str, peer: Option<u64>) -> PyResult<bool> {
+        let rt = runtime()?;
+        let _guard = rt.enter();
+        Ok(self
+            .inner
+            .refuse(request_id.id, reason, peer)
+            .map_err(PddErr)?)
+    }
+
     /// Cancel a live transfer (its keys are revoked, the sender told). False if it
     /// had ended.
     fn cancel(&self, transfer_id: u64) -> PyResult<bool> {
@@ -443,6 +457,19 @@ impl LocalSender {
                 inner: Arc::new(out),
                 key: request_id.key,
             }))
+    }
+
+    /// The receiver's reason if it refused `request_id` (see `KvSender.refusal`).
+    fn refusal(&self, request_id: RequestKey) -> Option<String> {
+        self.inner.refusal(request_id.id).map(|e| e.to_string())
+    }
+
+    /// This sender will not serve `request_id` (see `KvSender.decline`). True if the
+    /// receiver was told now.
+    fn decline(&self, request_id: RequestKey, reason: &str) -> PyResult<bool> {
+        let rt = runtime()?;
+        let _guard = rt.enter();
+        Ok(self.inner.decline(request_id.id, reason).map_err(PddErr)?)
     }
 
     /// Counters.

@@ -68,6 +68,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ("empty_grant", capability::EMPTY_GRANT),
         ("sealed_lanes", capability::SEALED_LANES),
         ("lane_delivery", capability::LANE_DELIVERY),
+        ("refusal", capability::REFUSAL),
     ] {
         caps.set_item(name, bit)?;
     }

@@ -259,6 +259,10 @@ abort_reasons! {
     ResourceExhausted = 13, "resource_exhausted";
     /// The peer's prefix hash did not match ours.
     PrefixMismatch = 14, "prefix_mismatch";
+    /// The peer will not take part in this request (ABORT with its request id, before
+    /// or after a grant): the decoder ended it before its KV arrived, or the prefill
+    /// side will not send it. The message says why.
+    Refused = 15, "refused";
 }
 
 impl fmt::Display for AbortReason {
@@ -357,6 +361,13 @@ pub mod capability {
     /// a lane whose bytes a middlebox acknowledges and drops. Meaningful only with
     /// [`LANE_FAILOVER`]; offered by KV senders and receivers of this build.
     pub const LANE_DELIVERY: u64 = 1 << 9;
+    /// An ABORT `refused` for a request is a notice both ways, before or after any
+    /// grant: a KV sender remembers the receiver's refusal (its wait for that grant
+    /// fails at once with the reason) and a KV receiver remembers the sender's
+    /// (a grant of that request fails at once). Without it a receiver tells an
+    /// older sender it wants nothing with an empty grant. Offered by KV senders and
+    /// receivers of this build, on both paths.
+    pub const REFUSAL: u64 = 1 << 10;
     /// Every bit defined by this build.
     pub const ALL_KNOWN: u64 = KV_STREAM
         | HANDOFF
@@ -367,7 +378,8 @@ pub mod capability {
         | LANE_FAILOVER
         | EMPTY_GRANT
         | SEALED_LANES
-        | LANE_DELIVERY;
+        | LANE_DELIVERY
+        | REFUSAL;
 }
 
 /// The fixed header in front of every payload.

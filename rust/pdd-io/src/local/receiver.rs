@@ -171,7 +171,8 @@ impl LocalReceiver {
                 detail: "the local path registers host memory only".into(),
             });
         }
-        cfg.hello.capabilities |= capability::LOCAL_UCX | capability::EMPTY_GRANT;
+        cfg.hello.capabilities |=
+            capability::LOCAL_UCX | capability::EMPTY_GRANT | capability::REFUSAL;
         lane::check_exposure(
             cfg.listen,
             &cfg.hello,
@@ -307,27 +308,7 @@ impl LocalReceiver {
         deadline: Option<Duration>,
     ) -> Result<LocalInbound, Error> {
         let shared = &self.shared;
-        let peer = {
-            let sessions = lock(&shared.sessions);
-            match peer {
-                Some(p) => p,
-                None if sessions.len() == 1 => *sessions.keys().next().unwrap_or(&0),
-                // As on the WAN receiver: no sender yet is a lost connection (a caller
-                // retries while the prefill side connects), several is the caller's
-                // mistake.
-                None if sessions.is_empty() => {
-                    return Err(Error::ConnectionLost {
-                        detail: "no sender is connected".into(),
-                    })
-                }
-                None => {
-                    return Err(Error::InvalidArgument(format!(
-                        "{} senders connected: name the peer",
-                        sessions.len()
-                    )))
-                }
-            }
-        };
+        let peer = self.the_peer(peer)?;
         let layers = shared.pool.layers();
         // Reserved, not yet announced: the pages are registered first. The machine
         // checks the session, its empty-grant capability, the request's uniqueness.
@@ -485,6 +466,34 @@ impl LocalReceiver {
             .state()
             .progress_of(transfer_id)
             .map(|p| p > 0)
+    }
+
+    /// `peer`, or the only connected sender.
+    fn the_peer(&self, peer: Option<u64>) -> Result<u64, Error> {
+        let sessions = lock(&self.shared.sessions);
+        match peer {
+            Some(p) => Ok(p),
+            None if sessions.len() == 1 => Ok(*sessions.keys().next().unwrap_or(&0)),
+            // As on the WAN receiver: no sender yet is a lost connection (a caller
+            // retries while the prefill side connects), several is the caller's
+            // mistake.
+            None if sessions.is_empty() => Err(Error::ConnectionLost {
+                detail: "no sender is connected".into(),
+            }),
+            None => Err(Error::InvalidArgument(format!(
+                "{} senders connected: name the peer",
+                sessions.len()
+            ))),
+        }
+    }
+
+    /// This receiver will not take `request_id` from `peer` (the only connected
+    /// sender with `None`): its transfers of it fail (registrations revoked) and the
+    /// sender is told why (ABORT `refused`), so it frees its blocks at once.
+    /// `Ok(false)`: nothing was granted and the sender predates `refusal`.
+    pub fn refuse(&self, request_id: u64, reason: &str, peer: Option<u64>) -> Result<bool, Error> {
+        let peer = self.the_peer(peer)?;
+        with_machine(&self.shared, |m| m.refuse(peer, request_id, reason))
     }
 
     /// Cancel a transfer: it fails `cancelled`, the sender is told, the pages'

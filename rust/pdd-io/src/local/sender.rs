@@ -137,7 +137,8 @@ impl LocalSender {
                 detail: "the local path registers host memory only".into(),
             });
         }
-        cfg.hello.capabilities |= capability::LOCAL_UCX | capability::EMPTY_GRANT;
+        cfg.hello.capabilities |=
+            capability::LOCAL_UCX | capability::EMPTY_GRANT | capability::REFUSAL;
         // A LOCAL_GRANT carries one key per run of granted pages: a gigabyte of
         // shuffled 4 KiB pages is 262,144 regions. The receiver is authenticated and
         // in our datacenter; its frames may take up to this.
@@ -271,6 +272,9 @@ impl LocalSender {
         if let Some(e) = lock(&self.shared.death).clone() {
             return Err(e);
         }
+        if let Some(e) = self.refusal(request_id) {
+            return Err(e);
+        }
         let ready = {
             let mut ready = lock(&self.shared.ready);
             let r = ready.get_mut(&request_id).and_then(|v| {
@@ -323,6 +327,28 @@ impl LocalSender {
             started: AtomicBool::new(false),
             status: rx,
         }))
+    }
+
+    /// The receiver's refusal of `request_id`, if it refused it: `try_grant` and
+    /// `wait_grant` fail with it at once (`pdd_core::Error::Refused`).
+    pub fn refusal(&self, request_id: u64) -> Option<Error> {
+        lock(&self.shared.machine).refusal(request_id)
+    }
+
+    /// This sender will not serve `request_id`: a grant of it not taken is dropped
+    /// (its keys destroyed), a transfer of it in progress fails, and the receiver is
+    /// told why (ABORT `refused`), now and for a grant that comes later. True if the
+    /// receiver was told now.
+    pub fn decline(&self, request_id: u64, reason: &str) -> Result<bool, Error> {
+        let told = with_machine(&self.shared, |m| m.decline(request_id, reason))?;
+        let keys: Vec<u64> = lock(&self.shared.ready)
+            .remove(&request_id)
+            .into_iter()
+            .flatten()
+            .flat_map(|r| r.keys)
+            .collect();
+        self.shared.ucx.destroy(keys);
+        Ok(told)
     }
 
     /// End the session (live transfers fail) and release UCX.
@@ -443,6 +469,9 @@ fn flush(shared: &Arc<Shared>, m: &mut SenderSession) -> Vec<(KvGrant, LocalGran
                         .flat_map(|r| r.keys)
                         .collect();
                     shared.ucx.destroy(keys);
+                    // A refusal ends a wait for the grant.
+                    shared.ready_changed.notify_waiters();
+                    crate::activity::bump();
                 }
                 SenderEvent::SessionEnded { error } => end_session(shared, error),
                 SenderEvent::Rtt(rtt) => {

@@ -254,7 +254,8 @@ impl KvReceiver {
         // It reports the bytes it read per data lane with each PONG (LANE_DELIVERED).
         cfg.hello.capabilities |= pdd_core::wire::capability::LANE_DELIVERY;
         // It may grant zero pages ("nothing to send") to a sender that offers it too.
-        cfg.hello.capabilities |= pdd_core::wire::capability::EMPTY_GRANT;
+        cfg.hello.capabilities |=
+            pdd_core::wire::capability::EMPTY_GRANT | pdd_core::wire::capability::REFUSAL;
         if cfg.sealed_lanes {
             cfg.hello.capabilities |= pdd_core::wire::capability::SEALED_LANES;
         } else {
@@ -420,26 +421,7 @@ impl KvReceiver {
         let shared = &self.shared;
         let layers = layer_count.unwrap_or_else(|| shared.pool.layers());
         let mut m = lock(&shared.machine);
-        let peer = match peer {
-            Some(p) => p,
-            None => {
-                let live = m.sessions();
-                match live[..] {
-                    [one] => one.id,
-                    [] => {
-                        return Err(Error::ConnectionLost {
-                            detail: "no peer is connected".into(),
-                        })
-                    }
-                    _ => {
-                        return Err(Error::InvalidArgument(format!(
-                            "{} peers are connected; name one",
-                            live.len()
-                        )))
-                    }
-                }
-            }
-        };
+        let peer = the_peer(&m, peer)?;
         // Transfer ids unguessable and unique among live and recent transfers (the
         // machine draws until one is free); the request's uniqueness per session,
         // the peer's empty-grant capability and the pages are the machine's checks.
@@ -471,6 +453,18 @@ impl KvReceiver {
             grant,
             peer,
             status: status_rx,
+        })
+    }
+
+    /// This receiver will not take `request_id` from `peer` (the only connected peer
+    /// with `None`): its transfers of it fail and the sender is told why (ABORT
+    /// `refused`), so it frees its blocks at once
+    /// (`pdd_core::kv::session::ReceiverEndpoint::refuse`). `Ok(false)`: nothing
+    /// was granted and the peer predates `refusal` (tell it with an empty grant).
+    pub fn refuse(&self, request_id: u64, reason: &str, peer: Option<u64>) -> Result<bool, Error> {
+        with_machine(&self.shared, |m| {
+            let peer = the_peer(m, peer)?;
+            m.refuse(peer, request_id, reason)
         })
     }
 
@@ -572,6 +566,24 @@ fn with_machine<R>(shared: &Arc<Shared>, f: impl FnOnce(&mut ReceiverEndpoint) -
 /// the prompt). Called with the machine locked, so events are published in the
 /// order the machine produced them (a transfer's `TransferComplete` after its
 /// `LayerComplete`s, whichever task ended which block).
+/// `peer`, or the only connected one.
+fn the_peer(m: &ReceiverEndpoint, peer: Option<u64>) -> Result<u64, Error> {
+    if let Some(p) = peer {
+        return Ok(p);
+    }
+    let live = m.sessions();
+    match live[..] {
+        [one] => Ok(one.id),
+        [] => Err(Error::ConnectionLost {
+            detail: "no peer is connected".into(),
+        }),
+        _ => Err(Error::InvalidArgument(format!(
+            "{} peers are connected; name one",
+            live.len()
+        ))),
+    }
+}
+
 fn flush(shared: &Shared, m: &mut ReceiverEndpoint) -> Vec<(SessionHandle, PrefixQuery)> {
     let now = clock::now();
     {

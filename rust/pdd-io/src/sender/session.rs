@@ -74,6 +74,9 @@ pub(super) fn flush(shared: &Arc<Shared>, m: &mut SenderSession) {
             }
             SenderEvent::RequestAborted { request_id, error } => {
                 fail_queries(shared, &error, Some(request_id));
+                // A refusal ends a wait for the grant: wake the waiters and the engine.
+                shared.grants_changed.send_modify(|n| *n += 1);
+                crate::activity::bump();
             }
             SenderEvent::SessionEnded { error } => {
                 if !shared.cancel.is_cancelled() {

@@ -23,7 +23,7 @@
 //! `docs/architecture.md` names, step by step, which of these decisions is made
 //! here and which file of `pdd-io` moves its bytes.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::hash::Hash;
 use std::time::Duration;
 
@@ -44,6 +44,62 @@ pub const MAX_SESSIONS: usize = 1024;
 pub const MAX_LANES_PER_SESSION: u64 = 64;
 /// Longest message of an ABORT that ends one transfer.
 pub const MAX_TRANSFER_ABORT_MESSAGE: usize = 512;
+
+/// Refusals (and declines) one machine remembers at once: the oldest is forgotten
+/// first, so a peer that sends them without end cannot grow the map.
+pub const MAX_REFUSALS: usize = 4096;
+/// Longest reason of a refusal or a decline (the ABORT `refused` that carries it),
+/// cut between characters as every ABORT message is.
+pub const MAX_REFUSAL_REASON: usize = MAX_TRANSFER_ABORT_MESSAGE;
+
+/// Request notices remembered (a refusal from the receiver, a decline from the
+/// sender): by key, at most [`MAX_REFUSALS`], the oldest forgotten first. Noting a
+/// key again keeps its place and takes the newer reason.
+#[derive(Debug)]
+struct Recent<K: Eq + Hash + Copy> {
+    reasons: HashMap<K, String>,
+    order: VecDeque<K>,
+}
+
+impl<K: Eq + Hash + Copy> Default for Recent<K> {
+    fn default() -> Self {
+        Recent {
+            reasons: HashMap::new(),
+            order: VecDeque::new(),
+        }
+    }
+}
+
+impl<K: Eq + Hash + Copy> Recent<K> {
+    fn note(&mut self, key: K, reason: &str) {
+        let reason = crate::wire::text::cut(reason, MAX_REFUSAL_REASON).to_string();
+        if let Some(r) = self.reasons.get_mut(&key) {
+            *r = reason;
+            return;
+        }
+        self.reasons.insert(key, reason);
+        self.order.push_back(key);
+        while self.order.len() > MAX_REFUSALS {
+            if let Some(old) = self.order.pop_front() {
+                self.reasons.remove(&old);
+            }
+        }
+    }
+
+    fn get(&self, key: &K) -> Option<&str> {
+        self.reasons.get(key).map(String::as_str)
+    }
+
+    fn forget(&mut self, key: &K) {
+        if self.reasons.remove(key).is_some() {
+            self.order.retain(|k| k != key);
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.reasons.len()
+    }
+}
 
 /// The bounds of a KV session's liveness, the same on both ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -152,6 +208,16 @@ fn abort_with(request_id: u64, reason: AbortReason, message: &str, max: usize) -
     // The one cut of wire text (pdd_core::wire::text): between characters, within
     // both `max` and the wire's bound (Abort::new).
     Abort::new(request_id, reason, crate::wire::text::cut(message, max))
+}
+
+/// A request notice names a request: 0 is an ABORT's "whole connection".
+fn no_request_zero(request_id: u64) -> Result<()> {
+    if request_id == 0 {
+        return Err(Error::InvalidArgument(
+            "request id 0 names the whole connection in an ABORT: not a request".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// The error a peer's ABORT carries.

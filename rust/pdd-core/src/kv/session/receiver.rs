@@ -5,8 +5,8 @@ use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
 use super::{
-    abort_for, abort_with, peer_aborted, SessionTimers, TimerQueue, MAX_LANES_PER_SESSION,
-    MAX_SESSIONS, MAX_TRANSFER_ABORT_MESSAGE,
+    abort_for, abort_with, no_request_zero, peer_aborted, Recent, SessionTimers, TimerQueue,
+    MAX_LANES_PER_SESSION, MAX_REFUSAL_REASON, MAX_SESSIONS, MAX_TRANSFER_ABORT_MESSAGE,
 };
 use crate::error::{Error, Result};
 use crate::kv::{BlockDisposition, KvBlock, ReceiverState, TransferEvent};
@@ -167,6 +167,9 @@ pub struct ReceiverEndpoint {
     /// Session id -> generation of its live instance.
     live: HashMap<u64, u64>,
     transfers: HashMap<u64, TransferMeta>,
+    /// (session id, request) the sender declined (its ABORT `refused`), with its
+    /// reason: a grant of it fails at once. Bounded, kept across resumptions.
+    declined: Recent<(u64, u64)>,
     queue: TimerQueue<Timer>,
     transmit: VecDeque<(SessionHandle, Frame)>,
     events: VecDeque<ReceiverEvent>,
@@ -194,6 +197,7 @@ impl ReceiverEndpoint {
             sessions: HashMap::new(),
             live: HashMap::new(),
             transfers: HashMap::new(),
+            declined: Recent::default(),
             queue: TimerQueue::default(),
             transmit: VecDeque::new(),
             events: VecDeque::new(),
@@ -504,7 +508,17 @@ impl ReceiverEndpoint {
             Frame::Abort(a) => {
                 // Only this session's transfers of that request: an ABORT names a
                 // request, and another session's grant of it is not this peer's.
-                let error = peer_aborted(&a);
+                let mut error = peer_aborted(&a);
+                if a.reason == AbortReason::Refused {
+                    self.declined.note((session.id, a.request_id), &a.message);
+                    let reason = self.declined(session.id, a.request_id).unwrap_or_default();
+                    error = Error::Refused {
+                        message: format!(
+                            "peer {} declined request {}: {reason}",
+                            session.id, a.request_id
+                        ),
+                    };
+                }
                 let mut ids: Vec<u64> = self
                     .transfers_of(session)
                     .into_iter()
@@ -568,6 +582,11 @@ impl ReceiverEndpoint {
         let session = self.session(peer).ok_or_else(|| Error::ConnectionLost {
             detail: format!("peer {peer} is not connected"),
         })?;
+        if let Some(reason) = self.declined.get(&(peer, request_id)) {
+            return Err(Error::Refused {
+                message: format!("peer {peer} declined request {request_id}: {reason}"),
+            });
+        }
         let caps = self.capabilities(session).unwrap_or(0);
         if pages.is_empty() && caps & capability::EMPTY_GRANT == 0 {
             // An older sender would take a 0-page KV_GRANT as a protocol error.
@@ -666,6 +685,59 @@ impl ReceiverEndpoint {
         let any = !events.is_empty();
         self.publish(events);
         any
+    }
+
+    /// This receiver will not take `request_id` from `peer` (its engine ended the
+    /// request before the KV arrived): `peer`'s transfers of it fail (`refused`,
+    /// their pages return once no block can still land) and the sender is told
+    /// (ABORT `refused` carrying `reason`, cut to [`MAX_REFUSAL_REASON`] bytes), so it
+    /// frees its blocks and stops waiting for a grant at once. Before any grant only
+    /// a peer that offered `refusal` is told (an older one would not stop waiting):
+    /// `Ok(false)` then, and the caller tells it otherwise (an empty grant).
+    /// `Ok(true)`: the peer was told. Refusing again, or a request the peer never
+    /// heard of, is harmless. `Err`: `peer` is not connected, or request 0 (an
+    /// ABORT's "whole connection").
+    pub fn refuse(&mut self, peer: u64, request_id: u64, reason: &str) -> Result<bool> {
+        no_request_zero(request_id)?;
+        let session = self.session(peer).ok_or_else(|| Error::ConnectionLost {
+            detail: format!("peer {peer} is not connected"),
+        })?;
+        let reason = crate::wire::text::cut(reason, MAX_REFUSAL_REASON);
+        let mut ids: Vec<u64> = self
+            .transfers_of(session)
+            .into_iter()
+            .filter(|&id| self.state.request_of(id) == Some(request_id))
+            .collect();
+        ids.sort_unstable();
+        let announced = ids
+            .iter()
+            .any(|id| self.transfers.get(id).is_some_and(|m| m.announced));
+        let caps = self.capabilities(session).unwrap_or(0);
+        let told = announced || caps & capability::REFUSAL != 0;
+        if told {
+            // Before the transfers fail: their own ABORTs are not sent (a refusal's
+            // is this one).
+            let abort = abort_with(request_id, AbortReason::Refused, reason, MAX_REFUSAL_REASON);
+            self.transmit.push_back((session, Frame::Abort(abort)));
+        }
+        for id in ids {
+            let e = Error::Refused {
+                message: format!("this receiver refused request {request_id}: {reason}"),
+            };
+            let events = self.state.fail(id, e);
+            self.publish(events);
+        }
+        Ok(told)
+    }
+
+    /// `peer`'s decline of `request_id`, if it is remembered.
+    pub fn declined(&self, peer: u64, request_id: u64) -> Option<&str> {
+        self.declined.get(&(peer, request_id))
+    }
+
+    /// Declines remembered (for tests: they stay bounded).
+    pub fn declines_remembered(&self) -> usize {
+        self.declined.len()
     }
 
     /// End a session instance from outside: its control lane was lost or closed
@@ -837,7 +909,7 @@ impl ReceiverEndpoint {
                             request_id, error, ..
                         },
                         Some(owner),
-                    ) if !matches!(error, Error::PeerAborted { .. }) => {
+                    ) if !matches!(error, Error::PeerAborted { .. } | Error::Refused { .. }) => {
                         self.transmit.push_back((
                             owner,
                             Frame::Abort(abort_for(*request_id, error, MAX_TRANSFER_ABORT_MESSAGE)),

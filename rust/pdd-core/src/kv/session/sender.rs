@@ -10,7 +10,8 @@ use std::ops::Range;
 use std::time::Duration;
 
 use super::{
-    abort_for, abort_with, peer_aborted, SessionTimers, TimerQueue, MAX_TRANSFER_ABORT_MESSAGE,
+    abort_for, abort_with, no_request_zero, peer_aborted, Recent, SessionTimers, TimerQueue,
+    MAX_REFUSAL_REASON, MAX_TRANSFER_ABORT_MESSAGE,
 };
 use crate::error::{Error, Result};
 use crate::kv::{PlannedBlock, SenderTransfer};
@@ -157,6 +158,9 @@ impl Outbound {
     }
 }
 
+#[path = "sender_notices.rs"]
+mod notices;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 enum Timer {
     Ping,
@@ -189,6 +193,12 @@ pub struct SenderSession {
     refused: HashSet<u64>,
     /// Transfers taken and in progress, by transfer id.
     transfers: HashMap<u64, Outbound>,
+    /// Requests the receiver refused (its ABORT `refused`), with its reason: a wait
+    /// for their grant fails at once. Kept across reconnects, bounded.
+    refusals: Recent<u64>,
+    /// Requests we declined, with our reason: a grant of one that comes later is
+    /// answered with the refusal at once. Kept across reconnects, bounded.
+    declined: Recent<u64>,
     queue: TimerQueue<Timer>,
     transmit: VecDeque<Frame>,
     events: VecDeque<SenderEvent>,
@@ -216,6 +226,8 @@ impl SenderSession {
             half: HashMap::new(),
             refused: HashSet::new(),
             transfers: HashMap::new(),
+            refusals: Recent::default(),
+            declined: Recent::default(),
             queue: TimerQueue::default(),
             transmit: VecDeque::new(),
             events: VecDeque::new(),
@@ -303,6 +315,18 @@ impl SenderSession {
                     return;
                 }
                 let request_id = g.request_id;
+                if let Some(reason) = self.declined.get(&request_id) {
+                    // We declined it: the receiver hears so again, and frees its pages.
+                    let abort =
+                        abort_with(request_id, AbortReason::Refused, reason, MAX_REFUSAL_REASON);
+                    self.transmit.push_back(Frame::Abort(abort));
+                    if local && g.page_count > 0 {
+                        self.drop_local_grant(id);
+                    }
+                    return;
+                }
+                // A new grant of a request supersedes a refusal of it.
+                self.refusals.forget(&request_id);
                 if local && g.page_count > 0 {
                     // Takeable once its LOCAL_GRANT has come.
                     self.half.insert(id, g);
@@ -374,7 +398,11 @@ impl SenderSession {
             Frame::PrefixReply(r) => self.events.push_back(SenderEvent::PrefixReply(r)),
             Frame::Abort(a) if a.request_id == 0 => self.end(peer_aborted(&a), false),
             Frame::Abort(a) => {
-                let error = peer_aborted(&a);
+                let mut error = peer_aborted(&a);
+                if a.reason == AbortReason::Refused {
+                    self.refusals.note(a.request_id, &a.message);
+                    error = self.refusal(a.request_id).unwrap_or(error);
+                }
                 self.grants.retain(|_, g| g.request_id != a.request_id);
                 self.half.retain(|_, g| g.request_id != a.request_id);
                 let mut ids: Vec<u64> = self
