@@ -4,7 +4,6 @@ blocks MainDecode lacks over the WAN path (through wanem), layer by layer."""
 
 from __future__ import annotations
 
-import os
 import threading
 import uuid
 from typing import Any
@@ -19,12 +18,7 @@ from test_pd import wait_usage_zero, wan_c2u
 from vllm_pd import BLOCK_SIZE, prompt_ids
 
 TOKENS = 12
-pytestmark = [
-    pytest.mark.timeout(420),
-    pytest.mark.skipif(os.environ.get("PDD_VLLM_PDD") != "1",
-                       reason="PDD_VLLM_PDD=1 runs these (RelayDecode's engine); not in CI yet: "
-                              "the local path stalled 5-15 s there with four engines on two cores"),
-]
+pytestmark = pytest.mark.timeout(420)
 
 
 def dual_push(cluster: vllm_pd.PdCluster, prompt: list[int], max_tokens: int) -> tuple[Stream, Stream, dict[str, Any]]:

@@ -1,12 +1,10 @@
 """The PDD router (pdd_transport.integrations.vllm_router) in front of real vLLM engines:
-the session's P and D (MainDecode behind wanem), and with PDD_VLLM_PDD=1 its
-RelayDecode too. Answers are compared with the plain instance's, token for token."""
+the session's P, D (MainDecode behind wanem) and RelayDecode. Answers are compared with the plain instance's, token for token."""
 
 from __future__ import annotations
 
 import http.client
 import json
-import os
 import socket
 import time
 from collections.abc import Iterator
@@ -19,7 +17,6 @@ from test_pd import wait_usage_zero, wan_c2u
 from vllm_pd import BLOCK_SIZE, prompt_ids
 
 pytestmark = pytest.mark.timeout(420)
-RELAY = os.environ.get("PDD_VLLM_PDD") == "1"
 
 
 def make_router(cluster: vllm_pd.PdCluster, **kw: Any) -> BackgroundRouter:
@@ -125,7 +122,6 @@ def test_router_client_hang_up_frees_every_engines_blocks(cluster: vllm_pd.PdClu
     assert status == 200 and len(body["choices"][0]["token_ids"]) == 4
 
 
-@pytest.mark.skipif(not RELAY, reason="PDD_VLLM_PDD=1 starts the RelayDecode engine")
 @pytest.mark.parametrize("pipeline", ["p_rld_md", "p_rld"])
 def test_router_relay_pipelines_give_the_plain_instances_output(cluster: vllm_pd.PdCluster, pipeline: str) -> None:
     assert cluster.relay is not None
