@@ -1,11 +1,13 @@
 """The PDD router (pdd_transport.integrations.vllm_router) against stand-in engines:
 threaded HTTP servers that decode a deterministic chain (each token a pure function of
-the whole sequence, as in tests/test_vllm_pdd.py), keep a block-granular prefix cache
-and can be told to fail in each way the router must survive. Loopback only; every
-wait is bounded."""
+the whole sequence, so the handoff's exactly-once, in-order output can be checked token
+by token without vLLM), keep a block-granular prefix cache and can be told to fail in
+each way the router must survive. Loopback only; every wait is bounded. Real engines:
+tests/vllm/test_router.py and tests/vllm/test_router_faults.py."""
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import socket
@@ -18,9 +20,20 @@ from typing import Any
 import pytest
 from pdd_transport import handoff, policy
 from pdd_transport.integrations.vllm_router import BackgroundRouter, MainDecodeCacheView, RouterConfig
-from test_vllm_pdd import reference
 
 BLOCK = 16
+
+
+def next_token(sequence: list[int]) -> int:
+    return int.from_bytes(hashlib.sha256(json.dumps(sequence).encode()).digest()[:2], "little") % 1000
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    """The stand-in engines' greedy output: each token a pure function of the sequence."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt):]
 
 
 class Engine:
@@ -504,7 +517,9 @@ def test_pipeline_follows_the_policy_fed_by_mds_cache_view(deploy: Any) -> None:
     # Where the time went, in the order it went there: P and both decoders asked at
     # once, RLD's first token before MD's load answered, MD's stream after the handoff.
     t = first["pdd"]["timeline"]
-    assert max(t["p_sent"], t["rld_sent"], t["md_sent"]) <= t["rld_first_chunk"] == t["first_token"]
+    # (Two clock reads, each rounded to 0.1 ms: the first token is RLD's, marked just after its chunk.)
+    assert max(t["p_sent"], t["rld_sent"], t["md_sent"]) <= t["rld_first_chunk"] <= t["first_token"]
+    assert first["pdd"]["decoded_by_runs"][0][0] == "rld"
     assert t["rld_first_chunk"] <= t["md_loaded"] <= t["handoff_received"] <= t["md_first_chunk"]
 
     # The next turn: MD holds the first turn (the view says so), so P-MD.
@@ -544,6 +559,53 @@ def test_catch_up_handoff_through_the_router_streams_each_token_once(deploy: Any
     runs = info["decoded_by_runs"]
     assert [who for who, _ in runs] in (["rld"], ["rld", "md"]) and sum(n for _, n in runs) == 150
     assert runs[0][1] == sum(count for _, count, _ in info["handoffs"])
+    # The chunks are contiguous from the first output position, none over chunk_tokens
+    # but the final one, and only the last is final.
+    pos = 0
+    for first, count, final in info["handoffs"]:
+        assert first == pos and (final or count <= 12)
+        pos += count
+    assert [final for *_, final in info["handoffs"]] == [False] * (len(info["handoffs"]) - 1) + [True]
+
+
+def test_one_shot_handoff_loads_md_once_then_extends_with_rlds_tokens(deploy: Any) -> None:
+    d = deploy(rld_token_s=0.02, md_kv_s=0.1, **pdd_config())
+    prompt = list(range(4500, 4628))
+    status, body, _ = request(d.url, "/v1/completions", {"prompt": prompt, "max_tokens": 40, "temperature": 0})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["token_ids"] == reference(prompt, 40)
+    info = choice["pdd"]
+    assert info["pipeline"] == "p_rld_md" and info["handoff_mode"] == "one_shot" and not info["notes"]
+    # RLD decoded the first tokens, MD every one after the (single, final) handoff.
+    n = info["tokens_decoded"]["rld"]
+    assert 0 < n < 40 and info["decoded_by_runs"] == [["rld", n], ["md", 40 - n]]
+    assert info["handoffs"] == [[0, n, True]]
+    # MD: one load (the KV from P, one token), then the final extend carrying RLD's
+    # tokens as ids and streaming the rest.
+    loads = md_loads(d.md)
+    assert len(loads) == 1 and loads[0]["max_tokens"] == 1
+    final = d.md.requests[-1]
+    assert final["prompt"] == prompt + choice["token_ids"][:n] and final["max_tokens"] == 40 - n
+    assert "kv_transfer_params" not in final
+    # P pushed to both decoders: MD across the WAN, RLD over the local path.
+    params = d.p.requests[-1]["kv_transfer_params"]
+    assert params["pdd_decode_address"] == "10.0.0.2:7100" and params["pdd_relay_address"].startswith("local://")
+
+
+def test_rld_done_before_md_has_the_kv_hands_everything_final(deploy: Any) -> None:
+    d = deploy(rld_token_s=0.001, md_kv_s=0.5, **pdd_config())
+    prompt = list(range(4700, 4828))
+    status, body, _ = request(d.url, "/v1/completions", {"prompt": prompt, "max_tokens": 10, "temperature": 0})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["token_ids"] == reference(prompt, 10) and choice["finish_reason"] == "length"
+    info = choice["pdd"]
+    assert info["decoded_by_runs"] == [["rld", 10]]
+    # Every token went final once MD's KV was in; MD extended them (its cache holds the
+    # whole turn) and generated nothing for the client.
+    assert info["handoffs"] == [[0, 10, True]]
+    assert d.md.requests[-1]["prompt"] == prompt + choice["token_ids"] and d.md.requests[-1]["max_tokens"] == 1
 
 
 def test_output_dependent_sampling_never_takes_a_handoff(deploy: Any) -> None:
@@ -591,7 +653,7 @@ def test_md_failing_its_load_leaves_rld_to_finish(deploy: Any) -> None:
     tokens = [t for c in body[:-1] for ch in c["choices"] for t in ch["token_ids"]]
     assert tokens == reference(prompt, 30)
     info = [ch["pdd"] for c in body[:-1] for ch in c["choices"] if "pdd" in ch][0]
-    assert info["decoded_by_runs"] == [["rld", 30]]
+    assert info["decoded_by_runs"] == [["rld", 30]] and info["handoffs"] == []
     assert any(n.startswith("RLD finished the request") for n in info["notes"])
 
 

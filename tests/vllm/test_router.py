@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 import vllm_pd
+from pdd_transport.handoff import HandoffPolicy
 from pdd_transport.integrations.vllm_router import BackgroundRouter, RouterConfig
 from test_pd import wait_usage_zero, wan_c2u
+from test_pdd import relay_trace
 from vllm_pd import BLOCK_SIZE, prompt_ids
 
 pytestmark = pytest.mark.timeout(420)
@@ -145,3 +147,53 @@ def test_router_relay_pipelines_give_the_plain_instances_output(cluster: vllm_pd
         assert wan_bytes < 16 * 1024 and info["decoded_by_runs"] == [["rld", 64]]
     else:
         assert [who for who, _ in info["decoded_by_runs"]] in (["rld"], ["md"], ["rld", "md"])
+
+
+@pytest.mark.parametrize("mode,tokens,capacity,hold_s,policy", [
+    # One request on a RelayDecode of capacity 1: its load is 1.0, over the policy's
+    # one_shot_load, so One-Shot whatever the backlog: RLD stops at the cut.
+    ("one_shot", 300, 1, 0.0, {}),
+    # An idle RLD, a low threshold and small chunks, and MD's KV held 0.6 s on the WAN:
+    # RLD's backlog goes over in chunks while it keeps decoding. (Without the hold MD
+    # has its KV before RLD decoded 8 tokens on this host, and the policy picks One-Shot.)
+    ("catch_up", 600, 8, 0.6, {"catch_up_threshold_tokens": 8, "level_tokens": 2, "chunk_tokens": 32}),
+])
+def test_router_rld_decodes_at_once_and_hands_md_token_ids(cluster: vllm_pd.PdCluster, mode: str, tokens: int,
+                                                           capacity: int, hold_s: float, policy: dict[str, int]) -> None:
+    assert cluster.relay is not None and cluster.wan is not None
+    prompt = prompt_ids(700, 330 + tokens)
+    want = cluster.plain_complete(prompt, tokens)["choices"][0]["token_ids"]
+    loaded_before, failed_before = relay_trace(cluster)
+    r = make_router(cluster, relay_url=cluster.relay.url, relay_kv_address=cluster.relay.kv_address(),
+                    force_pipeline="p_rld_md", relay_capacity=capacity,
+                    handoff_policy=HandoffPolicy(**policy) if policy else None)
+    try:
+        wan_before = wan_c2u(cluster)
+        if hold_s:
+            cluster.wan.stall(hold_s, direction="client_to_upstream")  # P's pages to MD wait
+        status, events = post(r.url, {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+                                      "stream": True})
+        crossed = wan_c2u(cluster) - wan_before
+    finally:
+        r.close()
+    assert status == 200 and events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events[-3:]
+    # Greedy output equal to the plain instance's, every position exactly once: RLD's
+    # eager tokens up to the final handoff, MD's (after computing the handed tokens' KV
+    # from their IDs in one extend step) after it.
+    assert streamed_tokens(events) == {0: want}
+    info = [ch["pdd"] for e in events[:-1] for ch in e.get("choices") or () if "pdd" in ch][0]
+    assert info["pipeline"] == "p_rld_md" and not info["notes"] and info["prefill_error"] is None, info
+    n = info["tokens_decoded"]["rld"]
+    assert 0 < n < tokens and info["decoded_by_runs"] == [["rld", n], ["md", tokens - n]], info
+    assert info["handoff_mode"] == mode and info["handoffs"][-1][2], info
+    assert sum(count for _, count, _ in info["handoffs"]) == n
+    if mode == "catch_up":
+        assert len(info["handoffs"]) >= 2, info
+    # The dual-path push: the WAN carried MD's blocks once (RLD's went over the local
+    # path; the handoff link carries token ids, not KV, and is not on this line).
+    kv_bytes = (len(prompt) - 1) // BLOCK_SIZE * vllm_pd.kv_bytes_per_block()
+    assert kv_bytes <= crossed <= kv_bytes + 4096 + kv_bytes // 100
+    # RLD loaded the prompt's KV over the local path: one more load, no failed one.
+    assert relay_trace(cluster) == (loaded_before + 1, failed_before)
+    for engine in (cluster.prefill, cluster.decode, cluster.relay):
+        assert wait_usage_zero(engine) == 0.0
