@@ -37,7 +37,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[vllm_pd.PdClus
         c.close()
 
 
+# Files whose tests kill shared engines, in the order they run after every other test:
+# test_router_faults.py kills MD (and restarts it) and then RLD for good;
+# test_prefill_death.py kills P and needs only P and MD.
+_DESTRUCTIVE = ("tests/vllm/test_router_faults.py", "tests/vllm/test_prefill_death.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """test_prefill_death.py kills the shared prefill engine: it runs last, whatever
-    the files' order (test_router.py, after it alphabetically, needs a live P)."""
-    items.sort(key=lambda item: item.nodeid.startswith("tests/vllm/test_prefill_death.py"))
+    """The destructive files run last, in ``_DESTRUCTIVE``'s order, whatever the files'
+    order (test_router.py, after test_prefill_death.py alphabetically, needs a live P)."""
+    def rank(item: pytest.Item) -> int:
+        for i, name in enumerate(_DESTRUCTIVE):
+            if item.nodeid.startswith(name):
+                return i + 1
+        return 0
+
+    items.sort(key=rank)
