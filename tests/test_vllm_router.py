@@ -40,14 +40,18 @@ class Engine:
     """An OpenAI-ish vLLM stand-in: greedy chain decode, ``token_s`` per token,
     ``kv_s`` before the first token of a request that loads remote KV. Knobs:
     ``status`` (answer every completion with this HTTP error), ``die_after`` (cut the
-    stream after that many tokens, no [DONE]), ``hang_s`` (wait before answering),
-    ``healthy``. Its prefix cache (whole blocks of every sequence it computed) gives
+    stream after that many tokens, no [DONE]), ``cut_before_done`` (cut every stream
+    after its last token, before the usage chunk and [DONE]), ``no_finish`` (no finish
+    reason in the token chunks), ``hang_s`` (wait before answering), ``healthy``. Like
+    vLLM it refuses ``max_tokens`` below 1 (400). Its prefix cache (whole blocks of every sequence it computed) gives
     ``usage.prompt_tokens_details.cached_tokens``."""
 
     def __init__(self, name: str, token_s: float = 0.0, kv_s: float = 0.0) -> None:
         self.name, self.token_s, self.kv_s = name, token_s, kv_s
         self.status: int | None = None
         self.die_after: int | None = None
+        self.cut_before_done = False
+        self.no_finish = False
         self.hang_s = 0.0
         self.healthy = True
         self.dead = False
@@ -106,6 +110,10 @@ class Engine:
                     return
                 params = body.get("kv_transfer_params") or {}
                 prompt, n = list(body["prompt"]), int(body["max_tokens"])
+                if n < 1:
+                    self._json(400, {"error": {"message": f"max_tokens must be at least 1, got {n}.",
+                                               "type": "BadRequestError", "param": "max_tokens", "code": 400}})
+                    return
                 cached = engine.cached(prompt, remote=bool(params.get("do_remote_prefill")))
                 if params.get("do_remote_prefill"):
                     time.sleep(engine.kv_s)
@@ -129,10 +137,13 @@ class Engine:
                             self.connection.shutdown(socket.SHUT_RDWR)  # the engine died
                             return
                         time.sleep(engine.token_s)
-                        finish = "length" if i == n - 1 else None
+                        finish = "length" if i == n - 1 and not engine.no_finish else None
                         chunk = {"choices": [{"index": 0, "text": f"<{t}>", "token_ids": [t], "finish_reason": finish}]}
                         self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                         self.wfile.flush()
+                    if engine.cut_before_done:
+                        self.connection.shutdown(socket.SHUT_RDWR)  # died after its last token
+                        return
                     tail = {"choices": [], "usage": usage}
                     self.wfile.write(b"data: " + json.dumps(tail).encode() + b"\n\ndata: [DONE]\n\n")
                     self.wfile.flush()
@@ -655,6 +666,32 @@ def test_md_failing_its_load_leaves_rld_to_finish(deploy: Any) -> None:
     info = [ch["pdd"] for c in body[:-1] for ch in c["choices"] if "pdd" in ch][0]
     assert info["decoded_by_runs"] == [["rld", 30]] and info["handoffs"] == []
     assert any(n.startswith("RLD finished the request") for n in info["notes"])
+
+
+def test_a_stream_cut_after_its_finish_reason_is_a_whole_answer(deploy: Any) -> None:
+    # The engine gave every token and its finish reason, then died before the usage
+    # chunk and [DONE]: the answer is whole (P-MD: nothing to recover).
+    d = deploy()
+    d.md.cut_before_done = True
+    status, body, _ = request(d.url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12})
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == reference(PROMPT, 12) and body["choices"][0]["finish_reason"] == "length"
+
+
+def test_md_cut_after_the_last_token_of_a_handoff_is_a_whole_answer(deploy: Any) -> None:
+    # MD's continuation gave the output's last token, with no finish reason, and died
+    # before [DONE]: the client has every token, so nothing is left for RLD to continue
+    # (a request for 0 more tokens, which vLLM refuses, would turn a whole output into a 502).
+    d = deploy(rld_token_s=0.02, md_kv_s=0.1, **pdd_config())
+    assert d.rld is not None
+    d.md.cut_before_done = d.md.no_finish = True
+    prompt = list(range(6200, 6328))
+    status, body, _ = request(d.url, "/v1/completions", {"prompt": prompt, "max_tokens": 40})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["token_ids"] == reference(prompt, 40) and choice["finish_reason"] == "length"
+    assert [who for who, _ in choice["pdd"]["decoded_by_runs"]] == ["rld", "md"]
+    assert all(r["max_tokens"] >= 1 for r in d.rld.requests + d.md.requests), choice["pdd"]
 
 
 def test_relay_and_main_dying_is_an_error(deploy: Any) -> None:
