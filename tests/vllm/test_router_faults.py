@@ -1,13 +1,14 @@
 """Faults on real engines, through the PDD router (P-RLD-MD forced): the handoff link's
-WAN reset mid-handoff, MD killed after one request's handoff and before another's, RLD
-killed while it streams. Each client stream must stay whole: every token once, in
-order, equal to the plain instance's greedy output, no error event, within a bound;
-and no live engine may hold a block afterwards (vLLM's own KV cache usage).
+WAN reset mid-handoff, P's KV line to MD reset while MD loads, MD killed after one
+request's handoff and before another's, RLD killed while it streams. Each client
+stream must stay whole: every token once, in order, equal to the plain instance's
+greedy output, no error event, within a bound; and no live engine may hold a block
+afterwards (vLLM's own KV cache usage).
 
-The kills cost engine starts (~40-60 s each on the 2-core host), so they are grouped:
-one MD kill covers both of its cases (two requests in flight), MD is restarted once,
-and the RLD kill comes last with no restart (conftest.py runs this file after every
-other but test_prefill_death.py, which needs only P and MD)."""
+The kills cost engine starts (MD alone restarts in ~25-30 s on the 2-core host), so
+they are grouped: one MD kill covers both of its cases (two requests in flight), MD
+is restarted once, and the RLD kill comes last with no restart (conftest.py runs this
+file after every other but test_prefill_death.py, which needs only P and MD)."""
 
 from __future__ import annotations
 
@@ -121,6 +122,39 @@ def test_handoff_link_reset_mid_handoff_resumes_and_the_stream_stays_whole(clust
     assert not info["notes"] and info["prefill_error"] is None, info
     n = info["tokens_decoded"]["rld"]
     assert info["decoded_by_runs"] in ([["rld", tokens]], [["rld", n], ["md", tokens - n]]), info
+    for engine in (cluster.prefill, cluster.decode, cluster.relay):
+        assert wait_usage_zero(engine, 20.0) == 0.0, engine.name
+
+
+def test_kv_wan_reset_while_md_loads_md_recomputes_and_the_handoff_goes_on(cluster: vllm_pd.PdCluster) -> None:
+    """The other WAN line, P's KV to MD, reset while MD's load waits for its pages: MD's
+    transfer fails, MD computes the prompt itself (``kv_load_failure_policy:
+    recompute``), its load answers and the handoff goes on; RLD streams throughout."""
+    assert cluster.wan is not None and cluster.relay is not None
+    tokens = 300
+    prompt = prompt_ids(700, 831)
+    want = cluster.plain_complete(prompt, tokens)["choices"][0]["token_ids"]
+    failed_before = cluster.decode.log_path.read_text(errors="replace").count(" d_failed ")
+    r = relay_router(cluster)
+    try:
+        cluster.wan.stall(30.0, direction="client_to_upstream")  # P's pages to MD wait...
+        t0 = time.monotonic()
+        client = StreamClient(r.url, body(prompt, tokens))
+        client.wait_tokens(20)
+        cluster.wan.reset_all()  # ...and are dropped with the connection
+        cluster.wan.stall(0.0)
+        info = client.finish()
+        took = time.monotonic() - t0
+    finally:
+        cluster.wan.stall(0.0)
+        r.close()
+    assert client.tokens == want, info
+    assert took < 60, took
+    # MD's transfer failed (the reset reached it) and MD answered its load anyway.
+    assert cluster.decode.log_path.read_text(errors="replace").count(" d_failed ") == failed_before + 1
+    assert info["prefill_error"] is None and not info["notes"], info
+    n = info["tokens_decoded"]["rld"]
+    assert n >= 20 and info["decoded_by_runs"] in ([["rld", tokens]], [["rld", n], ["md", tokens - n]]), info
     for engine in (cluster.prefill, cluster.decode, cluster.relay):
         assert wait_usage_zero(engine, 20.0) == 0.0, engine.name
 
