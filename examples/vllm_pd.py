@@ -138,8 +138,16 @@ class Engine:
             full_env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT / "python"), full_env.get("PYTHONPATH", "")] if p)
         full_env["PDD_VLLM_ADDRESS_FILE"] = str(self.address_file)
-        self.address_file.unlink(missing_ok=True)
+        self._args, self._env = args, full_env
         self._log = open(self.log_path, "wb")
+        self.start()
+
+    def start(self) -> None:
+        """Start the server process (again, after :meth:`kill`: the same arguments, its
+        log appended to, a new KV address since ``pdd_listen`` port 0 picks one)."""
+        self.address_file.unlink(missing_ok=True)
+        if self._log.closed:
+            self._log = open(self.log_path, "ab")
         # Own process group: teardown kills the engine core and worker children too. And
         # if this process dies without a teardown, the kernel kills the server with it.
         # Not its own session: with the kernel's autogroup scheduling (on by default)
@@ -149,7 +157,8 @@ class Engine:
         # half of P's core through P's whole prefill (TTFT 1.3-3.1 s where 0.26 s was
         # P's own time); in one group, a yielding spinner gives way to P's compute.
         self.proc = subprocess.Popen(
-            args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, process_group=0, preexec_fn=_die_with_parent
+            self._args, stdout=self._log, stderr=subprocess.STDOUT, env=self._env, process_group=0,
+            preexec_fn=_die_with_parent,
         )
 
     def wait_ready(self, timeout: float) -> None:
@@ -244,6 +253,8 @@ class PdCluster:
                  jitter_ms: float = 0.0):  # fmt: skip
         self.model = build_tiny_model()
         self.log_dir = log_dir
+        self.start_timeout = start_timeout
+        self._wan_args = {"rtt_ms": rtt_ms, "rate_gbit": rate_gbit, "jitter_ms": jitter_ms}
         self.engines: list[Engine] = []
         self.wan: Wanem | None = None
         p_cores, d_cores = split_cores()
@@ -280,11 +291,29 @@ class PdCluster:
                 self.engines.append(self.plain)
             for e in self.engines:
                 e.wait_ready(start_timeout)
-            self.wan = Wanem(self.decode.kv_address(), rtt_ms=rtt_ms, rate_gbit=rate_gbit, jitter_ms=jitter_ms)
-            self.proxy = PdProxy(self.prefill.url, self.decode.url, self.wan.address_str, model="tiny", timeout=60.0)
+            self._connect_wan()
         except BaseException:
             self.close()
             raise
+
+    def _connect_wan(self) -> None:
+        if self.wan is not None:
+            self.wan.close()
+        self.wan = Wanem(self.decode.kv_address(), **self._wan_args)
+        self.proxy = PdProxy(self.prefill.url, self.decode.url, self.wan.address_str, model="tiny", timeout=60.0)
+
+    def restart(self, *engines: Engine) -> None:
+        """Restart ``engines`` (killed by a test) at once and wait until each is ready
+        (an engine start takes ~40-60 s on the 2-core host; in parallel, not summed). A
+        restarted decode listens on a new KV port: a new WAN emulator in front of it
+        (``wan``, ``proxy``; routers built before hold the old address)."""
+        for e in engines:
+            e.kill()
+            e.start()
+        for e in engines:
+            e.wait_ready(self.start_timeout)
+        if self.decode in engines:
+            self._connect_wan()
 
     def plain_complete(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
         assert self.plain is not None

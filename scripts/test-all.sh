@@ -155,7 +155,7 @@ cat "$fuzz_log"
 step "pytest (tests, and benches run once each without timing)"
 python -m pytest tests benches --benchmark-disable
 
-step "vLLM connector on real vLLM, P and D as two engine processes (scripts/test-vllm.sh)"
+step "vLLM connector and PDD router on real vLLM: plain, P, MD and RLD engine processes (scripts/test-vllm.sh)"
 # Its own venv (cached: scripts/vllm-venv.sh); PDD_SKIP_VLLM=1 skips it and says so.
 vllm_start=$(date +%s)
 if [ -n "$vllm_prep_pid" ]; then

@@ -3,7 +3,8 @@
 # Python against pdd_transport from this source tree. From the repository root, after
 # the main install built the extension in place (scripts/test-all.sh does that first):
 #     bash scripts/test-vllm.sh
-# Starts three vLLM engine processes at once (plain, prefill, decode; ~2.2 GB RSS each).
+# Starts four vLLM engine processes at once (plain, prefill, decode, relay decode; ~2.2 GB
+# RSS each).
 # PDD_SKIP_VLLM=1 skips it, saying so; nothing else does.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,11 +1,13 @@
 """The PDD router (pdd_transport.integrations.vllm_router) against stand-in engines:
 threaded HTTP servers that decode a deterministic chain (each token a pure function of
-the whole sequence, as in tests/test_vllm_pdd.py), keep a block-granular prefix cache
-and can be told to fail in each way the router must survive. Loopback only; every
-wait is bounded."""
+the whole sequence, so the handoff's exactly-once, in-order output can be checked token
+by token without vLLM), keep a block-granular prefix cache and can be told to fail in
+each way the router must survive. Loopback only; every wait is bounded. Real engines:
+tests/vllm/test_router.py and tests/vllm/test_router_faults.py."""
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import socket
@@ -18,23 +20,38 @@ from typing import Any
 import pytest
 from pdd_transport import handoff, policy
 from pdd_transport.integrations.vllm_router import BackgroundRouter, MainDecodeCacheView, RouterConfig
-from test_vllm_pdd import reference
 
 BLOCK = 16
+
+
+def next_token(sequence: list[int]) -> int:
+    return int.from_bytes(hashlib.sha256(json.dumps(sequence).encode()).digest()[:2], "little") % 1000
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    """The stand-in engines' greedy output: each token a pure function of the sequence."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt):]
 
 
 class Engine:
     """An OpenAI-ish vLLM stand-in: greedy chain decode, ``token_s`` per token,
     ``kv_s`` before the first token of a request that loads remote KV. Knobs:
     ``status`` (answer every completion with this HTTP error), ``die_after`` (cut the
-    stream after that many tokens, no [DONE]), ``hang_s`` (wait before answering),
-    ``healthy``. Its prefix cache (whole blocks of every sequence it computed) gives
+    stream after that many tokens, no [DONE]), ``cut_before_done`` (cut every stream
+    after its last token, before the usage chunk and [DONE]), ``no_finish`` (no finish
+    reason in the token chunks), ``hang_s`` (wait before answering), ``healthy``. Like
+    vLLM it refuses ``max_tokens`` below 1 (400). Its prefix cache (whole blocks of every sequence it computed) gives
     ``usage.prompt_tokens_details.cached_tokens``."""
 
     def __init__(self, name: str, token_s: float = 0.0, kv_s: float = 0.0) -> None:
         self.name, self.token_s, self.kv_s = name, token_s, kv_s
         self.status: int | None = None
         self.die_after: int | None = None
+        self.cut_before_done = False
+        self.no_finish = False
         self.hang_s = 0.0
         self.healthy = True
         self.dead = False
@@ -93,6 +110,10 @@ class Engine:
                     return
                 params = body.get("kv_transfer_params") or {}
                 prompt, n = list(body["prompt"]), int(body["max_tokens"])
+                if n < 1:
+                    self._json(400, {"error": {"message": f"max_tokens must be at least 1, got {n}.",
+                                               "type": "BadRequestError", "param": "max_tokens", "code": 400}})
+                    return
                 cached = engine.cached(prompt, remote=bool(params.get("do_remote_prefill")))
                 if params.get("do_remote_prefill"):
                     time.sleep(engine.kv_s)
@@ -116,10 +137,13 @@ class Engine:
                             self.connection.shutdown(socket.SHUT_RDWR)  # the engine died
                             return
                         time.sleep(engine.token_s)
-                        finish = "length" if i == n - 1 else None
+                        finish = "length" if i == n - 1 and not engine.no_finish else None
                         chunk = {"choices": [{"index": 0, "text": f"<{t}>", "token_ids": [t], "finish_reason": finish}]}
                         self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                         self.wfile.flush()
+                    if engine.cut_before_done:
+                        self.connection.shutdown(socket.SHUT_RDWR)  # died after its last token
+                        return
                     tail = {"choices": [], "usage": usage}
                     self.wfile.write(b"data: " + json.dumps(tail).encode() + b"\n\ndata: [DONE]\n\n")
                     self.wfile.flush()
@@ -504,7 +528,9 @@ def test_pipeline_follows_the_policy_fed_by_mds_cache_view(deploy: Any) -> None:
     # Where the time went, in the order it went there: P and both decoders asked at
     # once, RLD's first token before MD's load answered, MD's stream after the handoff.
     t = first["pdd"]["timeline"]
-    assert max(t["p_sent"], t["rld_sent"], t["md_sent"]) <= t["rld_first_chunk"] == t["first_token"]
+    # (Two clock reads, each rounded to 0.1 ms: the first token is RLD's, marked just after its chunk.)
+    assert max(t["p_sent"], t["rld_sent"], t["md_sent"]) <= t["rld_first_chunk"] <= t["first_token"]
+    assert first["pdd"]["decoded_by_runs"][0][0] == "rld"
     assert t["rld_first_chunk"] <= t["md_loaded"] <= t["handoff_received"] <= t["md_first_chunk"]
 
     # The next turn: MD holds the first turn (the view says so), so P-MD.
@@ -544,6 +570,53 @@ def test_catch_up_handoff_through_the_router_streams_each_token_once(deploy: Any
     runs = info["decoded_by_runs"]
     assert [who for who, _ in runs] in (["rld"], ["rld", "md"]) and sum(n for _, n in runs) == 150
     assert runs[0][1] == sum(count for _, count, _ in info["handoffs"])
+    # The chunks are contiguous from the first output position, none over chunk_tokens
+    # but the final one, and only the last is final.
+    pos = 0
+    for first, count, final in info["handoffs"]:
+        assert first == pos and (final or count <= 12)
+        pos += count
+    assert [final for *_, final in info["handoffs"]] == [False] * (len(info["handoffs"]) - 1) + [True]
+
+
+def test_one_shot_handoff_loads_md_once_then_extends_with_rlds_tokens(deploy: Any) -> None:
+    d = deploy(rld_token_s=0.02, md_kv_s=0.1, **pdd_config())
+    prompt = list(range(4500, 4628))
+    status, body, _ = request(d.url, "/v1/completions", {"prompt": prompt, "max_tokens": 40, "temperature": 0})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["token_ids"] == reference(prompt, 40)
+    info = choice["pdd"]
+    assert info["pipeline"] == "p_rld_md" and info["handoff_mode"] == "one_shot" and not info["notes"]
+    # RLD decoded the first tokens, MD every one after the (single, final) handoff.
+    n = info["tokens_decoded"]["rld"]
+    assert 0 < n < 40 and info["decoded_by_runs"] == [["rld", n], ["md", 40 - n]]
+    assert info["handoffs"] == [[0, n, True]]
+    # MD: one load (the KV from P, one token), then the final extend carrying RLD's
+    # tokens as ids and streaming the rest.
+    loads = md_loads(d.md)
+    assert len(loads) == 1 and loads[0]["max_tokens"] == 1
+    final = d.md.requests[-1]
+    assert final["prompt"] == prompt + choice["token_ids"][:n] and final["max_tokens"] == 40 - n
+    assert "kv_transfer_params" not in final
+    # P pushed to both decoders: MD across the WAN, RLD over the local path.
+    params = d.p.requests[-1]["kv_transfer_params"]
+    assert params["pdd_decode_address"] == "10.0.0.2:7100" and params["pdd_relay_address"].startswith("local://")
+
+
+def test_rld_done_before_md_has_the_kv_hands_everything_final(deploy: Any) -> None:
+    d = deploy(rld_token_s=0.001, md_kv_s=0.5, **pdd_config())
+    prompt = list(range(4700, 4828))
+    status, body, _ = request(d.url, "/v1/completions", {"prompt": prompt, "max_tokens": 10, "temperature": 0})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["token_ids"] == reference(prompt, 10) and choice["finish_reason"] == "length"
+    info = choice["pdd"]
+    assert info["decoded_by_runs"] == [["rld", 10]]
+    # Every token went final once MD's KV was in; MD extended them (its cache holds the
+    # whole turn) and generated nothing for the client.
+    assert info["handoffs"] == [[0, 10, True]]
+    assert d.md.requests[-1]["prompt"] == prompt + choice["token_ids"] and d.md.requests[-1]["max_tokens"] == 1
 
 
 def test_output_dependent_sampling_never_takes_a_handoff(deploy: Any) -> None:
@@ -591,8 +664,34 @@ def test_md_failing_its_load_leaves_rld_to_finish(deploy: Any) -> None:
     tokens = [t for c in body[:-1] for ch in c["choices"] for t in ch["token_ids"]]
     assert tokens == reference(prompt, 30)
     info = [ch["pdd"] for c in body[:-1] for ch in c["choices"] if "pdd" in ch][0]
-    assert info["decoded_by_runs"] == [["rld", 30]]
+    assert info["decoded_by_runs"] == [["rld", 30]] and info["handoffs"] == []
     assert any(n.startswith("RLD finished the request") for n in info["notes"])
+
+
+def test_a_stream_cut_after_its_finish_reason_is_a_whole_answer(deploy: Any) -> None:
+    # The engine gave every token and its finish reason, then died before the usage
+    # chunk and [DONE]: the answer is whole (P-MD: nothing to recover).
+    d = deploy()
+    d.md.cut_before_done = True
+    status, body, _ = request(d.url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12})
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == reference(PROMPT, 12) and body["choices"][0]["finish_reason"] == "length"
+
+
+def test_md_cut_after_the_last_token_of_a_handoff_is_a_whole_answer(deploy: Any) -> None:
+    # MD's continuation gave the output's last token, with no finish reason, and died
+    # before [DONE]: the client has every token, so nothing is left for RLD to continue
+    # (a request for 0 more tokens, which vLLM refuses, would turn a whole output into a 502).
+    d = deploy(rld_token_s=0.02, md_kv_s=0.1, **pdd_config())
+    assert d.rld is not None
+    d.md.cut_before_done = d.md.no_finish = True
+    prompt = list(range(6200, 6328))
+    status, body, _ = request(d.url, "/v1/completions", {"prompt": prompt, "max_tokens": 40})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["token_ids"] == reference(prompt, 40) and choice["finish_reason"] == "length"
+    assert [who for who, _ in choice["pdd"]["decoded_by_runs"]] == ["rld", "md"]
+    assert all(r["max_tokens"] >= 1 for r in d.rld.requests + d.md.requests), choice["pdd"]
 
 
 def test_relay_and_main_dying_is_an_error(deploy: Any) -> None:

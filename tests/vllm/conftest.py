@@ -23,18 +23,12 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import vllm_pd  # noqa: E402
 
-# PDD_VLLM_PDD=1 adds the RelayDecode engine and runs tests/vllm/test_pdd.py. Not in CI
-# yet: in CI's fresh-clone run the local path between P and RLD stalled for 5-15 s with
-# four engines on two cores (RLD recomputed, the handoff tests failed), where two runs
-# in a working tree passed; the stall is not understood (docs/vllm.md, "PDD on vLLM").
-RELAY = os.environ.get("PDD_VLLM_PDD") == "1"
-
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[vllm_pd.PdCluster]:
     log_dir = Path(os.environ.get("PDD_VLLM_LOG_DIR") or tmp_path_factory.mktemp("vllm-logs"))
     c = vllm_pd.PdCluster(log_dir, rtt_ms=30.0, rate_gbit=1.0, start_timeout=float(os.environ.get("PDD_VLLM_START_TIMEOUT", "240")),
-                          roles=("kv_both", "kv_both"), relay=RELAY)
+                          roles=("kv_both", "kv_both"), relay=True)
     try:
         # First connection through the WAN and first shapes: not part of any test.
         c.pd_complete(vllm_pd.prompt_ids(64, 999), 2)
@@ -43,7 +37,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[vllm_pd.PdClus
         c.close()
 
 
+# Files whose tests kill shared engines, in the order they run after every other test:
+# test_router_faults.py kills MD (and restarts it) and then RLD for good;
+# test_prefill_death.py kills P and needs only P and MD.
+_DESTRUCTIVE = ("tests/vllm/test_router_faults.py", "tests/vllm/test_prefill_death.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """test_prefill_death.py kills the shared prefill engine: it runs last, whatever
-    the files' order (test_router.py, after it alphabetically, needs a live P)."""
-    items.sort(key=lambda item: item.nodeid.startswith("tests/vllm/test_prefill_death.py"))
+    """The destructive files run last, in ``_DESTRUCTIVE``'s order, whatever the files'
+    order (test_router.py, after test_prefill_death.py alphabetically, needs a live P)."""
+    def rank(item: pytest.Item) -> int:
+        for i, name in enumerate(_DESTRUCTIVE):
+            if item.nodeid.startswith(name):
+                return i + 1
+        return 0
+
+    items.sort(key=rank)

@@ -1,30 +1,24 @@
-"""PDD on vLLM: P pushes each request's KV on both paths at once, every block RLD
-lacks to RelayDecode over the local path (UCX into its vLLM KV cache) and only the
-blocks MainDecode lacks over the WAN path (through wanem), layer by layer."""
+"""PDD on vLLM, the connector's part: P pushes each request's KV on both paths at once,
+every block RLD lacks to RelayDecode over the local path (UCX into its vLLM KV cache)
+and only the blocks MainDecode lacks over the WAN path (through wanem), layer by layer.
+The token-ID handoff through the router: tests/vllm/test_router.py; faults:
+tests/vllm/test_router_faults.py."""
 
 from __future__ import annotations
 
-import os
 import threading
 import uuid
 from typing import Any
 
 import pytest
 import vllm_pd
-from pdd_transport.handoff import HandoffPolicy
 from pdd_transport.integrations.vllm_params import decode_params, prefill_params
-from pdd_transport.integrations.vllm_pdd import MainAgent, PddProxy, RelayAgent
 from pdd_transport.integrations.vllm_proxy import Stream, post_json, stream_completion
 from test_pd import wait_usage_zero, wan_c2u
 from vllm_pd import BLOCK_SIZE, prompt_ids
 
 TOKENS = 12
-pytestmark = [
-    pytest.mark.timeout(420),
-    pytest.mark.skipif(os.environ.get("PDD_VLLM_PDD") != "1",
-                       reason="PDD_VLLM_PDD=1 runs these (RelayDecode's engine); not in CI yet: "
-                              "the local path stalled 5-15 s there with four engines on two cores"),
-]
+pytestmark = pytest.mark.timeout(420)
 
 
 def dual_push(cluster: vllm_pd.PdCluster, prompt: list[int], max_tokens: int) -> tuple[Stream, Stream, dict[str, Any]]:
@@ -104,44 +98,3 @@ def test_each_decoder_is_sent_only_what_it_lacks(cluster: vllm_pd.PdCluster) -> 
     assert cluster.relay is not None
     relay_log = cluster.relay.log_path.read_text(errors="replace")
     assert "d_loaded" in relay_log
-
-
-@pytest.mark.parametrize("mode,tokens,load,policy", [
-    # RLD reports itself busy: One-Shot whatever the backlog, RLD stops at the cut.
-    ("one_shot", 300, 0.95, {}),
-    # Idle RLD, a low threshold and small chunks: the backlog RLD builds while MD loads
-    # its KV over the 30 ms WAN goes over in chunks while RLD keeps decoding.
-    ("catch_up", 400, 0.0, {"catch_up_threshold_tokens": 8, "level_tokens": 2, "chunk_tokens": 32}),
-])
-def test_rld_decodes_at_once_and_hands_md_token_ids(cluster: vllm_pd.PdCluster, mode: str, tokens: int, load: float,
-                                                    policy: dict[str, int]) -> None:
-    assert cluster.relay is not None and cluster.wan is not None
-    prompt = prompt_ids(700, 330 + tokens)
-    want = cluster.plain_complete(prompt, tokens)["choices"][0]["token_ids"]
-    loaded_before, failed_before = relay_trace(cluster)
-    main = MainAgent(cluster.decode.url, timeout=120)
-    relay = RelayAgent(cluster.relay.url, main.address, policy=HandoffPolicy(**policy) if policy else None, timeout=120)
-    relay.set_load(load)
-    try:
-        proxy = PddProxy(cluster.prefill.url, relay, main, md_kv_address=cluster.wan.address_str,
-                         rld_kv_address=cluster.relay.kv_address(), model="tiny", timeout=120)
-        r = proxy.complete(prompt, tokens, temperature=0, ignore_eos=True)
-    finally:
-        relay.close()
-        main.close()
-    assert r.prefill_error is None and r.md_error is None and r.rld_error is None, r
-    # Greedy output equal to one plain engine's, every position exactly once: RLD's
-    # eager tokens up to the final handoff, MD's (after recomputing the handed tokens'
-    # KV from their IDs) after it.
-    assert r.token_ids == want
-    n = r.decoded_by.count("rld")
-    assert 0 < n < tokens and r.decoded_by == ["rld"] * n + ["md"] * (tokens - n), (n, r.handoffs)
-    assert r.mode == mode and r.handoffs and r.handoffs[-1][2]
-    assert sum(count for _, count, _ in r.handoffs) == n
-    if mode == "catch_up":
-        assert len(r.handoffs) >= 2
-    # RLD loaded the prompt's KV over the local path (its stream was cut before vLLM's
-    # usage chunk, so its trace says so: one more load, no failed one).
-    assert relay_trace(cluster) == (loaded_before + 1, failed_before)
-    for engine in (cluster.prefill, cluster.decode, cluster.relay):
-        assert wait_usage_zero(engine) == 0.0

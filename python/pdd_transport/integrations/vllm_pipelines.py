@@ -482,7 +482,8 @@ class PipelineRunner:
                       on_chunk: Callable[[list[int], str], bool]) -> _StreamEnd:
         """Stream a completion from an engine; ``on_chunk(token_ids, text)`` returns
         False to stop (the stream is closed: vLLM aborts the request). A stream that
-        ends before ``[DONE]`` or names an error raises :class:`UpstreamError`."""
+        ends before ``[DONE]`` and before a finish reason, or names an error, raises
+        :class:`UpstreamError`."""
         assert self.session is not None
         body = dict(body, stream=True, stream_options={"include_usage": True}, return_token_ids=True)
         end = _StreamEnd()
@@ -517,7 +518,7 @@ class PipelineRunner:
                         usage = chunk.get("usage")
                         if usage:
                             end.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-                    if not done:
+                    if not done and end.finish_reason is None:
                         raise UpstreamError(engine, f"stream cut after {len(end.token_ids)} tokens, before [DONE]")
                     return end
                 finally:
@@ -529,6 +530,8 @@ class PipelineRunner:
             raise UpstreamError(engine, f"stream timed out after {len(end.token_ids)} tokens", timed_out=True) from e
         except (aiohttp.ClientError, json.JSONDecodeError) as e:
             await self._unreachable(url, e)
+            if end.finish_reason is not None:
+                return end  # the engine gave its last token and finish reason, then died: whole
             raise UpstreamError(engine, f"{type(e).__name__} after {len(end.token_ids)} tokens: {e}") from e
 
     async def _unreachable(self, url: str, error: BaseException) -> None:
