@@ -12,8 +12,7 @@ import pytest
 from pdd_transport import policy, radix
 from pdd_transport.integrations.vllm_fleet import EngineSpec, Fleet, NoInstanceError
 from pdd_transport.integrations.vllm_router import BackgroundRouter, MainDecodeCacheView, RouterConfig
-from test_vllm_pdd import reference
-from test_vllm_router import BLOCK, Engine, assert_error, request, wait_for
+from test_vllm_router import BLOCK, Engine, assert_error, reference, request, wait_for
 
 
 class Fleetish:
