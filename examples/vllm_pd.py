@@ -250,8 +250,11 @@ class PdCluster:
 
     def __init__(self, log_dir: Path, *, rtt_ms: float = 30.0, rate_gbit: float = 1.0, plain: bool = True, base_port: int = 18100, start_timeout: float = 240.0,
                  roles: tuple[str, str] = ("kv_producer", "kv_consumer"), relay: bool = False,
-                 jitter_ms: float = 0.0):  # fmt: skip
+                 jitter_ms: float = 0.0, md_events: bool = False):  # fmt: skip
         self.model = build_tiny_model()
+        # D's KV cache events (vLLM's ZMQ publisher, a Unix socket of this host), for a
+        # router whose view of D's cache follows them (md_cache_source="events").
+        self.decode_events = f"ipc://{log_dir}/decode-kv-events" if md_events else None
         self.log_dir = log_dir
         self.start_timeout = start_timeout
         self._wan_args = {"rtt_ms": rtt_ms, "rate_gbit": rate_gbit, "jitter_ms": jitter_ms}
@@ -266,9 +269,12 @@ class PdCluster:
             # Sessions end after the library's default 5 s of silence. 2 s failed a CI run:
             # three CPU engines on two loaded cores starved both sides' runtimes for 2 s
             # mid-prefill ("peer silent for 2s"), and D recomputed the 2,000-token prompt.
+            events_args = ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                             "endpoint": self.decode_events, "topic": "kv-events"})]
             self.decode = Engine("decode", base_port + 2, self.model, log_dir,
                                  pdd_config(roles[1], pdd_listen="127.0.0.1:0", pdd_dead_after_s=dead_after, pdd_allow_debug=True),
-                                 env={"PDD_VLLM_TRACE": "1"}, cores=d_cores)  # fmt: skip
+                                 env={"PDD_VLLM_TRACE": "1"}, cores=d_cores,
+                                 extra_args=events_args if md_events else None)  # fmt: skip
             self.engines.append(self.decode)
             # P prefills in chunks of 512 tokens: each chunk's pages go out as soon as each
             # layer has computed them (PDD_VLLM_TRACE=1 logs every send).

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vllm_pd
 from pdd_transport import policy
+from pdd_transport.integrations.vllm_fleet import EngineSpec
 from pdd_transport.integrations.vllm_router import BackgroundRouter, RouterConfig
 from pdd_transport.wanem import Wanem
 from vllm_pd import BLOCK_SIZE, prompt_ids
@@ -100,7 +101,7 @@ def stream(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="vllm-pdd-"))
     cluster = vllm_pd.PdCluster(log_dir, rtt_ms=args.rtt_ms, rate_gbit=args.rate_gbit, relay=True,
-                                jitter_ms=args.jitter_ms)
+                                jitter_ms=args.jitter_ms, md_events=args.md_cache_source == "events")
     handoff_wan = None
     routers: dict[str, BackgroundRouter] = {}
     try:
@@ -110,8 +111,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         handoff_port = _free_port()
         handoff_wan = Wanem(f"127.0.0.1:{handoff_port}", rtt_ms=args.rtt_ms, rate_gbit=args.rate_gbit,
                             jitter_ms=args.jitter_ms)
+        # MD's cache as the router sees it: MD's own KV cache events (default), or the
+        # router's shadow of what it sent MD (--md-cache-source shadow).
+        main = EngineSpec(cluster.decode.url, cluster.wan.address_str, events=cluster.decode_events)
         common: dict[str, Any] = dict(
-            prefill_url=cluster.prefill.url, main_url=cluster.decode.url, main_kv_address=cluster.wan.address_str,
+            prefills=[cluster.prefill.url], main_decodes=[main], md_cache_source=args.md_cache_source,
             model="tiny", upstream_timeout_s=180.0, main_block_size=BLOCK_SIZE, wan_goodput_gbit=args.rate_gbit,
             wan_rtt_ms=args.rtt_ms, kv_bytes_per_token=vllm_pd.kv_bytes_per_block() // BLOCK_SIZE)
         routers["pd"] = BackgroundRouter(RouterConfig(**common, force_pipeline="p_md"))
@@ -119,6 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             **common, relay_url=cluster.relay.url, relay_kv_address=cluster.relay.kv_address(),
             handoff_listen=f"127.0.0.1:{handoff_port}", handoff_connect=handoff_wan.address_str,
             pipeline_policy=policy.PipelinePolicy(ttft_budget_ms=args.ttft_budget_ms),
+            handoff_policy=policy.HandoffPolicy(catch_up_threshold_tokens=args.catch_up_threshold_tokens),
             anomaly_policy=policy.AnomalyPolicy(long_input_tokens=args.anomaly_long_input_tokens,
                                                 short_output_tokens=args.anomaly_output_tokens + 1)))
         # Warm every path once (first connections, first compiled shapes): not counted.
@@ -209,10 +214,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # (a near-tie can flip where MD computed handed tokens in a batch).
             "mismatches": mismatches,
             "router_counters": {m: r.router.counters for m, r in routers.items()},
-            "md_view_corrections": routers["pdd"].router.md_cache.corrections,
+            "md_cache_source": args.md_cache_source,
             "ttft_all_s": {m: out[m]["ttft"] for m in modes},
             "line": {"rtt_ms": args.rtt_ms, "jitter_ms": args.jitter_ms, "rate_gbit": args.rate_gbit},
-            "policy": {"ttft_budget_ms": args.ttft_budget_ms, "anomaly_long_input_tokens": args.anomaly_long_input_tokens},
+            "policy": {"ttft_budget_ms": args.ttft_budget_ms, "anomaly_long_input_tokens": args.anomaly_long_input_tokens,
+                       "catch_up_threshold_tokens": args.catch_up_threshold_tokens},
             "workload": {"conversations": args.conversations, "turns": args.turns, "system_tokens": args.system_tokens,
                          "first_tokens": args.first_tokens, "turn_tokens": args.turn_tokens,
                          "output_tokens": args.tokens, "anomalies": args.anomalies,
@@ -252,10 +258,17 @@ def main() -> None:
     # more (150 ms and up), a later turn the new message and a partial block (~290
     # tokens, ~103 ms): 120 ms sends first turns P-RLD-MD and later turns P-MD.
     ap.add_argument("--ttft-budget-ms", type=float, default=120.0, help="the pipeline policy's TTFT budget")
+    # RLD's backlog when MD is ready: at or above this, Catch-Up (in chunks while RLD
+    # keeps decoding), below it One-Shot. The library's default (64) is made for outputs
+    # of hundreds of tokens; with 96-token answers RLD's backlog at MD's readiness was
+    # 33-51 tokens in these runs, so 32 scales it to the workload as the budget is.
+    ap.add_argument("--catch-up-threshold-tokens", type=int, default=32)
     ap.add_argument("--anomalies", type=int, default=2, help="long new prompts with very short answers")
     ap.add_argument("--anomaly-tokens", type=int, default=2304)
     ap.add_argument("--anomaly-output-tokens", type=int, default=4)
     ap.add_argument("--anomaly-long-input-tokens", type=int, default=2048, help="the anomaly filter's long input")
+    ap.add_argument("--md-cache-source", choices=("events", "shadow"), default="events",
+                    help="the router's view of MD's cache: MD's KV cache events, or its own shadow")
     ap.add_argument("--log-dir", default=None)
     args = ap.parse_args()
     result = run(args)
