@@ -476,7 +476,7 @@ pub struct KvSender {
 #[pymethods]
 impl KvSender {
     #[new]
-    #[pyo3(signature = (pool, connect, *, lanes = 4, node_id = None, role = "prefill", secret = None, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, block_bytes = 1048576, socket_buffer = 8388608, congestion = None, max_payload = 16777216, lane_stall_s = None, lane_failover = true, sealed_lanes = true, unsent_limit = 1048576))]
+    #[pyo3(signature = (pool, connect, *, lanes = 4, node_id = None, role = "prefill", secret = None, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, block_bytes = 1048576, socket_buffer = 8388608, congestion = None, max_payload = 16777216, lane_stall_s = None, lane_failover = true, sealed_lanes = true, unsent_limit = 1048576, compress = "auto"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -498,6 +498,7 @@ impl KvSender {
         lane_failover: bool,
         sealed_lanes: bool,
         unsent_limit: usize,
+        compress: &str,
     ) -> PyResult<Self> {
         let mut hello = LocalHello::new(self::role(role)?, capability::KV_STREAM);
         hello.secret = secret.map(|c| bytes::Bytes::copy_from_slice(&c));
@@ -509,6 +510,7 @@ impl KvSender {
             .transpose()?;
         cfg.lane_failover = lane_failover;
         cfg.sealed_lanes = sealed_lanes;
+        cfg.compress = pdd_io::compress::CompressMode::parse(compress).map_err(PddErr)?;
         cfg.lanes = lanes;
         cfg.tls = tls.map(|t| t.inner.clone());
         cfg.heartbeat = seconds(heartbeat_s, "heartbeat_s")?;
