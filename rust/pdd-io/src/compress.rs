@@ -54,10 +54,13 @@ impl CompressMode {
     }
 }
 
-/// Blocks between two side probes of the codec in `auto`, once its figures are known.
-const PROBE_EVERY: u64 = 32;
+/// Blocks between two side probes of the codec in `auto`, once its figures are known:
+/// from `PROBE_FIRST`, doubled after each probe that left the decision as it was, up to
+/// `PROBE_MOST` (a fast line then pays a 64 KiB encode per 1024 blocks).
+const PROBE_FIRST: u64 = 32;
+const PROBE_MOST: u64 = 1024;
 /// Bytes of a page encoded by a side probe.
-const PROBE_BYTES: usize = 256 << 10;
+const PROBE_BYTES: usize = 64 << 10;
 /// Weight of a new measurement in the running averages.
 const ALPHA: f64 = 0.125;
 /// Compress only if the estimate saves at least this share of the raw time.
@@ -72,6 +75,9 @@ struct Figures {
     /// Page bytes per stored byte.
     ratio: Option<f64>,
     blocks: u64,
+    /// Blocks sent raw since the last probe, and the gap before the next.
+    since_probe: u64,
+    probe_gap: u64,
 }
 
 fn ewma(slot: &mut Option<f64>, x: f64) {
@@ -129,8 +135,14 @@ impl Adaptive {
                 };
                 let compressed = codec + pace / ratio;
                 if compressed < pace * (1.0 - MARGIN) {
-                    Plan::Compress
-                } else if f.blocks.is_multiple_of(PROBE_EVERY) {
+                    f.since_probe = 0;
+                    f.probe_gap = PROBE_FIRST;
+                    return Plan::Compress;
+                }
+                f.since_probe += 1;
+                if f.since_probe >= f.probe_gap.max(PROBE_FIRST) {
+                    f.since_probe = 0;
+                    f.probe_gap = (f.probe_gap.max(PROBE_FIRST) * 2).min(PROBE_MOST);
                     Plan::RawProbe
                 } else {
                     Plan::Raw
@@ -281,9 +293,16 @@ mod tests {
         let fast = Adaptive::new(CompressMode::Auto);
         fast.wrote(1 << 20, Duration::from_nanos(1 << 19)); // 0.5 ns per byte
         fast.encoded(1 << 20, (1 << 20) * 10 / 14, Duration::from_nanos(2 << 20));
-        let plans: Vec<Plan> = (0..2 * PROBE_EVERY).map(|_| fast.plan()).collect();
+        // Probes at 32, then 64 and 128 blocks later, ... at most every 1024.
+        let plans: Vec<Plan> = (0..4 * PROBE_MOST).map(|_| fast.plan()).collect();
         assert!(!plans.contains(&Plan::Compress));
-        assert_eq!(plans.iter().filter(|p| **p == Plan::RawProbe).count(), 2);
+        let probes: Vec<usize> = plans
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| **p == Plan::RawProbe)
+            .map(|(i, _)| i + 1)
+            .collect();
+        assert_eq!(probes, [32, 96, 224, 480, 992, 2016, 3040, 4064]);
 
         let random = Adaptive::new(CompressMode::Auto);
         random.wrote(1 << 20, Duration::from_nanos(32 << 20));
@@ -296,8 +315,14 @@ mod tests {
         let narrow: Vec<u8> = (0..8192u32)
             .flat_map(|i| (0x3F80u16 | (i % 7) as u16).to_le_bytes())
             .collect();
-        let noise: Vec<u8> = (0..16384u32)
-            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let noise: Vec<u8> = (0..16384)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 24) as u8
+            })
             .collect();
         let block = KvBlock {
             transfer_id: 1,

@@ -439,6 +439,9 @@ impl Frame {
                 check_page_block(p).or_else(arg)?;
             }
             Frame::KvPagesZ(p) => {
+                // The block's own fields first: nothing below multiplies them unchecked.
+                z_payload_bounds(&p.block)
+                    .map_err(|(f, d)| Error::InvalidArgument(format!("KV_PAGES_Z {f}: {d}")))?;
                 let mut rest = Vec::with_capacity(16 + 4 * p.lengths.len() + p.data.len());
                 put_z_head(&mut rest, &p.block, p.codec, p.raw_crc32c, &p.lengths);
                 rest.extend_from_slice(&p.data);

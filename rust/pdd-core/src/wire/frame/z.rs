@@ -132,7 +132,15 @@ impl<'a> ZRest<'a> {
 
 /// Pages in the block (checked like KV_PAGES's fields), as a usize.
 fn pages_of(block: &KvBlock) -> Result<usize, (&'static str, String)> {
-    block.check(block.data_len()).map_err(|d| ("data", d))?;
+    // The product is checked here, before anything multiplies it unchecked.
+    let raw = u64::from(block.layer_count)
+        .checked_mul(u64::from(block.page_count))
+        .and_then(|n| n.checked_mul(u64::from(block.page_bytes)))
+        .ok_or((
+            "data",
+            "layer_count * page_count * page_bytes overflows".to_string(),
+        ))?;
+    block.check(raw).map_err(|d| ("data", d))?;
     usize::try_from(u64::from(block.layer_count) * u64::from(block.page_count))
         .map_err(|_| ("page_count", "too many pages".to_string()))
 }
@@ -143,7 +151,7 @@ fn pages_of(block: &KvBlock) -> Result<usize, (&'static str, String)> {
 pub fn z_payload_bounds(block: &KvBlock) -> Result<(u64, u64), (&'static str, String)> {
     let pages = pages_of(block)? as u64;
     let min = KV_PAGES_Z_FIXED_LEN as u64 + 4 * pages;
-    Ok((min + pages, min + block.data_len()))
+    Ok((min + pages, min.saturating_add(block.data_len())))
 }
 
 /// The 16 bytes after the block's 24, and the length table, appended to `out`.
