@@ -656,6 +656,7 @@ SECRET = P(st.one_of(st.none(), st.binary(max_size=40)), BYTES)
 TLS = obj(st.none(), st.deferred(lambda: st.just(world().tls)))
 BUFFER = P(st.sampled_from([0, 1 << 16, 8 << 20]), INTS)
 CONGESTION = P(st.sampled_from([None, "cubic", "reno"]), TEXT)
+COMPRESS = P(st.sampled_from(["auto", "on", "off"]), TEXT)
 RADIX = obj(st.one_of(st.none(), st.builds(N.RadixCache)))
 
 
@@ -681,7 +682,7 @@ def _sender_new(h: H, o: Outcome) -> None:
                  block_bytes=P(st.sampled_from([PAGE, 1 << 20]), INTS), socket_buffer=BUFFER,
                  congestion=CONGESTION, max_payload=MAX_PAYLOAD,
                  lane_stall_s=P(st.one_of(st.none(), st.floats(0.01, 1.0)), FLOATS),
-                 lane_failover=BOOL, sealed_lanes=BOOL, unsent_limit=BUFFER))
+                 lane_failover=BOOL, sealed_lanes=BOOL, unsent_limit=BUFFER, compress=COMPRESS))
 
 
 @spec("KvReceiver.wait_peer")
