@@ -798,7 +798,7 @@ SRC_PAGES = P(st.lists(st.integers(0, NPAGES - 1), min_size=2, max_size=2), PAGE
 
 
 @spec("InboundTransfer.poll", "InboundTransfer.status", "InboundTransfer.ticket", "OutboundTransfer.poll",
-      "OutboundTransfer.status", "OutboundTransfer.finish")
+      "OutboundTransfer.status", "OutboundTransfer.finish", "OutboundTransfer.compression")
 def _transfer_reads(h: H, o: Outcome) -> None:
     w = world()
     with w.transfer() as (inbound, out):
@@ -807,6 +807,7 @@ def _transfer_reads(h: H, o: Outcome) -> None:
         call(h, o, inbound.ticket, address=P(st.one_of(st.none(), st.just("10.0.0.1:7100")), TEXT))
         call(h, o, out.poll)
         call(h, o, out.status)
+        call(h, o, out.compression)
         call(h, o, out.finish)
 
 

@@ -19,7 +19,7 @@ from pdd_transport.wire import CAPABILITIES
 LAYERS, PAGES, PAGE = 2, 8, 64 << 10
 
 
-def _transfer(compress: str, data: str) -> tuple[dict[str, int], dict[str, int]]:
+def _transfer(compress: str, data: str) -> tuple[dict[str, int], dict[str, int], dict[str, int | float]]:
     src = kv_bytes(data, LAYERS * PAGES * PAGE, seed=3).reshape(LAYERS, -1)
     dst = np.zeros_like(src)
     rx = kv.KvReceiver(kv.pool_from_buffers(list(dst), PAGE))
@@ -39,7 +39,7 @@ def _transfer(compress: str, data: str) -> tuple[dict[str, int], dict[str, int]]
         for layer in range(LAYERS):
             for i, d in enumerate(order):
                 assert (dst[layer, d * PAGE:(d + 1) * PAGE] == src[layer, i * PAGE:(i + 1) * PAGE]).all()
-        return tx.metrics(), rx.metrics()
+        return tx.metrics(), rx.metrics(), out.compression()
     finally:
         tx.close()
         rx.close()
@@ -47,8 +47,11 @@ def _transfer(compress: str, data: str) -> tuple[dict[str, int], dict[str, int]]
 
 @pytest.mark.parametrize("data", ["model", "gaussian"])
 def test_on_compresses_bf16_kv_and_every_byte_lands(data: str) -> None:
-    txm, rxm = _transfer("on", data)
+    txm, rxm, mine = _transfer("on", data)
     assert txm["blocks_compressed_total"] == LAYERS * PAGES // 2
+    # The transfer's own figures: the one transfer of this sender, so the same.
+    assert mine["blocks"] == LAYERS * PAGES // 2 and mine["bytes_before"] == LAYERS * PAGES * PAGE
+    assert mine["bytes_after"] == txm["compress_out_bytes_total"] and mine["codec_s"] > 0
     assert txm["compress_in_bytes_total"] == LAYERS * PAGES * PAGE
     # bf16 KV: the high bytes take a fraction of their 8 bits.
     assert txm["compress_out_bytes_total"] < 0.8 * txm["compress_in_bytes_total"]
@@ -56,10 +59,11 @@ def test_on_compresses_bf16_kv_and_every_byte_lands(data: str) -> None:
 
 
 def test_off_sends_plain_frames_and_random_bytes_land_under_on() -> None:
-    txm, rxm = _transfer("off", "model")
+    txm, rxm, mine = _transfer("off", "model")
     assert txm["blocks_compressed_total"] == 0 and txm["codec_ns_total"] == 0 and rxm["codec_ns_total"] == 0
+    assert mine == {"blocks": 0, "bytes_before": 0, "bytes_after": 0, "codec_s": 0.0}
     # Random bytes do not shrink: sent as they are (KV_PAGES), still exact.
-    txm, _ = _transfer("on", "random")
+    txm, _, _ = _transfer("on", "random")
     assert txm["compress_out_bytes_total"] == txm["compress_in_bytes_total"] == 0
 
 

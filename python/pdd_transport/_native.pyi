@@ -270,6 +270,10 @@ class OutboundTransfer(_TransferHandle):
     def abort(self, reason: str = "aborted") -> bool: ...
     def poll(self) -> KvPoll: ...
     def finish(self) -> None: ...
+    def compression(self) -> dict[str, int | float]:
+        """What KV compression did for this transfer so far: ``blocks`` sent
+        compressed, their page bytes (``bytes_before``), what they took on the wire
+        (``bytes_after``), encoder seconds (``codec_s``)."""
 
 @final
 class KvSender:

@@ -18,7 +18,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -171,6 +171,22 @@ struct OutboundEntry {
     /// When the grant was taken up (`wait_grant` returned it).
     started: Instant,
     status: watch::Sender<OutboundStatus>,
+    /// What compression did for this transfer (its lanes' writers add to it).
+    compression: Arc<TransferCompression>,
+}
+
+/// One transfer's compression (capability `kv_compress`): counted by the lanes'
+/// writers as its blocks go out.
+#[derive(Debug, Default)]
+pub struct TransferCompression {
+    /// Blocks sent as KV_PAGES_Z.
+    pub blocks: AtomicU64,
+    /// Page bytes of those blocks (before).
+    pub bytes_before: AtomicU64,
+    /// What those pages took on the wire (after).
+    pub bytes_after: AtomicU64,
+    /// Encoder time for this transfer's blocks (side probes included), nanoseconds.
+    pub codec_ns: AtomicU64,
 }
 
 struct Shared {
@@ -390,11 +406,13 @@ impl KvSender {
         }
         let grant = m.take_grant(request_id)?;
         let (status, rx) = watch::channel(OutboundStatus::InProgress);
+        let compression = Arc::new(TransferCompression::default());
         lock(&self.shared.outbound).insert(
             grant.transfer_id,
             OutboundEntry {
                 started: Instant::now(),
                 status,
+                compression: compression.clone(),
             },
         );
         Metrics::set(
@@ -409,6 +427,7 @@ impl KvSender {
             started: AtomicBool::new(false),
             grant,
             status: rx,
+            compression,
         })
     }
 
@@ -667,9 +686,16 @@ pub struct OutboundTransfer {
     started: AtomicBool,
     grant: KvGrant,
     status: watch::Receiver<OutboundStatus>,
+    compression: Arc<TransferCompression>,
 }
 
 impl OutboundTransfer {
+    /// What compression did for this transfer so far (blocks, page bytes before and
+    /// after, encoder time).
+    pub fn compression(&self) -> &TransferCompression {
+        &self.compression
+    }
+
     /// The grant being filled.
     pub fn grant(&self) -> &KvGrant {
         &self.grant

@@ -123,7 +123,8 @@ async fn pair(lanes: Lanes, compress: CompressMode, src: Arc<PagePool>) -> (KvRe
 }
 
 /// Pages 0..6 of every layer into pages 5..0 (reversed), checked byte by byte.
-async fn transfer(rx: &KvReceiver, tx: &KvSender, src: &PagePool, request: u64) {
+/// Returns the transfer's own compression figures (blocks, bytes before, after).
+async fn transfer(rx: &KvReceiver, tx: &KvSender, src: &PagePool, request: u64) -> (u64, u64, u64) {
     let dst: Vec<u32> = (0..PAGES).rev().collect();
     let from: Vec<u32> = (0..PAGES).collect();
     let inbound = rx.grant(request, &dst, None, Some(SENDER), None).unwrap();
@@ -143,15 +144,30 @@ async fn transfer(rx: &KvReceiver, tx: &KvSender, src: &PagePool, request: u64) 
             );
         }
     }
+    let c = out.compression();
+    let get = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    (get(&c.blocks), get(&c.bytes_before), get(&c.bytes_after))
 }
 
 async fn compressed_pages_land_exactly(lanes: Lanes) {
     let src = kv_pool(7);
     let (rx, tx) = pair(lanes, CompressMode::On, src.clone()).await;
+    let mut per_transfer = Vec::new();
     for request in 1..=2 {
-        transfer(&rx, &tx, &src, request).await;
+        per_transfer.push(transfer(&rx, &tx, &src, request).await);
     }
     let (m, r) = (tx.metrics(), rx.metrics());
+    // Each transfer's own figures: its blocks and all its page bytes; together, what
+    // the endpoint counted.
+    for (blocks, before, _) in &per_transfer {
+        let want = (
+            u64::from(LAYERS) * u64::from(PAGES) / 2,
+            u64::from(LAYERS) * u64::from(PAGES * PAGE),
+        );
+        assert_eq!((*blocks, *before), want);
+    }
+    let after: u64 = per_transfer.iter().map(|t| t.2).sum();
+    assert_eq!(after, metric(m, "compress_out_bytes_total"));
     let blocks = u64::from(LAYERS) * u64::from(PAGES) / 2 * 2;
     assert_eq!(metric(m, "blocks_compressed_total"), blocks, "{lanes:?}");
     let (before, after) = (
@@ -192,7 +208,7 @@ async fn compressed_pages_land_exactly_on_sealed_lanes() {
 async fn a_sender_without_compression_sends_plain_frames() {
     let src = kv_pool(9);
     let (rx, tx) = pair(Lanes::Plain, CompressMode::Off, src.clone()).await;
-    transfer(&rx, &tx, &src, 1).await;
+    assert_eq!(transfer(&rx, &tx, &src, 1).await, (0, 0, 0));
     assert_eq!(metric(tx.metrics(), "blocks_compressed_total"), 0);
     assert_eq!(metric(tx.metrics(), "codec_ns_total"), 0);
     assert_eq!(metric(rx.metrics(), "codec_ns_total"), 0);

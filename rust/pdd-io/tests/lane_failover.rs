@@ -232,7 +232,10 @@ async fn a_revoked_lanes_compressed_blocks_are_resent_and_land() {
     let tx = KvSender::connect(src_pool.clone(), cfg).await.unwrap();
     bounded(rx.wait_peer(Some(42))).await;
     let bytes = transfer(&rx, &tx, &wan, 1, true).await.unwrap();
-    assert_eq!(bytes, u64::from(LAYERS) * u64::from(PAGES) * u64::from(PAGE));
+    assert_eq!(
+        bytes,
+        u64::from(LAYERS) * u64::from(PAGES) * u64::from(PAGE)
+    );
     verify(&rx, &src_pool, 1);
     assert_eq!(metric(tx.metrics(), "lanes_revoked_total"), 1);
     assert!(metric(tx.metrics(), "blocks_resent_total") > 0);

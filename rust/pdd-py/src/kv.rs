@@ -701,6 +701,20 @@ impl OutboundTransfer {
         self.inner.abort(reason)
     }
 
+    /// What KV compression did for this transfer so far: `{"blocks", "bytes_before",
+    /// "bytes_after", "codec_s"}` (blocks sent compressed, their page bytes, what
+    /// they took on the wire, encoder seconds).
+    fn compression<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = self.inner.compression();
+        let d = PyDict::new(py);
+        d.set_item("blocks", c.blocks.load(Relaxed))?;
+        d.set_item("bytes_before", c.bytes_before.load(Relaxed))?;
+        d.set_item("bytes_after", c.bytes_after.load(Relaxed))?;
+        d.set_item("codec_s", c.codec_ns.load(Relaxed) as f64 / 1e9)?;
+        Ok(d)
+    }
+
     /// Where the transfer stands, without waiting.
     fn poll(&self) -> KvPoll {
         match self.inner.status() {

@@ -172,18 +172,21 @@ async fn write_block<W: tokio::io::AsyncWrite + Unpin>(
     }
     let data_len = job.block.data_len();
     let mut z: Option<(Encoded, &BlockEncoder)> = None;
+    let mut codec_ns = 0u64;
     if let Some(enc) = encoder {
         match shared.adaptive.plan() {
             Plan::Raw => {}
             Plan::RawProbe => {
                 let (raw, stored, took) = enc.probe(pages[0]);
                 shared.adaptive.encoded(raw, stored, took);
-                Metrics::add(&shared.metrics.codec_ns_total, took.as_nanos() as u64);
+                codec_ns = took.as_nanos() as u64;
+                Metrics::add(&shared.metrics.codec_ns_total, codec_ns);
             }
             Plan::Compress => {
                 let e = enc.encode(&job.block, &pages);
                 shared.adaptive.encoded(data_len, e.stored, e.took);
-                Metrics::add(&shared.metrics.codec_ns_total, e.took.as_nanos() as u64);
+                codec_ns = e.took.as_nanos() as u64;
+                Metrics::add(&shared.metrics.codec_ns_total, codec_ns);
                 let fits =
                     KV_PAGES_FIXED_LEN as u64 + e.rest_len <= u64::from(conn.peer_max_payload);
                 // Nothing shrank (or it would not fit the peer's limit): KV_PAGES.
@@ -233,6 +236,20 @@ async fn write_block<W: tokio::io::AsyncWrite + Unpin>(
         Metrics::add(&shared.metrics.blocks_compressed_total, 1);
         Metrics::add(&shared.metrics.compress_in_bytes_total, data_len);
         Metrics::add(&shared.metrics.compress_out_bytes_total, e.stored);
+    }
+    if codec_ns > 0 {
+        // The transfer's own figures (its entry is gone once it ended: nothing to add).
+        let entry = super::lock(&shared.outbound)
+            .get(&job.block.transfer_id)
+            .map(|o| o.compression.clone());
+        if let Some(c) = entry {
+            c.codec_ns.fetch_add(codec_ns, Ordering::Relaxed);
+            if let Some((e, _)) = &z {
+                c.blocks.fetch_add(1, Ordering::Relaxed);
+                c.bytes_before.fetch_add(data_len, Ordering::Relaxed);
+                c.bytes_after.fetch_add(e.stored, Ordering::Relaxed);
+            }
+        }
     }
     if let Protection::Sealed(keys) = protection {
         if z.is_some() {
