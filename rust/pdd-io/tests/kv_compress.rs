@@ -395,11 +395,13 @@ async fn a_compressed_page_that_does_not_decode_fails_the_transfer_inside_its_pa
     }
 }
 
-/// A byte flipped on the line inside compressed blocks: the frame CRC over the wire
-/// bytes (or the decoded pages' CRC) fails the transfer; it never completes.
+/// A byte flipped on the wire inside a KV_PAGES_Z's stored pages: the frame's CRC
+/// over the wire bytes fails the transfer before anything is decoded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_corrupted_compressed_block_fails_the_transfer_never_lands_silently() {
-    use pdd_io::wanem::{Direction, LinkProfile, Wanem, WanemConfig};
+async fn a_corrupted_compressed_block_fails_its_crc_and_never_lands() {
+    use tokio::io::AsyncWriteExt;
+    let src = kv_pool(8);
+    let page = page_of(&src);
     let rx = KvReceiver::start(
         zero_pool(),
         ReceiverConfig::new(
@@ -409,50 +411,18 @@ async fn a_corrupted_compressed_block_fails_the_transfer_never_lands_silently() 
     )
     .await
     .unwrap();
-    let wan = Wanem::start(
-        WanemConfig::new("127.0.0.1:0".parse().unwrap(), rx.local_addr())
-            .symmetric(LinkProfile::default()),
-    )
-    .await
-    .unwrap();
-    let mut cfg = SenderConfig::new(
-        wan.local_addr(),
-        SENDER,
-        LocalHello::new(Role::Prefill, capability::KV_STREAM),
-    );
-    cfg.lanes = 1;
-    cfg.max_block_bytes = 2 * PAGE;
-    cfg.compress = CompressMode::On;
-    let tx = KvSender::connect(kv_pool(4), cfg).await.unwrap();
-    bounded(rx.wait_peer(Some(SENDER))).await;
-    let pages: Vec<u32> = (0..PAGES).collect();
-    let inbound = rx.grant(1, &pages, None, Some(SENDER), None).unwrap();
-    let out = bounded(tx.wait_grant(1)).await.unwrap();
-    wan.corrupt_next(Direction::ClientToUpstream);
-    for layer in 0..LAYERS {
-        let _ = out.send_layer(layer, layer, &pages).await;
-    }
-    let _ = out.finish().await;
+    let (_control, mut data, id, inbound) = scripted(&rx, capability::KV_COMPRESS).await;
+    let mut bytes =
+        pdd_core::wire::encode_frame_to_vec(&Frame::KvPagesZ(z_frame(id, &page)), 1 << 24).unwrap();
+    let at = bytes.len() - 100; // inside the encoded page (its low plane)
+    bytes[at] ^= 0x40;
+    data.write_all(&bytes).await.unwrap();
     let err = bounded(inbound.wait()).await.unwrap_err();
-    assert!(
-        [
-            "checksum_mismatch",
-            "connection_lost",
-            "bad_magic",
-            "invalid_field",
-            "frame_too_large",
-            "unknown_kind",
-            "invalid_flags",
-            "reserved_nonzero",
-            "unsupported_version",
-            "grant_violation",
-            "truncated",
-            "peer_aborted"
-        ]
-        .contains(&err.reason()),
-        "{err:?}"
+    assert_eq!(err.reason(), "checksum_mismatch", "{err:?}");
+    assert_eq!(metric(rx.metrics(), "checksum_failures_total"), 1);
+    assert_eq!(
+        metric(rx.metrics(), "codec_ns_total"),
+        0,
+        "nothing was decoded"
     );
-    assert!(bounded(out.wait()).await.is_err());
-    assert_eq!(wan.stats().client_to_upstream.chunks_corrupted, 1);
-    assert!(metric(tx.metrics(), "blocks_compressed_total") > 0);
 }
