@@ -61,6 +61,7 @@ from pdd_transport.bench.stream_config import (
     _median,
     _ratio,
     _round,
+    add_compression_arguments,
     parse_loss,
 )
 from pdd_transport.bench.stream_packet import _default_congestion, _run_packet, sweep, sweep_cli
@@ -86,6 +87,7 @@ __all__ = [
     "PddPath",
     "Peer",
     "StreamConfig",
+    "add_compression_arguments",
     "page_digests",
     "parse_loss",
     "run",

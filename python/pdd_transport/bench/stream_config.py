@@ -14,7 +14,7 @@ from typing import Any
 from pdd_transport.errors import InvalidArgument
 from pdd_transport.specs import WanSpec
 
-__all__ = ["DEFAULT_LANES", "LossSpec", "MiB", "StreamConfig", "parse_loss"]
+__all__ = ["DEFAULT_LANES", "LossSpec", "MiB", "StreamConfig", "add_compression_arguments", "parse_loss"]
 
 MiB = 1 << 20
 
@@ -159,6 +159,16 @@ class StreamConfig:
         if self.timeout is not None:
             return self.timeout
         return 30.0 + self.bytes / 10e6
+
+
+def add_compression_arguments(parser: Any) -> None:
+    """``--compress`` and ``--data`` of ``bench stream`` (argparse)."""
+    parser.add_argument("--compress", choices=("auto", "on", "off"),
+                        help="KV compression of our path (not given: auto, the sender's default, unpaired); "
+                        "given as auto or on, the same path with off is measured too, paired (ratio_vs_off)")
+    parser.add_argument("--data", choices=("random", "model", "gaussian"), default="random",
+                        help="the bytes sent: random, the reference engine's KV in bf16, or Gaussian bf16 "
+                        "(default %(default)s)")
 
 
 def _median(values: Sequence[float | None]) -> float | None:
