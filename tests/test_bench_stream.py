@@ -161,3 +161,23 @@ def test_a_tls_run_pairs_the_plain_path_and_reports_its_sealed_lanes(mode: str, 
     assert result["lanes_sealed"] == sealed and result["sealed_lane_crypto"] in ("aws-lc-rs", "ring")
     for key in ("plain_gbytes_per_s", "ratio_vs_plain", "plain_cpu_s_per_gbyte"):
         assert isinstance(result[key], float) and result[key] > 0, (key, result[key])
+
+
+def test_a_compressed_run_reports_its_ratio_and_pairs_the_path_without() -> None:
+    # Gaussian bf16 through a capped line, compression on: fewer bytes on the wire
+    # than pages moved, codec time counted, and the same path without it in the run.
+    result = run_cli("--bytes", "4M", "--page-bytes", "64K", "--wan", "2:1", "--repeat", "1", "--lanes", "2",
+                     "--no-baselines", "--compress", "on", "--data", "gaussian")
+    assert result["verified"] is True
+    assert (result["compress"], result["data"]) == ("on", "gaussian")
+    ratio = result["compression_ratio"]
+    assert isinstance(ratio, float) and 1.2 < ratio < 2.0, ratio
+    assert isinstance(result["codec_cpu_s_per_gb"], float) and result["codec_cpu_s_per_gb"] > 0
+    for key in ("goodput_over_line", "off_goodput_over_line", "ratio_vs_off", "off_gbytes_per_s"):
+        assert isinstance(result[key], float) and result[key] > 0, key
+    # Off, nothing is encoded and nothing is paired.
+    result = run_cli("--bytes", "4M", "--page-bytes", "64K", "--repeat", "1", "--lanes", "2", "--no-baselines",
+                     "--compress", "off", "--data", "model")
+    assert result["verified"] is True
+    assert result["compression_ratio"] == 1.0 and result["codec_cpu_s_per_gb"] == 0
+    assert "ratio_vs_off" not in result and result["goodput_over_line"] is None

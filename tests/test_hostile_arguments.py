@@ -656,6 +656,7 @@ SECRET = P(st.one_of(st.none(), st.binary(max_size=40)), BYTES)
 TLS = obj(st.none(), st.deferred(lambda: st.just(world().tls)))
 BUFFER = P(st.sampled_from([0, 1 << 16, 8 << 20]), INTS)
 CONGESTION = P(st.sampled_from([None, "cubic", "reno"]), TEXT)
+COMPRESS = P(st.sampled_from(["auto", "on", "off"]), TEXT)
 RADIX = obj(st.one_of(st.none(), st.builds(N.RadixCache)))
 
 
@@ -681,7 +682,7 @@ def _sender_new(h: H, o: Outcome) -> None:
                  block_bytes=P(st.sampled_from([PAGE, 1 << 20]), INTS), socket_buffer=BUFFER,
                  congestion=CONGESTION, max_payload=MAX_PAYLOAD,
                  lane_stall_s=P(st.one_of(st.none(), st.floats(0.01, 1.0)), FLOATS),
-                 lane_failover=BOOL, sealed_lanes=BOOL, unsent_limit=BUFFER))
+                 lane_failover=BOOL, sealed_lanes=BOOL, unsent_limit=BUFFER, compress=COMPRESS))
 
 
 @spec("KvReceiver.wait_peer")
@@ -823,7 +824,7 @@ SRC_PAGES = P(st.lists(st.integers(0, NPAGES - 1), min_size=2, max_size=2), PAGE
 
 
 @spec("InboundTransfer.poll", "InboundTransfer.status", "InboundTransfer.ticket", "OutboundTransfer.poll",
-      "OutboundTransfer.status", "OutboundTransfer.finish")
+      "OutboundTransfer.status", "OutboundTransfer.finish", "OutboundTransfer.compression")
 def _transfer_reads(h: H, o: Outcome) -> None:
     w = world()
     with w.transfer() as (inbound, out):
@@ -832,6 +833,7 @@ def _transfer_reads(h: H, o: Outcome) -> None:
         call(h, o, inbound.ticket, address=P(st.one_of(st.none(), st.just("10.0.0.1:7100")), TEXT))
         call(h, o, out.poll)
         call(h, o, out.status)
+        call(h, o, out.compression)
         call(h, o, out.finish)
 
 

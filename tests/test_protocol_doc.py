@@ -113,6 +113,9 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "LANE_REVOKE": {"kind": "LANE_REVOKE", "lane": 3},
     "LANE_REVOKED": {"kind": "LANE_REVOKED", "lane": 3},
     "LANE_DELIVERED": {"kind": "LANE_DELIVERED", "lanes": [(1, 4096), (2, 0)]},
+    "KV_PAGES_Z": {"kind": "KV_PAGES_Z", "transfer_id": 11, "layer_start": 3, "layer_count": 1,
+                   "page_start": 40, "page_count": 2, "page_bytes": 8, "codec": 1, "raw_crc32c": 0xDEADBEEF,
+                   "lengths": [8, 3], "data": bytes(range(11))},
 }
 
 

@@ -273,6 +273,10 @@ class OutboundTransfer(_TransferHandle):
     def abort(self, reason: str = "aborted") -> bool: ...
     def poll(self) -> KvPoll: ...
     def finish(self) -> None: ...
+    def compression(self) -> dict[str, int | float]:
+        """What KV compression did for this transfer so far: ``blocks`` sent
+        compressed, their page bytes (``bytes_before``), what they took on the wire
+        (``bytes_after``), encoder seconds (``codec_s``)."""
 
 @final
 class KvSender:
@@ -299,6 +303,7 @@ class KvSender:
         lane_failover: bool = True,
         sealed_lanes: bool = True,
         unsent_limit: int = 1048576,
+        compress: str = "auto",
     ) -> KvSender:
         """``lane_stall_s``: a data lane whose bytes stop being acknowledged this
         long is revoked and its blocks move to the other lanes (default: 2 s, or half
@@ -306,7 +311,10 @@ class KvSender:
         ``lane_failover=False`` does not offer that (a stalled lane then ends the
         session after ``dead_after_s``, as with a receiver of an older build).
         ``unsent_limit``: bytes a data lane keeps written but not yet sent
-        (TCP_NOTSENT_LOWAT; 0: the whole send buffer), so copies follow the line."""
+        (TCP_NOTSENT_LOWAT; 0: the whole send buffer), so copies follow the line.
+        ``compress``: KV compression on the data lanes (capability ``kv_compress``):
+        ``"auto"`` where the sender's measurements say it pays, ``"on"`` every block,
+        ``"off"`` never."""
     @property
     def node_id(self) -> int: ...
     @property

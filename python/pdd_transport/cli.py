@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdd_transport import __version__
-from pdd_transport.bench.stream import DEFAULT_LANES
+from pdd_transport.bench.stream import DEFAULT_LANES, add_compression_arguments
 from pdd_transport.errors import InvalidArgument, PddError
 from pdd_transport.model_shapes import DEFAULT_SHAPE, PRESETS
 from pdd_transport.specs import WAN_HELP, WAN_JITTER_HELP, WAN_SYNTAX, WanSpec, parse_size, parse_wan
@@ -74,6 +74,7 @@ def _bench_stream(args: argparse.Namespace) -> dict[str, Any]:
         tls=args.tls is not None, tls_records=args.tls == "records",
         packet=args.packet,
         loss=stream.parse_loss(args.loss) if args.loss is not None else stream.LossSpec(),
+        compress=args.compress or "auto", pair_off=args.compress in ("auto", "on"), data=args.data,
     )
 
     def progress(rep: int, one: dict[str, Any]) -> None:
@@ -341,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     stream.add_argument("--sweep-congestion", default="cubic,bbr", help="congestion controls of --sweep (%(default)s)")
     stream.add_argument("--sweep-loss", default="0,0.01,0.1,1/100:2000", help="losses of --sweep (%(default)s)")
     stream.add_argument("--plot", metavar="PNG", help="with --sweep: plot throughput vs loss per lane count")
+    add_compression_arguments(stream)
     stream.add_argument("-v", "--verbose", action="store_true", help="print each repetition to stderr")
     stream.set_defaults(run=_bench_stream)
 

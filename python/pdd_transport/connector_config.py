@@ -137,6 +137,9 @@ class Settings:
     #: MainDecode across the WAN) or ``"local"`` (a
     #: :class:`~pdd_transport.local.LocalReceiver`, for a RelayDecode next to prefill).
     path: str = "wan"
+    #: KV compression on the WAN data lanes (``pdd_compress``): ``"auto"`` (compress
+    #: where the sender's measurements say it pays), ``"on"`` or ``"off"``.
+    compress: str = "auto"
 
     @classmethod
     def from_config(cls, extra: Mapping[str, Any]) -> Settings:
@@ -162,11 +165,15 @@ class Settings:
         if any(tls_files.values()) and not all(tls_files.values()):
             missing = ", ".join(f"pdd_{n}" for n, v in tls_files.items() if not v)
             raise config_error(f"TLS needs pdd_tls_cert, pdd_tls_key and pdd_tls_ca together; missing {missing}")
+        compress = get("compress", str, d.compress)
+        if compress not in ("auto", "on", "off"):
+            raise InvalidArgument(f"pdd_compress={compress!r}: expected 'auto', 'on' or 'off'", "invalid_argument")
         allowed = list_option(extra, "allowed_decoders")
         if allowed is not None:
             AllowedDestinations(allowed)  # a malformed entry fails here, naming itself
         return cls(
             path=path,
+            compress=compress,
             listen=get("listen", str, d.listen),
             node_id=get("node_id", int, None),
             lanes=get("lanes", int, d.lanes),
@@ -251,7 +258,7 @@ class Settings:
     def wan_options(self) -> dict[str, Any]:
         """What each WAN :class:`~pdd_transport.kv.KvSender` of a :class:`Pusher` gets."""
         return {"lanes": self.lanes, "node_id": self.node_id, "secret": self.secret,
-                "heartbeat_s": self.heartbeat_s, "dead_after_s": self.dead_after_s}
+                "heartbeat_s": self.heartbeat_s, "dead_after_s": self.dead_after_s, "compress": self.compress}
 
     def local_options(self) -> dict[str, Any]:
         """What each :class:`~pdd_transport.local.LocalSender` of a :class:`Pusher` gets."""

@@ -153,7 +153,10 @@ class _Receiver:
         s = self.slots[slot]
         assert s.transfer is not None and s.order is not None
         landed = s.transfer.wait(timeout=timeout)
-        return {"bytes": landed, "digests": page_digests(s.layers, s.page_bytes, s.order.tolist())}
+        # The receiver's decoding time so far (KV compression), for codec_cpu_s_per_gb.
+        codec_ns = s.rx.metrics().get("codec_ns_total", 0) if isinstance(s.rx, kv.KvReceiver) else 0
+        return {"bytes": landed, "digests": page_digests(s.layers, s.page_bytes, s.order.tolist()),
+                "codec_ns": codec_ns}
 
     # -- plain socket baseline -----------------------------------------------------
 

@@ -61,6 +61,7 @@ from pdd_transport.bench.stream_config import (
     _median,
     _ratio,
     _round,
+    add_compression_arguments,
     parse_loss,
 )
 from pdd_transport.bench.stream_packet import _default_congestion, _run_packet, sweep, sweep_cli
@@ -86,6 +87,7 @@ __all__ = [
     "PddPath",
     "Peer",
     "StreamConfig",
+    "add_compression_arguments",
     "page_digests",
     "parse_loss",
     "run",
@@ -150,6 +152,13 @@ def _plain_step(into: dict[str, Any], path: PddPath, rep: int) -> None:
     into["plain_verified"] = r["verified"]
 
 
+def _off_step(into: dict[str, Any], path: PddPath, rep: int) -> None:
+    r = path.run_once(rep)
+    into["off_gbytes_per_s"] = r["gbytes_per_s"]
+    into["off_cpu_s_per_gbyte"] = r["cpu_s_per_gbyte"]
+    into["off_verified"] = r["verified"]
+
+
 def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
     """Run the benchmark; the result is what ``bench stream --json`` prints."""
     cfg.check()
@@ -176,6 +185,9 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
         others = [PddPath(peer, cfg, p, i + 1, stack, pki) for i, p in enumerate(cfg.compare_page_bytes)]
         # With --tls, the plain path in the same run, paired repetition by repetition.
         plain = PddPath(peer, cfg, cfg.page_bytes, len(others) + 1, stack) if cfg.tls else None
+        # With compression, the same path without it in the same run, paired.
+        off = (PddPath(peer, cfg, cfg.page_bytes, len(others) + 2, stack, pki, compress="off")
+               if cfg.pair_off and cfg.compress != "off" else None)
         flat = main.src[0] if cfg.layers == 1 else np.concatenate(main.src)
         # Each repetition measures every path once, in a shuffled order, so that a
         # neighbour's build starting mid-repetition does not always land on the same one.
@@ -194,6 +206,8 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
                 steps.append(functools.partial(_compare_step, one["compare"][i], o, rep))
             if plain is not None:
                 steps.append(functools.partial(_plain_step, one, plain, rep))
+            if off is not None:
+                steps.append(functools.partial(_off_step, one, off, rep))
             if cfg.baselines:
                 pw, end = cfg.proxy_wan, cfg.packet_end
                 cc = cfg.congestion if cfg.packet else None
@@ -241,7 +255,7 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
         "socket_buffer": cfg.socket_buffer,
         "shuffled": True,
         "verified": all(r["verified"] and all(c["verified"] for c in r["compare"]) and r.get("plain_verified", True)
-                        for r in runs) and (cold is None or cold["verified"]),
+                        and r.get("off_verified", True) for r in runs) and (cold is None or cold["verified"]),
         "tls": cfg.tls,
         "repeat": cfg.repeat,
         "wan": None,
@@ -258,6 +272,19 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
         "baseline_pyzmq_cpu_s_per_gbyte": _round(med("pyzmq_cpu_s_per_gbyte")),
         "baseline_socket_cpu_s_per_gbyte": _round(med("socket_cpu_s_per_gbyte")),
     }
+    # KV compression (docs/kv.md, "Compression"): page bytes over wire bytes, codec CPU
+    # per GB of pages (both ends), and with a line, goodput over its rate.
+    result["compress"] = cfg.compress
+    result["data"] = cfg.data
+    result["compression_ratio"] = _round(med("compression_ratio"), 3)
+    result["codec_cpu_s_per_gb"] = _round(med("codec_cpu_s_per_gb"))
+    cap = cfg.wan.cap_gbytes_per_s if cfg.wan is not None else None
+    result["goodput_over_line"] = _round(_ratio(gbps, cap), 3)
+    if off is not None:
+        result["off_gbytes_per_s"] = _round(med("off_gbytes_per_s"))
+        result["ratio_vs_off"] = _round(paired("off_gbytes_per_s"), 3)
+        result["off_cpu_s_per_gbyte"] = _round(med("off_cpu_s_per_gbyte"))
+        result["off_goodput_over_line"] = _round(_ratio(med("off_gbytes_per_s"), cap), 3)
     if cfg.tls:
         result["plain_gbytes_per_s"] = _round(med("plain_gbytes_per_s"))
         result["ratio_vs_plain"] = _round(paired("plain_gbytes_per_s"), 3)

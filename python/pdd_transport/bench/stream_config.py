@@ -14,7 +14,7 @@ from typing import Any
 from pdd_transport.errors import InvalidArgument
 from pdd_transport.specs import WanSpec
 
-__all__ = ["DEFAULT_LANES", "LossSpec", "MiB", "StreamConfig", "parse_loss"]
+__all__ = ["DEFAULT_LANES", "LossSpec", "MiB", "StreamConfig", "add_compression_arguments", "parse_loss"]
 
 MiB = 1 << 20
 
@@ -95,6 +95,15 @@ class StreamConfig:
     """Emulate ``wan`` packet by packet (:class:`~pdd_transport.wanem_packet.PacketWan`)."""
     loss: LossSpec = field(default_factory=LossSpec)
     """Packet loss of the ``packet`` line."""
+    compress: str = "auto"
+    """KV compression of our path (``KvSender(compress=...)``); other than ``off``, the
+    same path with ``off`` is measured in the same run where ``pair_off``."""
+    pair_off: bool = False
+    """Measure the same path with ``compress="off"`` in each repetition too, paired
+    (``off_gbytes_per_s``, ``ratio_vs_off``)."""
+    data: str = "random"
+    """The bytes sent (:mod:`pdd_transport.bench.kv_data`): ``random``, ``model`` (the
+    reference engine's KV in bf16) or ``gaussian`` (bf16)."""
     packet_end: dict[str, str] | None = None
     """Set in the child that runs inside end A: ``ns_b`` and ``addr_b`` of the other end."""
 
@@ -127,6 +136,10 @@ class StreamConfig:
             raise bad("--packet does not combine with --tls (yet)")
         if (self.loss.pct or self.loss.burst_ms) and not self.packet:
             raise bad("--loss needs --packet (the stream proxy cannot lose packets)")
+        if self.compress not in ("auto", "on", "off"):
+            raise bad(f"--compress must be auto, on or off, got {self.compress!r}")
+        if self.data not in ("random", "model", "gaussian"):
+            raise bad(f"--data must be random, model or gaussian, got {self.data!r}")
         if self.layers < 1:
             raise bad(f"--layers must be >= 1, got {self.layers}")
         for p in (self.page_bytes, *self.compare_page_bytes):
@@ -146,6 +159,16 @@ class StreamConfig:
         if self.timeout is not None:
             return self.timeout
         return 30.0 + self.bytes / 10e6
+
+
+def add_compression_arguments(parser: Any) -> None:
+    """``--compress`` and ``--data`` of ``bench stream`` (argparse)."""
+    parser.add_argument("--compress", choices=("auto", "on", "off"),
+                        help="KV compression of our path (not given: auto, the sender's default, unpaired); "
+                        "given as auto or on, the same path with off is measured too, paired (ratio_vs_off)")
+    parser.add_argument("--data", choices=("random", "model", "gaussian"), default="random",
+                        help="the bytes sent: random, the reference engine's KV in bf16, or Gaussian bf16 "
+                        "(default %(default)s)")
 
 
 def _median(values: Sequence[float | None]) -> float | None:

@@ -198,6 +198,20 @@ def _random_layers(layers: int, nbytes: int, seed: int) -> list[np.ndarray[Any, 
     return [rng.integers(0, 256, size=nbytes, dtype=np.uint8) for _ in range(layers)]
 
 
+def _layers(data: str, layers: int, nbytes: int, seed: int) -> list[np.ndarray[Any, np.dtype[np.uint8]]]:
+    """The source layers: random bytes as always, or ``model`` / ``gaussian`` bf16 KV
+    (:mod:`pdd_transport.bench.kv_data`; model KV is computed once per seed and shared)."""
+    if data == "random":
+        return _random_layers(layers, nbytes, seed)
+    from pdd_transport.bench.kv_data import kv_bytes
+
+    if data == "model":
+        base = kv_bytes("model", nbytes, 0)
+        # Each layer its own bytes: the same KV, rotated by a whole number of 16-bit values.
+        return [np.roll(base, 2 * 4099 * i) for i in range(layers)]
+    return [kv_bytes(data, nbytes, seed * 64 + i) for i in range(layers)]
+
+
 class PddPath:
     """Our transport: a KvSender here, a KvReceiver (slot ``slot``) in the peer."""
 
@@ -209,13 +223,15 @@ class PddPath:
         slot: int,
         stack: ExitStack,
         pki: Any = None,
+        compress: str | None = None,
     ) -> None:
         from pdd_transport import kv
 
         self.peer, self.cfg, self.page_bytes, self.slot = peer, cfg, page_bytes, slot
+        self.compress = cfg.compress if compress is None else compress
         per_layer = cfg.bytes // cfg.layers
         self.pages = per_layer // page_bytes
-        self.src = _random_layers(cfg.layers, per_layer, cfg.seed + slot)
+        self.src = _layers(cfg.data, cfg.layers, per_layer, cfg.seed + slot)
         self.src_pages = np.arange(self.pages, dtype=np.uint32)
         # Grant page i is filled from source page i; the receiver puts it wherever its
         # grant says, so the digests to compare are simply those of the source order.
@@ -249,10 +265,13 @@ class PddPath:
             tls=None if pki is None else pki.tls(TLS_SENDER, server_name=TLS_RECEIVER),
             secret=secret,
             sealed_lanes=not cfg.tls_records,
+            compress=self.compress,
         )
         stack.callback(self.tx.close)
         peer.request("pdd_wait_peer", slot=slot, timeout=30.0)
         self._request_id = 0
+        self._rx_codec_ns = 0
+        self._tx0: dict[str, int] = {}
 
     def prepare(self, rep: int) -> Any:
         """The receiver zeroes its pool (so stale pages cannot pass) and grants a fresh
@@ -269,6 +288,7 @@ class PddPath:
         """The timed part: queue every layer, finish, wait for the receiver's KV_DONE."""
         cfg, timeout = self.cfg, self.cfg.transfer_timeout()
         child_cpu0 = self.peer.request("cpu")["cpu"]
+        self._tx0 = self.tx.metrics()
         with _perf_window():
             cpu0, t0 = time.process_time(), time.perf_counter()
             for layer in range(cfg.layers):
@@ -287,7 +307,19 @@ class PddPath:
         mismatched = sum(a != b for a, b in zip(digests, self.src_digests)) + abs(
             len(digests) - len(self.src_digests)
         )
+        # Compression: page bytes over what they took on the wire, and the codec's CPU
+        # (sender's encoding, receiver's decoding) per GB of pages.
+        tx1 = self.tx.metrics()
+        delta = {k: tx1[k] - self._tx0.get(k, 0) for k in
+                 ("bytes_sent_total", "compress_in_bytes_total", "compress_out_bytes_total", "codec_ns_total")}
+        rx_codec = r.get("codec_ns", 0) - self._rx_codec_ns
+        self._rx_codec_ns = r.get("codec_ns", 0)
+        wire = delta["bytes_sent_total"] - delta["compress_in_bytes_total"] + delta["compress_out_bytes_total"]
+        pages = max(figures["bytes"], 1)
         return figures | {
+            "compression_ratio": delta["bytes_sent_total"] / wire if wire > 0 else None,
+            "codec_cpu_s_per_gb": (delta["codec_ns_total"] + rx_codec) / 1e9 / (pages / 1e9),
+            "blocks_compressed": tx1["blocks_compressed_total"] - self._tx0.get("blocks_compressed_total", 0),
             "verified": figures["bytes"] == self.cfg.bytes and mismatched == 0,
             "pages_mismatched": mismatched,
         }

@@ -118,7 +118,9 @@ def run_prefill(cfg: dict[str, Any]) -> None:
             role.release(cmd["prefilled"])
     m = to_md.metrics()
     rm = to_rld.metrics() if to_rld else {}
-    emit("metrics", wan_bytes=m["bytes_sent_total"], prefix_mismatches=m["prefix_mismatches_total"],
+    # What the KV took on the line: page bytes, less what compression saved (docs/kv.md).
+    wire = m["bytes_sent_total"] - m.get("compress_in_bytes_total", 0) + m.get("compress_out_bytes_total", 0)
+    emit("metrics", wan_bytes=m["bytes_sent_total"], wan_wire_bytes=wire, prefix_mismatches=m["prefix_mismatches_total"],
          local_bytes=rm.get("bytes_sent_total", 0), local_direct_bytes=rm.get("local_direct_bytes_total", 0))
     to_md.close()
     if to_rld:

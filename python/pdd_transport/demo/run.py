@@ -318,6 +318,8 @@ def _run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: boo
         "errors": len(errors),
         "ttft_s": ttft,
         "wan_bytes": int(metrics.get("prefill", {}).get("wan_bytes", 0)),
+        # Those bytes as they crossed the line (KV compression, docs/kv.md "Compression").
+        "wan_wire_bytes": int(metrics.get("prefill", {}).get("wan_wire_bytes", 0)),
         "local_bytes": int(metrics.get("prefill", {}).get("local_bytes", 0)),
         # Of those, copied by P straight into RelayDecode's shared pool (docs/kv.md).
         "local_direct_bytes": int(metrics.get("prefill", {}).get("local_direct_bytes", 0)),
@@ -367,7 +369,7 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict[str, Any]:
     for r in runs.values():
         r["greedy_equal"] = all(r["outputs"].get(rid) == toks for rid, toks in reference.items())
         r["greedy_mismatches"] = sum(1 for rid, toks in reference.items() if r["outputs"].get(rid) != toks)
-    keep = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "wan_bytes", "local_bytes", "local_direct_bytes", "relay_path",
+    keep = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "wan_bytes", "wan_wire_bytes", "local_bytes", "local_direct_bytes", "relay_path",
             "completed", "errors",
             "pipelines", "handoffs_by_mode", "tokens_by_rld", "tokens_by_md", "greedy_mismatches", "error_samples",
             "packet_line")

@@ -43,19 +43,7 @@ impl KvBlock {
     /// `payload_len`; checks counts, range overflow and that the data length is
     /// exactly `layer_count * page_count * page_bytes`.
     pub fn parse(fixed: &[u8; KV_PAGES_FIXED_LEN], payload_len: u32) -> Result<KvBlock> {
-        let u16_at = |o: usize| u16::from_le_bytes([fixed[o], fixed[o + 1]]);
-        let u32_at =
-            |o: usize| u32::from_le_bytes([fixed[o], fixed[o + 1], fixed[o + 2], fixed[o + 3]]);
-        let mut id = [0u8; 8];
-        id.copy_from_slice(&fixed[0..8]);
-        let block = KvBlock {
-            transfer_id: u64::from_le_bytes(id),
-            layer_start: u16_at(8),
-            layer_count: u16_at(10),
-            page_start: u32_at(12),
-            page_count: u32_at(16),
-            page_bytes: u32_at(20),
-        };
+        let block = KvBlock::fields(fixed);
         let data_len = u64::from(payload_len)
             .checked_sub(KV_PAGES_FIXED_LEN as u64)
             .ok_or(Error::Truncated {
@@ -70,6 +58,42 @@ impl KvBlock {
                 detail,
             })?;
         Ok(block)
+    }
+
+    /// A KV_PAGES_Z's block, from its first 24 payload bytes and its payload length
+    /// (checked against what the block's pages can take: nothing beyond them is read).
+    pub fn parse_z(fixed: &[u8; KV_PAGES_FIXED_LEN], payload_len: u32) -> Result<KvBlock> {
+        let block = KvBlock::fields(fixed);
+        let invalid = |field, detail| Error::InvalidField {
+            kind: crate::wire::FrameKind::KvPagesZ,
+            field,
+            detail,
+        };
+        let (min, max) = crate::wire::z_payload_bounds(&block).map_err(|(f, d)| invalid(f, d))?;
+        if !(min..=max).contains(&u64::from(payload_len)) {
+            return Err(invalid(
+                "data",
+                format!("payload of {payload_len} bytes outside {min}..={max} for its block"),
+            ));
+        }
+        Ok(block)
+    }
+
+    /// The block's fields as they are (unchecked).
+    pub(crate) fn fields(fixed: &[u8; KV_PAGES_FIXED_LEN]) -> KvBlock {
+        let u16_at = |o: usize| u16::from_le_bytes([fixed[o], fixed[o + 1]]);
+        let u32_at =
+            |o: usize| u32::from_le_bytes([fixed[o], fixed[o + 1], fixed[o + 2], fixed[o + 3]]);
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&fixed[0..8]);
+        KvBlock {
+            transfer_id: u64::from_le_bytes(id),
+            layer_start: u16_at(8),
+            layer_count: u16_at(10),
+            page_start: u32_at(12),
+            page_count: u32_at(16),
+            page_bytes: u32_at(20),
+        }
     }
 
     /// The 24 fixed bytes, as on the wire.

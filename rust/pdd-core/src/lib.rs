@@ -12,6 +12,7 @@
 #![warn(missing_docs)]
 
 pub mod admission;
+pub mod codec;
 pub mod error;
 pub mod handoff;
 pub mod kv;

@@ -13,6 +13,7 @@ pub mod activity;
 pub mod admission;
 mod clock;
 pub mod codec;
+pub mod compress;
 pub mod config;
 pub mod dual;
 pub mod event_queue;

@@ -74,6 +74,16 @@ counters! {
     /// Protocol violations that ended a peer's session (a block or KV_DONE for a
     /// transfer that session was not granted included).
     violations_total: "counter", "sessions ended for a protocol or grant violation";
+    /// Sender: blocks sent as KV_PAGES_Z (capability `kv_compress`).
+    blocks_compressed_total: "counter", "KV blocks sent compressed (KV_PAGES_Z)";
+    /// Sender: page bytes of the blocks sent compressed (before).
+    compress_in_bytes_total: "counter", "page bytes of KV blocks sent compressed";
+    /// Sender: what those pages took on the wire (after; pages that did not shrink
+    /// count as they are).
+    compress_out_bytes_total: "counter", "stored bytes of the KV blocks sent compressed";
+    /// Codec time, nanoseconds: the sender's encoding (probes included), the
+    /// receiver's decoding.
+    codec_ns_total: "counter", "KV codec time in nanoseconds (encode on senders, decode on receivers)";
     /// PINGs sent.
     pings_sent_total: "counter", "heartbeat PINGs sent";
     /// Latest PING/PONG round trip, microseconds.

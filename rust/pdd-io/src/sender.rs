@@ -18,7 +18,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -81,6 +81,10 @@ pub struct SenderConfig {
     /// for this long is stalled (lane failover). `None`: 2 s, or half of
     /// `dead_after` where that is shorter. Must be non-zero and below `dead_after`.
     pub lane_stall: Option<Duration>,
+    /// KV compression on the data lanes (capability `kv_compress`, `compress.rs`):
+    /// `Auto` (the default) where the sender's measurements say it pays, `On` for
+    /// every block, `Off` never (the capability is not offered).
+    pub compress: crate::compress::CompressMode,
 }
 
 impl SenderConfig {
@@ -104,6 +108,7 @@ impl SenderConfig {
             sealed_lanes: true,
             lane_failover: true,
             lane_stall: None,
+            compress: crate::compress::CompressMode::Auto,
         }
     }
 
@@ -166,10 +171,28 @@ struct OutboundEntry {
     /// When the grant was taken up (`wait_grant` returned it).
     started: Instant,
     status: watch::Sender<OutboundStatus>,
+    /// What compression did for this transfer (its lanes' writers add to it).
+    compression: Arc<TransferCompression>,
+}
+
+/// One transfer's compression (capability `kv_compress`): counted by the lanes'
+/// writers as its blocks go out.
+#[derive(Debug, Default)]
+pub struct TransferCompression {
+    /// Blocks sent as KV_PAGES_Z.
+    pub blocks: AtomicU64,
+    /// Page bytes of those blocks (before).
+    pub bytes_before: AtomicU64,
+    /// What those pages took on the wire (after).
+    pub bytes_after: AtomicU64,
+    /// Encoder time for this transfer's blocks (side probes included), nanoseconds.
+    pub codec_ns: AtomicU64,
 }
 
 struct Shared {
     pool: Arc<PagePool>,
+    /// Whether to compress each block, from what the lanes measure (`compress.rs`).
+    adaptive: crate::compress::Adaptive,
     cfg: SenderConfig,
     conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
     /// The session machine. Lock order: machine, then live, outbound, queries.
@@ -236,9 +259,15 @@ impl KvSender {
         } else {
             cfg.hello.capabilities &= !pdd_core::wire::capability::SEALED_LANES;
         }
+        if cfg.compress == crate::compress::CompressMode::Off {
+            cfg.hello.capabilities &= !pdd_core::wire::capability::KV_COMPRESS;
+        } else {
+            cfg.hello.capabilities |= pdd_core::wire::capability::KV_COMPRESS;
+        }
         let timers = SessionTimers::new(cfg.heartbeat, cfg.dead_after);
         let machine = SenderSession::new(timers, cfg.lane_stall())?;
         let shared = Arc::new(Shared {
+            adaptive: crate::compress::Adaptive::new(cfg.compress),
             pool,
             cfg,
             conn: tokio::sync::Mutex::new(None),
@@ -400,11 +429,13 @@ impl KvSender {
         }
         let grant = m.take_grant(request_id)?;
         let (status, rx) = watch::channel(OutboundStatus::InProgress);
+        let compression = Arc::new(TransferCompression::default());
         lock(&self.shared.outbound).insert(
             grant.transfer_id,
             OutboundEntry {
                 started: Instant::now(),
                 status,
+                compression: compression.clone(),
             },
         );
         Metrics::set(
@@ -419,6 +450,7 @@ impl KvSender {
             started: AtomicBool::new(false),
             grant,
             status: rx,
+            compression,
         })
     }
 
@@ -525,6 +557,7 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
         let lane = open(LaneKey::Session(control.session_secret), lane_no).await?;
         // Inside TLS (both offered AEAD) the blocks carry no CRC32C; sealed lanes
         // leave TLS's record layer here, right after their HELLO.
+        let compress = lane.agreed.capabilities & pdd_core::wire::capability::KV_COMPRESS != 0;
         let protection = if lane::sealed(&lane.agreed) {
             let (tcp, keys) = lane.stream.into_sealed()?;
             Metrics::add(&shared.metrics.lanes_sealed_total, 1);
@@ -534,11 +567,11 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
         } else {
             (lane.stream, Protection::Crc)
         };
-        data_streams.push(protection);
+        data_streams.push((protection.0, protection.1, compress));
     }
     let fds: Vec<std::os::fd::RawFd> = data_streams
         .iter()
-        .map(|(s, _)| std::os::fd::AsRawFd::as_raw_fd(s.tcp()))
+        .map(|(s, _, _)| std::os::fd::AsRawFd::as_raw_fd(s.tcp()))
         .collect();
     let failover = agreed.capabilities & pdd_core::wire::capability::LANE_FAILOVER != 0;
     let cancel = shared.cancel.child_token();
@@ -571,18 +604,24 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
         flush(shared, &mut m);
         conn
     };
-    for (idx, ((stream, protection), rx)) in data_streams.into_iter().zip(lane_rxs).enumerate() {
+    for (idx, ((stream, protection, compress), rx)) in
+        data_streams.into_iter().zip(lane_rxs).enumerate()
+    {
         let (shared, conn) = (shared.clone(), conn.clone());
         match stream {
             // Plain TCP keeps the lock-free owned halves (writev straight from the pool).
             LaneStream::Plain(tcp) => {
                 let (rd, wr) = tcp.into_split();
-                tokio::spawn(lane_writer(shared, conn, idx, rd, wr, rx, protection));
+                tokio::spawn(lane_writer(
+                    shared, conn, idx, rd, wr, rx, protection, compress,
+                ));
             }
             mut tls => {
                 tls.for_bulk_writes();
                 let (rd, wr) = tokio::io::split(tls);
-                tokio::spawn(lane_writer(shared, conn, idx, rd, wr, rx, protection));
+                tokio::spawn(lane_writer(
+                    shared, conn, idx, rd, wr, rx, protection, compress,
+                ));
             }
         }
     }
@@ -670,9 +709,16 @@ pub struct OutboundTransfer {
     started: AtomicBool,
     grant: KvGrant,
     status: watch::Receiver<OutboundStatus>,
+    compression: Arc<TransferCompression>,
 }
 
 impl OutboundTransfer {
+    /// What compression did for this transfer so far (blocks, page bytes before and
+    /// after, encoder time).
+    pub fn compression(&self) -> &TransferCompression {
+        &self.compression
+    }
+
     /// The grant being filled.
     pub fn grant(&self) -> &KvGrant {
         &self.grant

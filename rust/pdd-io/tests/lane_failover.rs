@@ -220,6 +220,35 @@ async fn a_stalled_lane_is_revoked_and_its_blocks_move_to_the_other_lanes() {
     wan.stall_connection(STALLED, Direction::ClientToUpstream, Duration::ZERO);
 }
 
+/// Compressed blocks (KV_PAGES_Z, `compress` on) of a revoked lane are resent as
+/// compressed blocks flagged RESENT, and land exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_lanes_compressed_blocks_are_resent_and_land() {
+    let rx = receiver().await;
+    let wan = proxy(&rx).await;
+    let src_pool = pattern_pool(11);
+    let mut cfg = sender_cfg(wan.local_addr(), true);
+    cfg.compress = pdd_io::compress::CompressMode::On;
+    let tx = KvSender::connect(src_pool.clone(), cfg).await.unwrap();
+    bounded(rx.wait_peer(Some(42))).await;
+    let bytes = transfer(&rx, &tx, &wan, 1, true).await.unwrap();
+    assert_eq!(
+        bytes,
+        u64::from(LAYERS) * u64::from(PAGES) * u64::from(PAGE)
+    );
+    verify(&rx, &src_pool, 1);
+    assert_eq!(metric(tx.metrics(), "lanes_revoked_total"), 1);
+    assert!(metric(tx.metrics(), "blocks_resent_total") > 0);
+    // Every block went compressed, the resent ones included.
+    let blocks = u64::from(LAYERS) * u64::from(PAGES) / 2;
+    assert_eq!(
+        metric(tx.metrics(), "blocks_compressed_total"),
+        blocks + metric(tx.metrics(), "blocks_resent_total")
+    );
+    assert_eq!(metric(tx.metrics(), "sessions_lost_total"), 0);
+    wan.stall_connection(STALLED, Direction::ClientToUpstream, Duration::ZERO);
+}
+
 /// The line is the bottleneck (every lane's queue full, `send_layer` waiting for
 /// room on all of them, the stalled one included) when the lane is revoked: the
 /// wait moves on to the other lanes instead of failing when the revoked lane's

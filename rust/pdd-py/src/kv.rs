@@ -492,7 +492,7 @@ pub struct KvSender {
 #[pymethods]
 impl KvSender {
     #[new]
-    #[pyo3(signature = (pool, connect, *, lanes = 4, node_id = None, role = "prefill", secret = None, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, block_bytes = 1048576, socket_buffer = 8388608, congestion = None, max_payload = 16777216, lane_stall_s = None, lane_failover = true, sealed_lanes = true, unsent_limit = 1048576))]
+    #[pyo3(signature = (pool, connect, *, lanes = 4, node_id = None, role = "prefill", secret = None, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, block_bytes = 1048576, socket_buffer = 8388608, congestion = None, max_payload = 16777216, lane_stall_s = None, lane_failover = true, sealed_lanes = true, unsent_limit = 1048576, compress = "auto"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -514,6 +514,7 @@ impl KvSender {
         lane_failover: bool,
         sealed_lanes: bool,
         unsent_limit: usize,
+        compress: &str,
     ) -> PyResult<Self> {
         let mut hello = LocalHello::new(self::role(role)?, capability::KV_STREAM);
         hello.secret = secret.map(|c| bytes::Bytes::copy_from_slice(&c));
@@ -525,6 +526,7 @@ impl KvSender {
             .transpose()?;
         cfg.lane_failover = lane_failover;
         cfg.sealed_lanes = sealed_lanes;
+        cfg.compress = pdd_io::compress::CompressMode::parse(compress).map_err(PddErr)?;
         cfg.lanes = lanes;
         cfg.tls = tls.map(|t| t.inner.clone());
         cfg.heartbeat = seconds(heartbeat_s, "heartbeat_s")?;
@@ -731,6 +733,20 @@ impl OutboundTransfer {
     #[pyo3(signature = (reason = "aborted"))]
     fn abort(&self, reason: &str) -> bool {
         self.inner.abort(reason)
+    }
+
+    /// What KV compression did for this transfer so far: `{"blocks", "bytes_before",
+    /// "bytes_after", "codec_s"}` (blocks sent compressed, their page bytes, what
+    /// they took on the wire, encoder seconds).
+    fn compression<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = self.inner.compression();
+        let d = PyDict::new(py);
+        d.set_item("blocks", c.blocks.load(Relaxed))?;
+        d.set_item("bytes_before", c.bytes_before.load(Relaxed))?;
+        d.set_item("bytes_after", c.bytes_after.load(Relaxed))?;
+        d.set_item("codec_s", c.codec_ns.load(Relaxed) as f64 / 1e9)?;
+        Ok(d)
     }
 
     /// Where the transfer stands, without waiting.

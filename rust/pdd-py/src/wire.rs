@@ -9,9 +9,9 @@ use pdd_core::wire::handshake::{negotiate, LocalHello};
 use pdd_core::wire::{
     self, capability, decode_frame as core_decode, decode_frame_shared,
     encode_frame as core_encode, Abort, AbortReason, Auth, CacheEvent, CacheEvents, Frame,
-    FrameKind, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvPages, LaneDelivered, LaneRevoke,
-    LocalAddr, LocalDone, LocalGrant, LocalRegion, Ping, PrefixQuery, PrefixReply, Progress, Role,
-    AUTH_LEN,
+    FrameKind, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvPages, KvPagesZ, LaneDelivered,
+    LaneRevoke, LocalAddr, LocalDone, LocalGrant, LocalRegion, Ping, PrefixQuery, PrefixReply,
+    Progress, Role, AUTH_LEN,
 };
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -69,6 +69,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ("sealed_lanes", capability::SEALED_LANES),
         ("lane_delivery", capability::LANE_DELIVERY),
         ("refusal", capability::REFUSAL),
+        ("kv_compress", capability::KV_COMPRESS),
     ] {
         caps.set_item(name, bit)?;
     }
@@ -347,6 +348,29 @@ fn frame_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Frame> {
                     f.seen.push("resent");
                     v.extract()
                         .map_err(|e: PyErr| PyTypeError::new_err(format!("KV_PAGES.resent: {e}")))?
+                }
+            },
+        }),
+        FrameKind::KvPagesZ => Frame::KvPagesZ(KvPagesZ {
+            block: pdd_core::kv::KvBlock {
+                transfer_id: get!(f, "transfer_id"),
+                layer_start: get!(f, "layer_start"),
+                layer_count: get!(f, "layer_count"),
+                page_start: get!(f, "page_start"),
+                page_count: get!(f, "page_count"),
+                page_bytes: get!(f, "page_bytes"),
+            },
+            codec: get!(f, "codec"),
+            raw_crc32c: get!(f, "raw_crc32c"),
+            lengths: get!(f, "lengths"),
+            data: bytes_field(&mut f, "data")?,
+            resent: match d.get_item("resent")? {
+                None => false,
+                Some(v) => {
+                    f.seen.push("resent");
+                    v.extract().map_err(|e: PyErr| {
+                        PyTypeError::new_err(format!("KV_PAGES_Z.resent: {e}"))
+                    })?
                 }
             },
         }),
@@ -680,6 +704,21 @@ fn frame_to_dict<'py>(py: Python<'py>, frame: &Frame) -> PyResult<Bound<'py, PyD
         }
         Frame::LaneDelivered(l) => {
             d.set_item("lanes", l.lanes.clone())?;
+        }
+        Frame::KvPagesZ(p) => {
+            d.set_item("transfer_id", p.block.transfer_id)?;
+            d.set_item("layer_start", p.block.layer_start)?;
+            d.set_item("layer_count", p.block.layer_count)?;
+            d.set_item("page_start", p.block.page_start)?;
+            d.set_item("page_count", p.block.page_count)?;
+            d.set_item("page_bytes", p.block.page_bytes)?;
+            d.set_item("codec", p.codec)?;
+            d.set_item("raw_crc32c", p.raw_crc32c)?;
+            d.set_item("lengths", p.lengths.clone())?;
+            d.set_item("data", PyBytes::new(py, &p.data))?;
+            if p.resent {
+                d.set_item("resent", true)?;
+            }
         }
         Frame::LocalDone(l) => {
             d.set_item("transfer_id", l.transfer_id)?;

@@ -23,11 +23,12 @@ pub mod tokens;
 pub use codec::{
     decode_frame, decode_frame_shared, encode_frame, encode_frame_to_vec, FrameDecoder,
 };
+pub use frame::{put_z_head, z_payload_bounds};
 pub use frame::{
     Abort, Auth, CacheEvent, CacheEvents, Frame, Handoff, HandoffAck, Hello, KvDone, KvGrant,
-    KvPages, LaneDelivered, LaneRevoke, LocalAddr, LocalDone, LocalGrant, LocalRegion, Ping,
-    PrefixQuery, PrefixReply, Progress, KV_PAGES_FIXED_LEN, LOCAL_REGION_MIN_LEN,
-    MAX_DELIVERED_LANES,
+    KvPages, KvPagesZ, LaneDelivered, LaneRevoke, LocalAddr, LocalDone, LocalGrant, LocalRegion,
+    Ping, PrefixQuery, PrefixReply, Progress, ZRest, KV_PAGES_FIXED_LEN, KV_PAGES_Z_FIXED_LEN,
+    LOCAL_REGION_MIN_LEN, MAX_DELIVERED_LANES,
 };
 
 use std::fmt;
@@ -169,6 +170,10 @@ frame_kinds! {
     /// receiver has read on each data lane, in answer to every PING, so that the
     /// sender can tell a lane that TCP acknowledges but that delivers nothing.
     LaneDelivered = 0x14, "LANE_DELIVERED", flags = 0;
+    /// KV compression (capability `kv_compress`), on data lanes: a KV_PAGES block
+    /// whose pages may each be compressed (codec, raw length and the CRC32C of the
+    /// decoded pages in the frame). 0x15 is unassigned.
+    KvPagesZ = 0x16, "KV_PAGES_Z", flags = FLAG_RESENT;
 }
 
 impl fmt::Display for FrameKind {
@@ -368,6 +373,10 @@ pub mod capability {
     /// older sender it wants nothing with an empty grant. Offered by KV senders and
     /// receivers of this build, on both paths.
     pub const REFUSAL: u64 = 1 << 10;
+    /// KV compression: a KV sender may send a block as KV_PAGES_Z (pages compressed
+    /// one by one) on a data lane; the receiver decodes each page into its granted
+    /// page and checks the decoded bytes.
+    pub const KV_COMPRESS: u64 = 1 << 11;
     /// Every bit defined by this build.
     pub const ALL_KNOWN: u64 = KV_STREAM
         | HANDOFF
@@ -379,7 +388,8 @@ pub mod capability {
         | EMPTY_GRANT
         | SEALED_LANES
         | LANE_DELIVERY
-        | REFUSAL;
+        | REFUSAL
+        | KV_COMPRESS;
 }
 
 /// The fixed header in front of every payload.

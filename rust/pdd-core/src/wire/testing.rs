@@ -277,7 +277,61 @@ pub fn any_frame() -> impl Strategy<Value = Frame> {
                 lanes: m.into_iter().collect(),
             })
         }),
+        kv_pages_z(),
     ]
+}
+
+/// KV_PAGES_Z: any block of at most 9 pages, each stored raw or as 1..page_bytes
+/// bytes (the frame codec does not decode pages; the data lane does).
+fn kv_pages_z() -> impl Strategy<Value = Frame> {
+    (
+        any::<u64>(),
+        any::<u16>(),
+        1u16..4,
+        any::<u32>(),
+        1u32..4,
+        1u32..64,
+        any::<bool>(),
+        any::<u32>(),
+    )
+        .prop_filter("ranges fit", |(_, ls, lc, ps, pc, _, _, _)| {
+            ls.checked_add(lc - 1).is_some() && ps.checked_add(pc - 1).is_some()
+        })
+        .prop_flat_map(
+            |(
+                transfer_id,
+                layer_start,
+                layer_count,
+                page_start,
+                page_count,
+                page_bytes,
+                resent,
+                crc,
+            )| {
+                let block = crate::kv::KvBlock {
+                    transfer_id,
+                    layer_start,
+                    layer_count,
+                    page_start,
+                    page_count,
+                    page_bytes,
+                };
+                let pages = usize::from(layer_count) * page_count as usize;
+                vec(1..=page_bytes, pages).prop_flat_map(move |lengths| {
+                    let n: usize = lengths.iter().map(|l| *l as usize).sum();
+                    vec(any::<u8>(), n).prop_map(move |data| {
+                        Frame::KvPagesZ(KvPagesZ {
+                            block,
+                            codec: crate::codec::CODEC_PLANE_ZSTD,
+                            raw_crc32c: crc,
+                            lengths: lengths.clone(),
+                            data: Bytes::from(data),
+                            resent,
+                        })
+                    })
+                })
+            },
+        )
 }
 
 fn local_region() -> impl Strategy<Value = LocalRegion> {

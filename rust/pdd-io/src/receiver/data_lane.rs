@@ -20,6 +20,7 @@ use crate::metrics::Metrics;
 use crate::pool::RawPage;
 use crate::sealed::{self, LaneKeys};
 
+use super::compressed::{self, Refused, ZLane};
 use super::{lock, with_machine, Shared};
 
 /// Reports a block begun on a data lane exactly once, also when the lane's future
@@ -128,10 +129,11 @@ pub(super) async fn data_lane(
     };
     let max_payload = shared.cfg.hello.max_payload;
     let mut scratch = vec![0u8; 64 << 10];
+    let mut z = ZLane::new(agreed.capabilities & pdd_core::wire::capability::KV_COMPRESS != 0);
     loop {
         let r = tokio::select! {
             _ = cancel.cancelled() => return,
-            r = read_block(&shared, lane, aead, &mut stream, keys.as_mut(), max_payload, &mut scratch) => r,
+            r = read_block(&shared, lane, aead, &mut stream, keys.as_mut(), max_payload, &mut scratch, &mut z) => r,
         };
         match r {
             Ok(true) => {}
@@ -146,7 +148,9 @@ pub(super) async fn data_lane(
     }
 }
 
-/// Read one KV_PAGES block into its pages. `Ok(false)` on a clean EOF between blocks.
+/// Read one KV_PAGES (or KV_PAGES_Z) block into its pages. `Ok(false)` on a clean
+/// EOF between blocks.
+#[allow(clippy::too_many_arguments)]
 async fn read_block(
     shared: &Arc<Shared>,
     lane: LaneHandle,
@@ -155,6 +159,7 @@ async fn read_block(
     mut keys: Option<&mut LaneKeys>,
     max_payload: u32,
     scratch: &mut [u8],
+    z: &mut ZLane,
 ) -> Result<bool, Error> {
     let lost = |e: std::io::Error| Error::ConnectionLost {
         detail: format!("data lane: {e}"),
@@ -169,7 +174,7 @@ async fn read_block(
             if !read_sealed_head(stream, keys, &mut head, stall, &shared.metrics).await? {
                 return Ok(false);
             }
-            data_lane_header(&head, max_payload)?
+            data_lane_header(&head, max_payload, z.agreed)?
         }
         None => {
             // One read usually brings the frame header and the block's fixed fields
@@ -186,7 +191,7 @@ async fn read_block(
                     .map_err(lost)?;
                 got = HEADER_LEN;
             }
-            let header = data_lane_header(&head, max_payload)?;
+            let header = data_lane_header(&head, max_payload, z.agreed)?;
             within_stall(stall, stream.read_exact(&mut head[got..]))
                 .await
                 .map_err(lost)?;
@@ -195,7 +200,14 @@ async fn read_block(
     };
     let mut fixed = [0u8; KV_PAGES_FIXED_LEN];
     fixed.copy_from_slice(&head[HEADER_LEN..]);
-    let block = KvBlock::parse(&fixed, header.payload_len)?;
+    let compressed = header.kind == FrameKind::KvPagesZ;
+    let block = if compressed {
+        KvBlock::parse_z(&fixed, header.payload_len)?
+    } else {
+        KvBlock::parse(&fixed, header.payload_len)?
+    };
+    // Bytes after the block's 24: its pages, or a KV_PAGES_Z's fields and stored pages.
+    let rest_len = u64::from(header.payload_len) - KV_PAGES_FIXED_LEN as u64;
     let mut crc = crc32c::crc32c(&head[..12]);
     crc = crc32c::crc32c_append(crc, &fixed);
     let resent = header.flags & FLAG_RESENT != 0;
@@ -205,11 +217,15 @@ async fn read_block(
     match disposition {
         BlockDisposition::Drain | BlockDisposition::Duplicate => {
             // Read past, never opened: a sealed lane counts the records it skipped.
-            let mut left = block.data_len();
+            let mut left = rest_len;
             if let Some(keys) = keys {
-                let records = u64::from(block.layer_count)
-                    * u64::from(block.page_count)
-                    * sealed::records_per_page(u64::from(block.page_bytes));
+                let records = if compressed {
+                    compressed::records_of_rest(rest_len)
+                } else {
+                    u64::from(block.layer_count)
+                        * u64::from(block.page_count)
+                        * sealed::records_per_page(u64::from(block.page_bytes))
+                };
                 keys.skip(records);
                 left += records * sealed::TAG_LEN as u64;
             }
@@ -242,6 +258,12 @@ async fn read_block(
                 .iter()
                 .map(|&(layer, page)| shared.pool.page_raw(layer, page))
                 .collect::<Result<Vec<RawPage>, Error>>()?;
+            if compressed {
+                return land_compressed(
+                    shared, guard, stream, keys, aead, header.crc, crc, rest_len, &pages, z,
+                )
+                .await;
+            }
             let landed = match keys {
                 Some(keys) => read_sealed_pages(stream, keys, &pages, stall, &shared.metrics).await,
                 None => read_into_pages(stream, &pages, stall).await.map_err(lost),
@@ -280,12 +302,76 @@ async fn read_block(
     }
 }
 
-/// The frame header at the front of a data lane's block: KV_PAGES, nothing else.
-fn data_lane_header(head: &[u8], max_payload: u32) -> Result<FrameHeader, Error> {
+/// A KV_PAGES_Z's rest read, checked, decoded into `pages` and verified; the block
+/// reported to the machine either way. `crc` holds the CRC32C over the header's first
+/// 12 bytes and the block's 24 (plain lanes).
+#[allow(clippy::too_many_arguments)]
+async fn land_compressed(
+    shared: &Arc<Shared>,
+    guard: BlockGuard<'_>,
+    stream: &mut LaneStream,
+    keys: Option<&mut LaneKeys>,
+    aead: bool,
+    expected: u32,
+    mut crc: u32,
+    rest_len: u64,
+    pages: &[RawPage],
+    z: &mut ZLane,
+) -> Result<bool, Error> {
+    let len =
+        usize::try_from(rest_len).map_err(|_| Error::InvalidArgument("block too large".into()))?;
+    let stall = shared.cfg.dead_after;
+    if let Err(e) = compressed::read_rest(stream, keys, len, z, stall, &shared.metrics).await {
+        guard.finish(Err(e.clone()));
+        return Err(e);
+    }
+    if !aead {
+        crc = lane::crc32c_append(crc, &z.buf);
+        if crc != expected {
+            Metrics::add(&shared.metrics.checksum_failures_total, 1);
+            guard.finish(Err(Error::ChecksumMismatch {
+                expected,
+                computed: crc,
+            }));
+            // Framing is intact (the length was read as announced): keep the lane.
+            return Ok(true);
+        }
+    }
+    let block = guard.block;
+    match compressed::land(z, &block, pages, &shared.metrics) {
+        Ok(()) => {
+            Metrics::add(&shared.metrics.bytes_received_total, block.data_len());
+            Metrics::add(&shared.metrics.blocks_received_total, 1);
+            guard.finish(Ok(()));
+            Ok(true)
+        }
+        // The bytes are the sender's (checked above): a frame the protocol forbids
+        // ends the session; pages that do not decode to what it said fail the transfer.
+        Err(Refused::Malformed(e)) => {
+            guard.finish(Err(e.clone()));
+            Err(e)
+        }
+        Err(Refused::Pages(e)) => {
+            guard.finish(Err(e));
+            Ok(true)
+        }
+    }
+}
+
+/// The frame header at the front of a data lane's block: KV_PAGES, or KV_PAGES_Z
+/// where the lane negotiated `kv_compress`; nothing else.
+fn data_lane_header(head: &[u8], max_payload: u32, compress: bool) -> Result<FrameHeader, Error> {
     let mut header_bytes = [0u8; HEADER_LEN];
     header_bytes.copy_from_slice(&head[..HEADER_LEN]);
     let header = FrameHeader::parse(&header_bytes, max_payload)?;
-    if header.kind != FrameKind::KvPages {
+    if header.kind == FrameKind::KvPagesZ && !compress {
+        return Err(Error::InvalidField {
+            kind: header.kind,
+            field: "kind",
+            detail: "KV_PAGES_Z from a peer that did not negotiate kv_compress".into(),
+        });
+    }
+    if header.kind != FrameKind::KvPages && header.kind != FrameKind::KvPagesZ {
         return Err(Error::InvalidField {
             kind: header.kind,
             field: "kind",

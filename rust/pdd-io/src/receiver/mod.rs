@@ -18,6 +18,7 @@
 //! every task shares and the flush; `session.rs`: accept, handshake and the control
 //! lane; `data_lane.rs`: reading KV_PAGES blocks into the pool pages.
 
+mod compressed;
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -256,6 +257,8 @@ impl KvReceiver {
         // It may grant zero pages ("nothing to send") to a sender that offers it too.
         cfg.hello.capabilities |=
             pdd_core::wire::capability::EMPTY_GRANT | pdd_core::wire::capability::REFUSAL;
+        // It decodes KV_PAGES_Z (compressed pages) from a sender that offers it too.
+        cfg.hello.capabilities |= pdd_core::wire::capability::KV_COMPRESS;
         if cfg.sealed_lanes {
             cfg.hello.capabilities |= pdd_core::wire::capability::SEALED_LANES;
         } else {

@@ -9,14 +9,15 @@ use std::time::Duration;
 
 use pdd_core::wire::{FrameHeader, FrameKind, FLAG_RESENT, HEADER_LEN, KV_PAGES_FIXED_LEN};
 use pdd_core::Error;
+use std::time::Instant;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 
 use super::{with_machine, Conn, Job, Shared};
 use crate::clock;
+use crate::compress::{BlockEncoder, Encoded, Plan};
 use crate::lane;
 use crate::metrics::Metrics;
-use crate::pool::PagePool;
 use crate::sealed::{self, LaneKeys};
 
 /// What protects a data lane's blocks.
@@ -33,6 +34,7 @@ pub(crate) enum Protection {
 /// one write.
 const SEALED_WRITE_BATCH: usize = (1 << 20) + 64 * sealed::TAG_LEN;
 
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn lane_writer<R, W>(
     shared: Arc<Shared>,
     conn: Arc<Conn>,
@@ -41,14 +43,20 @@ pub(super) async fn lane_writer<R, W>(
     mut wr: W,
     mut jobs: mpsc::Receiver<Job>,
     mut protection: Protection,
+    compress: bool,
 ) where
     R: tokio::io::AsyncRead + Unpin,
     W: tokio::io::AsyncWrite + Unpin,
 {
-    let stall = shared.cfg.dead_after;
     let ctl = &conn.lanes_ctl.ctl[idx];
     // Sealed records are built here before they are written (reused across blocks).
     let mut sealed_out = Vec::new();
+    // Its encoder where the lane negotiated `kv_compress` and the sender may use it.
+    let mut encoder = if compress {
+        BlockEncoder::new().ok()
+    } else {
+        None
+    };
     // Revoked (lane failover): stop writing at once, but keep the socket until the
     // receiver confirmed the revocation, so no close of ours can reach its reader
     // first and fail the block it was reading.
@@ -79,24 +87,26 @@ pub(super) async fn lane_writer<R, W>(
         let written = tokio::select! {
             biased;
             _ = ctl.stop.cancelled() => return revoked().await,
-            r = write_block(&shared.pool, &mut wr, &job, stall, &mut protection, &mut sealed_out) => r,
+            r = write_block(&shared, &conn, &mut wr, &job, &mut protection, &mut sealed_out, encoder.as_mut()) => r,
         };
         ctl.busy.store(false, Ordering::Relaxed);
-        if let Err(e) = written {
-            if ctl.stop.is_cancelled() {
-                return revoked().await;
+        let wire = match written {
+            Ok(n) => n,
+            Err(e) => {
+                if ctl.stop.is_cancelled() {
+                    return revoked().await;
+                }
+                // A receiver that ends the session closes its data lanes and says why on
+                // the control lane; a write here can fail (EPIPE, reset) before that
+                // ABORT is read. The machine gives the control lane a moment (its
+                // `peer_reason_grace`) so the engine gets the receiver's reason rather
+                // than a bare "broken pipe"; if nothing comes, the lane's own error ends
+                // the session.
+                lane_failed(&shared, &conn, idx, e).await;
+                return;
             }
-            // A receiver that ends the session closes its data lanes and says why on
-            // the control lane; a write here can fail (EPIPE, reset) before that
-            // ABORT is read. The machine gives the control lane a moment (its
-            // `peer_reason_grace`) so the engine gets the receiver's reason rather
-            // than a bare "broken pipe"; if nothing comes, the lane's own error ends
-            // the session.
-            lane_failed(&shared, &conn, idx, e).await;
-            return;
-        }
-        ctl.written
-            .fetch_add(job.block.data_len(), Ordering::Relaxed);
+        };
+        ctl.written.fetch_add(wire, Ordering::Relaxed);
         ctl.sent.fetch_add(
             (pdd_core::wire::HEADER_LEN + pdd_core::wire::KV_PAGES_FIXED_LEN) as u64
                 + job.block.data_len(),
@@ -139,38 +149,81 @@ async fn lane_closed<R: tokio::io::AsyncRead + Unpin>(rd: &mut R) -> Error {
     Error::ConnectionLost { detail }
 }
 
-/// Write one block; each write must make progress within `stall` (a lane whose
-/// bytes stopped moving, while the control lane may look healthy, ends the session
-/// rather than holding the transfer forever).
+/// Write one block (KV_PAGES, or KV_PAGES_Z where `encoder` is given and the
+/// sender's plan says so); each write must make progress within the dead-peer bound
+/// (a lane whose bytes stopped moving, while the control lane may look healthy, ends
+/// the session rather than holding the transfer forever). Returns the bytes written
+/// after the frame header and fixed fields (page bytes, or the KV_PAGES_Z rest).
 async fn write_block<W: tokio::io::AsyncWrite + Unpin>(
-    pool: &PagePool,
+    shared: &super::Shared,
+    conn: &Conn,
     wr: &mut W,
     job: &Job,
-    stall: Duration,
     protection: &mut Protection,
     sealed_out: &mut Vec<u8>,
-) -> Result<(), Error> {
+    encoder: Option<&mut BlockEncoder>,
+) -> Result<u64, Error> {
+    let (pool, stall) = (&shared.pool, shared.cfg.dead_after);
     let mut pages: Vec<&[u8]> = Vec::with_capacity(job.src.len());
     for &(layer, page) in &job.src {
         // SAFETY: source pages are only read by the transport; the engine must not
         // rewrite KV it asked to send until the transfer completes (documented).
         pages.push(unsafe { pool.page(layer, page) }?);
     }
+    let data_len = job.block.data_len();
+    let mut z: Option<(Encoded, &BlockEncoder)> = None;
+    let mut codec_ns = 0u64;
+    if let Some(enc) = encoder {
+        match shared.adaptive.plan() {
+            Plan::Raw => {}
+            Plan::RawProbe => {
+                let (raw, stored, took) = enc.probe(pages[0]);
+                shared.adaptive.encoded(raw, stored, took);
+                codec_ns = took.as_nanos() as u64;
+                Metrics::add(&shared.metrics.codec_ns_total, codec_ns);
+            }
+            Plan::Compress => {
+                let e = enc.encode(&job.block, &pages);
+                shared.adaptive.encoded(data_len, e.stored, e.took);
+                codec_ns = e.took.as_nanos() as u64;
+                Metrics::add(&shared.metrics.codec_ns_total, codec_ns);
+                let fits =
+                    KV_PAGES_FIXED_LEN as u64 + e.rest_len <= u64::from(conn.peer_max_payload);
+                // Nothing shrank (or it would not fit the peer's limit): KV_PAGES.
+                if e.pages_encoded > 0 && fits {
+                    z = Some((e, enc));
+                }
+            }
+        }
+    }
     let fixed = job.block.to_fixed();
-    let payload_len = u32::try_from(KV_PAGES_FIXED_LEN as u64 + job.block.data_len())
+    let rest_len = z.as_ref().map_or(data_len, |(e, _)| e.rest_len);
+    let payload_len = u32::try_from(KV_PAGES_FIXED_LEN as u64 + rest_len)
         .map_err(|_| Error::InvalidArgument("block too large".into()))?;
     let mut header = FrameHeader {
-        kind: FrameKind::KvPages,
+        kind: if z.is_some() {
+            FrameKind::KvPagesZ
+        } else {
+            FrameKind::KvPages
+        },
         flags: if job.resent { FLAG_RESENT } else { 0 },
         payload_len,
         crc: 0,
+    };
+    // The stored pages in wire order (the pages themselves for KV_PAGES), after the
+    // KV_PAGES_Z fields where compressed.
+    let pieces: Vec<&[u8]> = match &z {
+        Some((_, enc)) => std::iter::once(enc.head.as_slice())
+            .chain(enc.pieces(&pages))
+            .collect(),
+        None => pages.clone(),
     };
     // What `FrameHeader::compute_crc` does, with the faster CRC32C over the pages;
     // inside TLS (AEAD negotiated) the CRC is 0 and nobody computes it.
     if matches!(protection, Protection::Crc) {
         let mut crc = crc32c::crc32c(&header.to_bytes()[..12]);
         crc = lane::crc32c_append(crc, &fixed);
-        for p in &pages {
+        for p in &pieces {
             crc = lane::crc32c_append(crc, p);
         }
         header.crc = crc;
@@ -178,12 +231,40 @@ async fn write_block<W: tokio::io::AsyncWrite + Unpin>(
     let mut head = [0u8; HEADER_LEN + KV_PAGES_FIXED_LEN];
     head[..HEADER_LEN].copy_from_slice(&header.to_bytes());
     head[HEADER_LEN..].copy_from_slice(&fixed);
-    if let Protection::Sealed(keys) = protection {
-        return write_sealed(wr, keys, &head, &pages, stall, sealed_out).await;
+    let t = Instant::now();
+    if let Some((e, _)) = &z {
+        Metrics::add(&shared.metrics.blocks_compressed_total, 1);
+        Metrics::add(&shared.metrics.compress_in_bytes_total, data_len);
+        Metrics::add(&shared.metrics.compress_out_bytes_total, e.stored);
     }
-    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(pages.len() + 1);
+    if codec_ns > 0 {
+        // The transfer's own figures (its entry is gone once it ended: nothing to add).
+        let entry = super::lock(&shared.outbound)
+            .get(&job.block.transfer_id)
+            .map(|o| o.compression.clone());
+        if let Some(c) = entry {
+            c.codec_ns.fetch_add(codec_ns, Ordering::Relaxed);
+            if let Some((e, _)) = &z {
+                c.blocks.fetch_add(1, Ordering::Relaxed);
+                c.bytes_before.fetch_add(data_len, Ordering::Relaxed);
+                c.bytes_after.fetch_add(e.stored, Ordering::Relaxed);
+            }
+        }
+    }
+    if let Protection::Sealed(keys) = protection {
+        if z.is_some() {
+            // The rest of a KV_PAGES_Z is one stream, sealed in chunks like a page's.
+            let joined: Vec<u8> = pieces.concat();
+            write_sealed(wr, keys, &head, &[&joined], stall, sealed_out).await?;
+        } else {
+            write_sealed(wr, keys, &head, &pages, stall, sealed_out).await?;
+        }
+        shared.adaptive.wrote(rest_len, t.elapsed());
+        return Ok(rest_len);
+    }
+    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(pieces.len() + 1);
     slices.push(IoSlice::new(&head));
-    slices.extend(pages.iter().map(|p| IoSlice::new(p)));
+    slices.extend(pieces.iter().map(|p| IoSlice::new(p)));
     let mut bufs: &mut [IoSlice<'_>] = &mut slices;
     while !bufs.is_empty() {
         // At most IOV_MAX (1024) slices per writev.
@@ -200,7 +281,9 @@ async fn write_block<W: tokio::io::AsyncWrite + Unpin>(
     // rustls's record buffer; they leave only on the next write or a flush, and the
     // next block may be long in coming (or go to another lane): flush now. A no-op on
     // plain TCP.
-    progress(stall, wr.flush()).await
+    progress(stall, wr.flush()).await?;
+    shared.adaptive.wrote(rest_len, t.elapsed());
+    Ok(rest_len)
 }
 
 /// Seal a block (head, then its pages chunk by chunk) and write it a batch at a

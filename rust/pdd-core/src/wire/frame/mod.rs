@@ -13,6 +13,9 @@ use super::{
 use crate::error::{Error, Result};
 
 mod payload;
+mod z;
+
+pub use z::{put_z_head, z_payload_bounds, KvPagesZ, ZRest, KV_PAGES_Z_FIXED_LEN};
 
 /// HELLO: the first frame on every connection, in both directions.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -358,6 +361,8 @@ pub enum Frame {
     LaneRevoked(LaneRevoke),
     /// LANE_DELIVERED
     LaneDelivered(LaneDelivered),
+    /// KV_PAGES_Z
+    KvPagesZ(KvPagesZ),
 }
 
 impl Frame {
@@ -384,6 +389,7 @@ impl Frame {
             Frame::LaneRevoke(_) => FrameKind::LaneRevoke,
             Frame::LaneRevoked(_) => FrameKind::LaneRevoked,
             Frame::LaneDelivered(_) => FrameKind::LaneDelivered,
+            Frame::KvPagesZ(_) => FrameKind::KvPagesZ,
         }
     }
 
@@ -395,6 +401,7 @@ impl Frame {
             Frame::Progress(p) if p.kv_complete => FLAG_KV_COMPLETE,
             Frame::Hello(h) if h.resume => FLAG_RESUME,
             Frame::KvPages(p) if p.resent => FLAG_RESENT,
+            Frame::KvPagesZ(p) if p.resent => FLAG_RESENT,
             _ => 0,
         }
     }
@@ -430,6 +437,16 @@ impl Frame {
             }
             Frame::KvPages(p) => {
                 check_page_block(p).or_else(arg)?;
+            }
+            Frame::KvPagesZ(p) => {
+                // The block's own fields first: nothing below multiplies them unchecked.
+                z_payload_bounds(&p.block)
+                    .map_err(|(f, d)| Error::InvalidArgument(format!("KV_PAGES_Z {f}: {d}")))?;
+                let mut rest = Vec::with_capacity(16 + 4 * p.lengths.len() + p.data.len());
+                put_z_head(&mut rest, &p.block, p.codec, p.raw_crc32c, &p.lengths);
+                rest.extend_from_slice(&p.data);
+                ZRest::parse(&p.block, &rest)
+                    .map_err(|(f, d)| Error::InvalidArgument(format!("KV_PAGES_Z {f}: {d}")))?;
             }
             Frame::PrefixQuery(q) => {
                 if q.page_size == 0 || q.page_size > MAX_PAGE_SIZE {
@@ -560,6 +577,7 @@ impl Frame {
             Frame::LocalDone(_) => 8 + 2 + 2 + 8 + 8,
             Frame::LaneRevoke(_) | Frame::LaneRevoked(_) => 2,
             Frame::LaneDelivered(d) => 2 + 10 * d.lanes.len(),
+            Frame::KvPagesZ(p) => KV_PAGES_Z_FIXED_LEN + 4 * p.lengths.len() + p.data.len(),
         })
     }
 }

@@ -14,9 +14,9 @@ use crate::wire::{
 
 use super::{
     check_delivered, check_local_done, check_page_block, check_region, Abort, Auth, CacheEvent,
-    CacheEvents, Frame, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvPages, LaneDelivered,
-    LaneRevoke, LocalAddr, LocalDone, LocalGrant, LocalRegion, Ping, PrefixQuery, PrefixReply,
-    Progress, LOCAL_REGION_MIN_LEN, MAX_DELIVERED_LANES,
+    CacheEvents, Frame, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvPages, KvPagesZ,
+    LaneDelivered, LaneRevoke, LocalAddr, LocalDone, LocalGrant, LocalRegion, Ping, PrefixQuery,
+    PrefixReply, Progress, ZRest, LOCAL_REGION_MIN_LEN, MAX_DELIVERED_LANES,
 };
 
 const EVENT_STORED: u8 = 1;
@@ -48,6 +48,11 @@ impl Frame {
             }
             Frame::KvPages(p) => {
                 out.put_slice(&crate::kv::KvBlock::of(p).to_fixed());
+                out.put_slice(&p.data);
+            }
+            Frame::KvPagesZ(p) => {
+                out.put_slice(&p.block.to_fixed());
+                super::put_z_head(out, &p.block, p.codec, p.raw_crc32c, &p.lengths);
                 out.put_slice(&p.data);
             }
             Frame::KvDone(d) => {
@@ -503,6 +508,35 @@ impl Frame {
                     detail,
                 })?;
                 Frame::LaneDelivered(LaneDelivered { lanes })
+            }
+            FrameKind::KvPagesZ => {
+                let block = crate::kv::KvBlock {
+                    transfer_id: r.u64("transfer_id")?,
+                    layer_start: r.u16("layer_start")?,
+                    layer_count: r.u16("layer_count")?,
+                    page_start: r.u32("page_start")?,
+                    page_count: r.u32("page_count")?,
+                    page_bytes: r.u32("page_bytes")?,
+                };
+                let rest = r.rest();
+                let z =
+                    ZRest::parse(&block, &rest).map_err(|(field, detail)| Error::InvalidField {
+                        kind,
+                        field,
+                        detail,
+                    })?;
+                let table = 16 + 4 * z.page_total();
+                Frame::KvPagesZ(KvPagesZ {
+                    block,
+                    codec: z.codec,
+                    raw_crc32c: z.raw_crc32c,
+                    lengths: rest[16..table]
+                        .chunks_exact(4)
+                        .map(|l| u32::from_le_bytes([l[0], l[1], l[2], l[3]]))
+                        .collect(),
+                    data: rest.slice(table..),
+                    resent: flags & FLAG_RESENT != 0,
+                })
             }
         };
         r.finish()?;
