@@ -50,17 +50,6 @@ def _c2u(wan: Wanem) -> int:
     return int(wan.stats()["client_to_upstream"]["bytes_delivered"])
 
 
-def wait_usage_zero(engine: Engine, timeout: float = 15.0) -> float | None:
-    deadline = time.monotonic() + timeout
-    usage = None
-    while time.monotonic() < deadline:
-        usage = engine.metric("vllm:kv_cache_usage_perc")
-        if usage == 0.0:
-            return usage
-        time.sleep(0.2)
-    return usage
-
-
 class FleetCluster:
     """Plain, P and ``n_md`` MainDecodes (each behind its own Wanem, KV events on)."""
 
@@ -191,7 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             o["router_md_hit_ratio"] = held / prompt_tokens if prompt_tokens else 0.0
             o["md_view"] = [dict(getattr(v, "stats", {}), corrections=v.corrections) for v in router.router.md_views]
             out[mode] = o
-        usage = {e.name: wait_usage_zero(e) for e in cluster.engines}
+        usage = {e.name: vllm_pd.wait_usage_zero(e, 15.0) for e in cluster.engines}
         wan = {m: out[m]["wan_kv_bytes"] for m in MODES}
         return {
             "wan_kv_bytes": wan,

@@ -209,6 +209,19 @@ class Engine:
         self._log.close()
 
 
+def wait_usage_zero(engine: Engine, timeout: float = 10.0) -> float | None:
+    """vLLM's KV cache usage once it settles (blocks held by no request count as free):
+    0.0, or the last reading when ``timeout`` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    usage = None
+    while time.monotonic() < deadline:
+        usage = engine.metric("vllm:kv_cache_usage_perc")
+        if usage == 0.0:
+            return usage
+        time.sleep(0.2)
+    return usage
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL it when its parent dies (Linux prctl)."""
     import ctypes

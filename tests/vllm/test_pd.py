@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import vllm_pd
 from pdd_transport.integrations.vllm_proxy import PdProxy
-from vllm_pd import BLOCK_SIZE, prompt_ids
+from vllm_pd import BLOCK_SIZE, prompt_ids, wait_usage_zero
 
 TOKENS = 16
 # The first test also starts the engines (bounded by PDD_VLLM_START_TIMEOUT, 240 s).
@@ -17,18 +15,6 @@ pytestmark = pytest.mark.timeout(420)
 def wan_c2u(cluster: vllm_pd.PdCluster) -> int:
     assert cluster.wan is not None
     return int(cluster.wan.stats()["client_to_upstream"]["bytes_delivered"])
-
-
-def wait_usage_zero(engine: vllm_pd.Engine, timeout: float = 10.0) -> float | None:
-    """vLLM's KV cache usage once it settles (blocks held by no request count as free)."""
-    deadline = time.monotonic() + timeout
-    usage = None
-    while time.monotonic() < deadline:
-        usage = engine.metric("vllm:kv_cache_usage_perc")
-        if usage == 0.0:
-            return usage
-        time.sleep(0.2)
-    return usage
 
 
 @pytest.mark.parametrize("length,seed", [(40, 1), (300, 2), (1000, 3), (2000, 4)])
