@@ -101,18 +101,7 @@ def _bench_local(args: argparse.Namespace) -> dict[str, Any]:
 def _bench_soak(args: argparse.Namespace) -> dict[str, Any]:
     from pdd_transport.bench import soak
 
-    cfg = soak.SoakConfig(
-        seconds=args.seconds,
-        concurrency=args.concurrency,
-        page_bytes=parse_size(args.page_bytes),
-        layers=args.layers,
-        lanes=args.lanes,
-        handoff_window=args.handoff_window,
-        warmup_s=args.warmup,
-        wan=_wan(args),
-        seed=args.seed,
-    )
-    return soak.run(cfg, _progress)
+    return soak.run_args(args, _wan(args), _progress)
 
 
 def _wanem(args: argparse.Namespace) -> None:
@@ -294,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pdd_transport.bench import local as local_bench
 
     local_bench.add_parsers(bench_sub, _add_wan, _bench_local)
+    from pdd_transport.bench import hetero as hetero_bench
+
+    hetero_bench.add_parser(bench_sub, _progress)
 
     stream = bench_sub.add_parser(
         "stream",

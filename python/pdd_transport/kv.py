@@ -77,6 +77,7 @@ __all__ = [
     "TransferComplete",
     "TransferFailed",
     "as_bytes_view",
+    "pool_from_block_tensors",
     "pool_from_buffers",
     "request_id_of",
     "transfer_activity",
@@ -220,3 +221,30 @@ def pool_from_buffers(layers: Sequence[Any] | Any, page_bytes: int, num_layers: 
             raise InvalidArgument("pass a sequence of per-layer buffers, or num_layers", "invalid_argument")
         views = [as_bytes_view(b) for b in layers]
     return KvPool(views, page_bytes)
+
+
+def pool_from_block_tensors(tensors: Sequence[Any], names: Sequence[str] | None = None) -> Any:
+    """An engine's KV cache as a pool, without a copy: one tensor (torch or numpy) per
+    layer, each ``[num_blocks, ...]`` in CPU memory, contiguous, all of one shape and
+    dtype, so that one block of one layer is one page. Anything else raises
+    :class:`InvalidArgument` naming the layer."""
+    if not tensors:
+        raise InvalidArgument("no KV cache tensors to register", "invalid_argument")
+    labels = list(names) if names is not None else [f"layer {i}" for i in range(len(tensors))]
+    first = tensors[0]
+    for name, t in zip(labels, tensors):
+        device = getattr(getattr(t, "device", None), "type", "cpu")
+        if device != "cpu":
+            raise InvalidArgument(f"{name}: KV cache on {t.device}; only CPU memory is registered", "invalid_argument")
+        contiguous = t.is_contiguous() if hasattr(t, "is_contiguous") else bool(t.flags["C_CONTIGUOUS"])
+        if t.shape != first.shape or t.dtype != first.dtype or not contiguous or len(t.shape) < 1:
+            raise InvalidArgument(
+                f"{name}: KV cache {tuple(t.shape)} {t.dtype} (contiguous={contiguous}); every layer must be "
+                f"one contiguous [num_blocks, ...] tensor like {tuple(first.shape)} {first.dtype}",
+                "invalid_argument",
+            )
+    blocks = int(first.shape[0])
+    total = first.numel() * first.element_size() if hasattr(first, "numel") else int(first.nbytes)
+    if blocks == 0 or total % blocks:
+        raise InvalidArgument(f"KV cache {tuple(first.shape)} has no whole blocks", "invalid_argument")
+    return pool_from_buffers(list(tensors), total // blocks)

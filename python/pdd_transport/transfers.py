@@ -41,9 +41,12 @@ from typing import Any
 
 from pdd_transport import _native, local
 from pdd_transport.connector_config import LOOPBACK_DESTINATIONS, Settings
-from pdd_transport.errors import InvalidArgument, PddError
+from pdd_transport.errors import InvalidArgument, LayoutMismatch, PddError
+from pdd_transport.kv import pool_from_block_tensors
+from pdd_transport.layout import KvLayout
 from pdd_transport.security import AllowedDestinations, TlsConfig
 from pdd_transport.transfer_stats import TransferStats
+from pdd_transport.transfers_layout import SendMap, grant_map, mismatch_reason, peer_layout, same_pages, send_map
 
 __all__ = [
     "LOCAL_SCHEME",
@@ -69,35 +72,6 @@ _FINISHING = "finishing"
 _DONE = "done"
 _FAILED = "failed"
 _ENDED = (_DONE, _FAILED)
-
-
-def pool_from_block_tensors(tensors: Sequence[Any], names: Sequence[str] | None = None) -> Any:
-    """An engine's KV cache as a pool, without a copy: one tensor (torch or numpy) per
-    layer, each ``[num_blocks, ...]`` in CPU memory, contiguous, all of one shape and
-    dtype, so that one block of one layer is one page. Anything else raises
-    :class:`InvalidArgument` naming the layer."""
-    from pdd_transport.kv import pool_from_buffers
-
-    if not tensors:
-        raise InvalidArgument("no KV cache tensors to register", "invalid_argument")
-    labels = list(names) if names is not None else [f"layer {i}" for i in range(len(tensors))]
-    first = tensors[0]
-    for name, t in zip(labels, tensors):
-        device = getattr(getattr(t, "device", None), "type", "cpu")
-        if device != "cpu":
-            raise InvalidArgument(f"{name}: KV cache on {t.device}; only CPU memory is registered", "invalid_argument")
-        contiguous = t.is_contiguous() if hasattr(t, "is_contiguous") else bool(t.flags["C_CONTIGUOUS"])
-        if t.shape != first.shape or t.dtype != first.dtype or not contiguous or len(t.shape) < 1:
-            raise InvalidArgument(
-                f"{name}: KV cache {tuple(t.shape)} {t.dtype} (contiguous={contiguous}); every layer must be "
-                f"one contiguous [num_blocks, ...] tensor like {tuple(first.shape)} {first.dtype}",
-                "invalid_argument",
-            )
-    blocks = int(first.shape[0])
-    total = first.numel() * first.element_size() if hasattr(first, "numel") else int(first.nbytes)
-    if blocks == 0 or total % blocks:
-        raise InvalidArgument(f"KV cache {tuple(first.shape)} has no whole blocks", "invalid_argument")
-    return pool_from_buffers(list(tensors), total // blocks)
 
 
 def publish_address(address: str, env: str = "PDD_VLLM_ADDRESS_FILE") -> None:
@@ -172,6 +146,9 @@ class PushLeg:
     #: A stable word for why it failed (an error reason, or one of
     #: :data:`pdd_transport.transfer_stats.FAILURE_CODES`), for metrics.
     code: str | None = None
+    #: How the grant's units map onto the source's blocks, when the decoder's KV
+    #: layout differs from this side's (None: page for page).
+    layout_map: SendMap | None = None
 
     @property
     def pages(self) -> int:
@@ -191,8 +168,11 @@ class Push:
     """
 
     def __init__(self, pusher: Pusher, key: str, destinations: Sequence[str], block_count: int, started: float,
-                 tag: Any = None):
+                 tag: Any = None, tokens: int | None = None):
         self.key = key
+        #: The prompt's length in tokens, where the engine gave it (a decoder with
+        #: another KV layout needs it to map blocks).
+        self.tokens = tokens
         #: The engine's own name for the request (whatever :meth:`Pusher.start` got).
         self.tag = tag
         self.block_count = block_count
@@ -200,6 +180,7 @@ class Push:
         self.legs = [PushLeg(address=a, sent=[0] * pusher.layers) for a in destinations]
         self._pusher = pusher
         self._block_ids: list[int] = []
+        self._all_block_ids: list[int] = []
         self._ready = [0] * pusher.layers  # positions [0, ready[l]) of layer l are computed
         self._ended_by_engine = False
         self._step_upto: int | None = None
@@ -210,15 +191,20 @@ class Push:
         """The source pool pages of the request's first block positions, as far as the
         engine has allocated them (a chunked prefill learns them chunk by chunk; extra
         ones past ``block_count`` are ignored); positions ``[0, ready)`` are already
-        computed in every layer (a local prefix-cache hit, an earlier chunk)."""
-        ids = [int(b) for b in block_ids[: self.block_count]]
+        computed in every layer (a local prefix-cache hit, an earlier chunk). Positions
+        past ``block_count`` serve only decoders of another KV layout."""
+        every = [int(b) for b in block_ids]
+        ids = every[: self.block_count]
         if len(ids) < len(self._block_ids):
             raise InvalidArgument(
                 f"push {self.key!r}: {len(ids)} source blocks, fewer than the {len(self._block_ids)} given before",
                 "invalid_argument",
             )
         self._block_ids = ids
-        upto = max(0, min(int(ready), self.block_count))
+        # A decoder of another layout may need positions past block_count (its own
+        # blocks end elsewhere): a mapped destination reads these.
+        self._all_block_ids = every if len(every) > len(self._all_block_ids) else self._all_block_ids
+        upto = max(0, int(ready))
         for layer, have in enumerate(self._ready):
             self._ready[layer] = max(have, upto)
         self._flush()
@@ -229,7 +215,7 @@ class Push:
         if not 0 <= layer < len(self._ready):
             raise InvalidArgument(f"push {self.key!r}: layer {layer} outside 0..{len(self._ready) - 1}",
                                   "invalid_argument")
-        self._ready[layer] = max(self._ready[layer], min(int(upto), self.block_count))
+        self._ready[layer] = max(self._ready[layer], int(upto))
         self._flush()
 
     def step(self, block_ids: Sequence[int], *, computed: int, upto: int) -> None:
@@ -238,7 +224,7 @@ class Push:
         are complete in every layer; each :meth:`layer_done` then marks the step's
         positions computed in that layer."""
         self.blocks(block_ids, ready=computed)
-        self._step_upto = max(0, min(int(upto), self.block_count))
+        self._step_upto = max(0, int(upto))
 
     def layer_done(self, layer: int) -> None:
         """This step's positions are computed in ``layer`` (see :meth:`step`)."""
@@ -323,6 +309,18 @@ class Push:
         count = int(out.page_count)
         pusher = self._pusher
         leg.out, leg.granted_at = out, now
+        peer = peer_layout(pusher._senders.get(leg.address)) if pusher.layout is not None else None
+        if peer is not None and count and not same_pages(pusher.layout, peer):
+            try:
+                leg.layout_map = send_map(pusher.layout, peer, self.tokens, count, int(out.layer_count),
+                                          int(out.page_bytes))
+            except (LayoutMismatch, InvalidArgument) as e:
+                self._fail(leg, f"{e.reason}: {e}", e.reason)
+                return
+            leg.sent = [0] * leg.layout_map.wire_layers
+            leg.first = leg.layout_map.first_block
+            leg.state = _SENDING
+            return
         if int(out.layer_count) != pusher.layers or int(out.page_bytes) != pusher.page_bytes or count > self.block_count:
             self._fail(leg, f"grant shape {out.layer_count} layers x {count} pages x {out.page_bytes} B does not fit "
                             f"{pusher.layers} layers x {self.block_count} blocks x {pusher.page_bytes} B", "grant_shape")
@@ -340,6 +338,9 @@ class Push:
     def _flush_leg(self, leg: PushLeg) -> None:
         out = leg.out
         known = len(self._block_ids)
+        if leg.layout_map is not None:
+            self._flush_mapped(leg, leg.layout_map, len(self._all_block_ids))
+            return
         for layer, ready in enumerate(self._ready):
             upto = min(ready, known) - leg.first
             if upto <= leg.sent[layer]:
@@ -354,6 +355,23 @@ class Push:
             if self._pusher._on_send is not None:
                 self._pusher._on_send(self, leg.address, layer, leg.sent[layer], upto)
             leg.sent[layer] = upto
+
+    def _flush_mapped(self, leg: PushLeg, plan: SendMap, known: int) -> None:
+        for wire_layer in range(plan.wire_layers):
+            src_layer = plan.src_layer0 + wire_layer
+            upto = plan.sendable(min(self._ready[src_layer], known))
+            if upto <= leg.sent[wire_layer]:
+                continue
+            try:
+                leg.out.send_pages(list(range(leg.sent[wire_layer], upto)),
+                                   plan.src_units(self._all_block_ids, leg.sent[wire_layer], upto),
+                                   layer=wire_layer, src_layer=src_layer)
+            except PddError as e:
+                self._fail(leg, f"{e.reason}: {e}", e.reason)
+                return
+            if self._pusher._on_send is not None:
+                self._pusher._on_send(self, leg.address, wire_layer, leg.sent[wire_layer], upto)
+            leg.sent[wire_layer] = upto
 
     def _all_sent(self, leg: PushLeg) -> bool:
         return all(s >= leg.pages for s in leg.sent)
@@ -407,8 +425,13 @@ class Pusher:
         on_send: Callable[[Push, str, int, int, int], None] | None = None,
         allowed: AllowedDestinations | None = None,
         tls_for: Callable[[str], TlsConfig | None] | None = None,
+        layout: KvLayout | None = None,
     ):
         _check_bounds(grant_timeout_s, deadline_s)
+        #: This side's KV layout (:class:`~pdd_transport.layout.KvLayout`), announced to
+        #: every decoder; a decoder's other layout is then mapped (docs/kv.md,
+        #: "Heterogeneous layouts"). None: pages go page for page, as before layouts.
+        self.layout = layout
         self._on_send = on_send
         self.allowed = allowed if allowed is not None else AllowedDestinations(None)
         self._tls_for = tls_for
@@ -469,12 +492,16 @@ class Pusher:
 
     # -- pushes
 
-    def start(self, key: str, destinations: Iterable[str], *, blocks: int, tag: Any = None) -> Push:
+    def start(self, key: str, destinations: Iterable[str], *, blocks: int, tag: Any = None,
+              tokens: int | None = None) -> Push:
         """A new push of request ``key`` (its transfer key, the same string the
         decoders grant with) to each of ``destinations``, for the request's first
         ``blocks`` block positions; ``tag`` is the engine's own name for the request,
-        kept on the push. A destination whose sender cannot be made fails at once (the
-        push's other destinations go on)."""
+        kept on the push; ``tokens``, how many of the prompt's leading tokens a decoder
+        may load (needed where a decoder lays its KV out otherwise: it then loads its
+        own whole blocks up to there, and :meth:`Push.blocks` should name every
+        source block, not only the first ``blocks``). A destination whose sender cannot be made fails at once
+        (the push's other destinations go on)."""
         if key in self._pushes:
             raise InvalidArgument(f"a push of {key!r} is already live", "invalid_argument")
         dests = list(dict.fromkeys(destinations))
@@ -482,7 +509,9 @@ class Pusher:
             raise InvalidArgument(f"push {key!r}: no destination", "invalid_argument")
         if type(blocks) is not int or blocks < 0:
             raise InvalidArgument(f"push {key!r}: blocks must be an int >= 0, got {blocks!r}", "invalid_argument")
-        push = Push(self, key, dests, blocks, self._clock(), tag)
+        if tokens is not None and (type(tokens) is not int or tokens < 0):
+            raise InvalidArgument(f"push {key!r}: tokens must be an int >= 0, got {tokens!r}", "invalid_argument")
+        push = Push(self, key, dests, blocks, self._clock(), tag, tokens)
         with self._lock:
             for address in dests:  # a new push of a key takes its grants again
                 self._given_up.pop((key, address), None)
@@ -660,7 +689,7 @@ class Pusher:
         wait = (leg.granted_at - push.started) if leg.granted_at is not None else None
         if leg.state == _DONE:
             outcome = "ok" if leg.pages else "empty"
-            self.stats.ended("send", path, outcome, nbytes=leg.bytes, pages=leg.pages * self.layers,
+            self.stats.ended("send", path, outcome, nbytes=leg.bytes, pages=leg.pages * len(leg.sent),
                              seconds=now - (leg.granted_at or now), grant_wait_s=wait)
         else:
             self.stats.ended("send", path, "failed", code=leg.code, grant_wait_s=wait)
@@ -770,6 +799,10 @@ class Pull:
     code: str | None = None
     #: The notice reached the prefill side as a refusal (not an empty grant).
     refused: bool = False
+    #: How many of the prompt's leading tokens may load, and the first token
+    #: ``block_ids[0]`` holds (needed where the prefill side lays its KV out otherwise).
+    tokens: int | None = None
+    first_token: int = 0
 
     @property
     def ok(self) -> bool:
@@ -792,8 +825,12 @@ class Puller:
         deadline_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         owns_receiver: bool = False,
+        layout: KvLayout | None = None,
     ):
         _check_bounds(grant_timeout_s, deadline_s)
+        #: This decoder's KV layout (the receiver announces it); a prefill side's other
+        #: layout is mapped, or refused (``layout_mismatch``) where it cannot be.
+        self.layout = layout
         self.receiver = receiver
         self.path = "local" if isinstance(receiver, _native.LocalReceiver) else "wan"
         self.stats = TransferStats()
@@ -804,18 +841,24 @@ class Puller:
         self._pulls: dict[str, Pull] = {}
 
     def claim(self, key: str, block_ids: Sequence[int], *, peer: int | None = None,
-              notice: bool | str = False) -> Pull:
+              notice: bool | str = False, tokens: int | None = None, first_token: int = 0) -> Pull:
         """Grant ``block_ids`` (possibly none: an empty grant) to the prefill side for
         request ``key``. While the prefill instance has not connected yet the grant is
         retried on each :meth:`poll`, for at most ``grant_timeout_s``. ``notice`` (no
         blocks, the engine does not wait for it): True, an empty grant; a str, the
         request ended before its KV arrived and the prefill side is told so with this
         reason (a refusal: it frees its blocks and stops waiting at once; one that
-        predates refusals gets the empty grant)."""
+        predates refusals gets the empty grant). ``tokens`` (how many of the prompt's
+        leading tokens may load: ``block_ids`` cover ``[first_token, tokens)`` in whole
+        blocks) and ``first_token`` (the token ``block_ids[0]`` starts at) let a grant
+        map a prefill side's other KV layout; without ``tokens`` such a pull fails
+        (``invalid_argument``). Layouts that cannot map (another model, dtype or head
+        geometry) fail the pull (``layout_mismatch``) and the prefill side is told why,
+        before any byte moves."""
         if key in self._pulls:
             raise InvalidArgument(f"a pull of {key!r} is already live", "invalid_argument")
         pull = Pull(key=key, block_ids=[int(b) for b in block_ids], peer=peer, notice=notice,
-                    claimed_at=self._clock())
+                    claimed_at=self._clock(), tokens=tokens, first_token=int(first_token))
         self._pulls[key] = pull
         self._try_grant(pull, pull.claimed_at)
         return pull
@@ -920,12 +963,34 @@ class Puller:
                                                                                           pull.peer):
                 pull.state, pull.refused, pull.granted_at = _COMPLETE, True, now
                 return
+            peer = peer_layout(self.receiver, pull.peer) if self.layout is not None and pull.block_ids else None
+            if peer is not None and not same_pages(self.layout, peer):
+                self._grant_mapped(pull, peer, now)
+                return
             pull.transfer = self.receiver.grant(pull.key, pull.block_ids, peer=pull.peer, deadline_s=self.deadline_s)
         except PddError as e:
             if e.reason == "connection_lost" and now - pull.claimed_at < self.grant_timeout_s:
                 return  # the prefill instance has not connected yet: a later poll retries
             pull.state, pull.reason, pull.code = _FAILED, f"{e.reason}: {e}", e.reason
             return
+        pull.state, pull.granted_at = _LOADING, now
+
+    def _grant_mapped(self, pull: Pull, peer: KvLayout, now: float) -> None:
+        """A grant of units that maps the prefill side's layout onto this one's, or a
+        refusal where the layouts cannot map (the prefill side frees its blocks)."""
+        try:
+            if pull.tokens is None:
+                raise InvalidArgument("the prefill side's KV layout differs from this decoder's: the claim needs the "
+                                      "loadable token count (Puller.claim(tokens=...)) to map its blocks",
+                                      "invalid_argument")
+            m = grant_map(self.layout, peer, pull.first_token, pull.tokens, pull.block_ids)
+        except LayoutMismatch as e:
+            self._refuse(pull.key, mismatch_reason(e), pull.peer)
+            pull.state, pull.reason, pull.code = _FAILED, mismatch_reason(e), "layout_mismatch"
+            return
+        pull.transfer = self.receiver.grant(pull.key, m.units, layers=m.layer_count, peer=pull.peer,
+                                            deadline_s=self.deadline_s, page_bytes=m.unit_bytes,
+                                            first_layer=m.first_layer)
         pull.state, pull.granted_at = _LOADING, now
 
     def _refuse_notice(self, key: str, reason: str, peer: int | None) -> bool:

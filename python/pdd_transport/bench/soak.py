@@ -513,3 +513,13 @@ def run(cfg: SoakConfig, progress: Progress | None = None) -> dict[str, Any]:
         "errors": [e for e in (kc.error, ho["error"]) if e],
     }
     return result
+
+
+def run_args(args: Any, wan: Any, progress: Any = None) -> dict[str, Any]:
+    """``bench soak`` from the CLI's parsed arguments (``wan``: its ``--wan`` line)."""
+    from pdd_transport.specs import parse_size
+
+    cfg = SoakConfig(seconds=args.seconds, concurrency=args.concurrency, page_bytes=parse_size(args.page_bytes),
+                     layers=args.layers, lanes=args.lanes, handoff_window=args.handoff_window, warmup_s=args.warmup,
+                     wan=wan, seed=args.seed)
+    return run(cfg, progress)

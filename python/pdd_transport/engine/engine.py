@@ -24,6 +24,7 @@ import torch
 from pdd_transport.engine.model import EngineConfig, Weights, init_weights
 from pdd_transport.errors import InvalidArgument
 from pdd_transport.kv import KvPool, pool_from_buffers
+from pdd_transport.layout import KvLayout
 
 __all__ = ["Engine", "PageTable"]
 
@@ -126,6 +127,37 @@ class Engine:
         """The pool registered with the transport, without a copy
         (``pool_from_buffers(backing, page_bytes=..., num_layers=...)``)."""
         return pool_from_buffers(self._backing, page_bytes=self.page_bytes, num_layers=self.config.num_layers)
+
+    def kv_layout(self, model: str = "pdd-reference", heads: tuple[int, int] | None = None) -> KvLayout:
+        """The pool's KV layout (docs/kv.md "Heterogeneous layouts"): pages of
+        ``page_tokens`` positions, each ``[page_tokens, 2 (K, V), heads, head_dim]``
+        float32 (``token_kv_head``), every layer. ``heads``: the heads a tensor-parallel
+        rank's pool holds (:meth:`rank_pool`); default, all of them."""
+        cfg = self.config
+        lo, hi = heads if heads is not None else (0, cfg.num_heads)
+        page = self.page_bytes if heads is None else cfg.page_tokens * 2 * (hi - lo) * cfg.head_dim * 4
+        return KvLayout(model=model, dtype="f32", total_layers=cfg.num_layers, layers=(0, cfg.num_layers),
+                        tokens_per_block=cfg.page_tokens, total_kv_heads=cfg.num_heads, heads=(lo, hi),
+                        head_size=cfg.head_dim, arrangement="token_kv_head", page_bytes=page)
+
+    def rank_pool(self, heads: tuple[int, int]) -> np.ndarray:
+        """A tensor-parallel rank's own pool: a copy of heads ``[lo, hi)`` of every page,
+        ``[num_layers, num_pages, page_tokens, 2, hi - lo, head_dim]`` float32 (a rank
+        of an engine with ``tp`` ranks holds ``num_heads / tp`` of them; this engine
+        computes them all, and the copy stands for what that rank would hold). Its
+        layout: :meth:`kv_layout` with ``heads``. :meth:`load_rank_pool` is the way
+        back."""
+        lo, hi = heads
+        if not 0 <= lo < hi <= self.config.num_heads:
+            raise _invalid(f"heads must be a range inside 0..{self.config.num_heads}, got {heads!r}")
+        return np.ascontiguousarray(self.pool[..., lo:hi, :].numpy())
+
+    def load_rank_pool(self, heads: tuple[int, int], rank_pool: np.ndarray) -> None:
+        """Write a rank's pool (as :meth:`rank_pool` shapes it) back into heads
+        ``[lo, hi)`` of this engine's pool: decode ranks that each received their heads
+        then decode as one engine."""
+        lo, hi = heads
+        self.pool[..., lo:hi, :] = torch.from_numpy(rank_pool)
 
     def take_pages(self, n: int) -> list[int]:
         """Hand out ``n`` free pages (for callers that manage pages themselves, such

@@ -59,6 +59,10 @@ class _RecvReq:
     peer: int | None
     corrupt: bool
     notice: bool | str = False
+    #: Prompt tokens D may load, and the first one ``block_ids`` hold (a P of another
+    #: KV layout maps its blocks onto D's from these).
+    tokens: int = 0
+    first_token: int = 0
 
 
 @dataclass
@@ -73,6 +77,7 @@ class _SendReq:
     start: int
     end: int
     wanted_blocks: int
+    prompt_tokens: int = 0
 
 
 @dataclass
@@ -147,7 +152,8 @@ class _SchedulerSide:
         end, count = self._wanted_tokens(request) // bs, num_external_tokens // bs
         assert num_external_tokens % bs == 0 and count <= end <= len(block_ids)
         corrupt = bool(params.get(kvp.DEBUG_CORRUPT))
-        self._pending_recv.append(_RecvReq(req_id, key, list(block_ids[end - count : end]), peer, corrupt))
+        self._pending_recv.append(_RecvReq(req_id, key, list(block_ids[end - count : end]), peer, corrupt,
+                                           tokens=int(request.num_prompt_tokens) - 1, first_token=(end - count) * bs))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta, self._pending_meta = self._pending_meta, PddConnectorMetadata()
@@ -174,7 +180,7 @@ class _SchedulerSide:
         params = request.kv_transfer_params or {}
         end = computed + int(out.num_scheduled_tokens.get(req_id, 0))
         meta.send.append(_SendReq(req_id, str(params[kvp.KEY]), kvp.destinations(params) or [""],
-                                  list(block_ids[:wanted]), computed, end, wanted))
+                                  list(block_ids), computed, end, wanted, int(request.num_prompt_tokens)))
         self._send_scheduled.add(req_id)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -263,7 +269,8 @@ class _WorkerSide:
                 if req.req_id in self._unpushed:
                     continue
                 try:
-                    push = pusher.start(req.key, req.destinations, blocks=req.wanted_blocks, tag=req.req_id)
+                    push = pusher.start(req.key, req.destinations, blocks=req.wanted_blocks, tag=req.req_id,
+                                        tokens=req.prompt_tokens - 1)
                 except InvalidArgument as e:  # e.g. another live request with the same key
                     logger.warning("pdd: cannot push KV of %s: %s", req.req_id, e)
                     self._unpushed.add(req.req_id)  # reported as over once vLLM finishes it
@@ -272,7 +279,10 @@ class _WorkerSide:
                 self._push_of[req.req_id] = push
             if layer == 0 or not push.in_step:  # this step computes tokens [start, end)
                 bs = self._conn_block_size
-                push.step(req.block_ids, computed=req.start // bs, upto=req.end // bs)
+                # The prompt's last block is whole once its last token is computed
+                # (only a decoder of another block size reads a block past wanted).
+                upto = -(-req.end // bs) if req.end >= req.prompt_tokens else req.end // bs
+                push.step(req.block_ids, computed=req.start // bs, upto=upto)
             push.layer_done(layer)
         pusher.advance()  # a grant that came during this forward pass starts streaming now
 
@@ -292,7 +302,8 @@ class _WorkerSide:
             return
         for req in meta.recv:
             try:
-                puller.claim(req.key, req.block_ids, peer=req.peer, notice=req.notice)
+                puller.claim(req.key, req.block_ids, peer=req.peer, notice=req.notice, tokens=req.tokens,
+                             first_token=req.first_token)
             except InvalidArgument as e:  # another live load with the same key
                 logger.warning("pdd: cannot load KV of %s: %s", req.req_id, e)
                 self._refused.append(req)
