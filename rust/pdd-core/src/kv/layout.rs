@@ -201,6 +201,14 @@ pub struct LayoutFields {
     pub page_bytes: u32,
 }
 
+impl LayoutFields {
+    /// Bytes of data in a page of these fields (saturating at `u64::MAX`): the least
+    /// `page_bytes` can be.
+    pub fn data_bytes(&self) -> u64 {
+        data_bytes(self)
+    }
+}
+
 /// Why a layout's fields (or its encoding) were refused; `field` names the field.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum LayoutError {
