@@ -1470,6 +1470,79 @@ def _packet_ops(h: H, o: Outcome) -> None:
         b.close()
 
 
+# ---- KV layouts ----
+
+LAYOUT_DTYPES = ["f32", "f16", "bf16", "f8_e4m3", "f8_e5m2"]
+LAYOUT_ARRANGEMENTS = ["kv_head_token", "kv_token_head", "token_kv_head", "head_kv_token", "token_head_kv",
+                       "head_token_kv"]
+RANGE_EDGE = st.one_of(st.none(), st.tuples(INTS, INTS), st.tuples(st.integers(0, 9), st.integers(0, 9)))
+LAYOUT_PARAMS = {
+    "model": P(st.sampled_from(["m", "tiny-llama"]), LONG_TEXT, omit=False),
+    "dtype": P(st.sampled_from(LAYOUT_DTYPES), TEXT, omit=False),
+    "total_layers": P(st.integers(1, 8), INTS, omit=False),
+    "tokens_per_block": P(st.sampled_from([1, 16, 32, 48]), INTS, omit=False),
+    "total_kv_heads": P(st.integers(1, 8), INTS, omit=False),
+    "head_size": P(st.sampled_from([1, 8, 64]), INTS, omit=False),
+    "layers": P(st.none(), RANGE_EDGE),
+    "heads": P(st.none(), RANGE_EDGE),
+    "arrangement": P(st.sampled_from(LAYOUT_ARRANGEMENTS), TEXT),
+    "page_bytes": P(st.none(), INTS),
+}
+
+
+def a_layout(**kw: Any) -> Any:
+    return N.KvLayout(**{"model": "m", "dtype": "bf16", "total_layers": 4, "tokens_per_block": 16,
+                         "total_kv_heads": 4, "head_size": 8, **kw})
+
+
+LAYOUTS = st.deferred(lambda: st.sampled_from([
+    a_layout(), a_layout(tokens_per_block=48, heads=(0, 2)), a_layout(tokens_per_block=32, layers=(1, 3)),
+    a_layout(arrangement="token_head_kv", page_bytes=8192),
+]))
+# Layouts that do not map onto the others: another model, no common head or layer.
+FOREIGN_LAYOUTS = st.deferred(lambda: st.sampled_from([
+    a_layout(model="other"), a_layout(heads=(3, 4), layers=(0, 1)), a_layout(dtype="f32"),
+]))
+LAYOUT = obj(LAYOUTS, FOREIGN_LAYOUTS)
+TOKEN = P(st.integers(0, 200), INTS)
+
+
+@spec("KvLayout()")
+def _layout_new(h: H, o: Outcome) -> None:
+    call(h, o, N.KvLayout, **LAYOUT_PARAMS)
+
+
+def _flipped(data: bytes, at: int, value: int) -> bytes:
+    i = at % len(data)
+    return data[:i] + bytes([value]) + data[i + 1:]
+
+
+@spec("KvLayout.encode", "KvLayout.decode")
+def _layout_codec(h: H, o: Outcome) -> None:
+    layout = h.data.draw(LAYOUTS, label="layout")
+    call(h, o, layout.encode)
+    good = layout.encode()
+    call(h, o, N.KvLayout.decode, P(st.just(good), st.one_of(
+        BYTES, st.builds(_flipped, st.just(good), st.integers(0, 255), st.integers(0, 255)),
+        st.builds(lambda n: good[:n], st.integers(0, len(good))))))
+
+
+@spec("layout_plan")
+def _layout_plan(h: H, o: Outcome) -> None:
+    call(h, o, N.layout_plan, LAYOUT, LAYOUT, TOKEN, TOKEN)
+
+
+@spec("first_token_for_units")
+def _first_token_for_units(h: H, o: Outcome) -> None:
+    call(h, o, N.first_token_for_units, LAYOUT, LAYOUT, TOKEN, P(st.integers(0, 500), INTS),
+         unit_bytes=P(st.sampled_from([None, 256, 512, 4096]), INTS))
+
+
+@spec("check_layout_compatible")
+def _check_layout_compatible(h: H, o: Outcome) -> None:
+    call(h, o, N.check_layout_compatible, LAYOUT, LAYOUT)
+
+
 # ---- classes without a constructor: any arguments are a TypeError ----
 
 CONSTRUCTED = {name.removesuffix("()") for name in SPECS if name.endswith("()")}
@@ -1605,6 +1678,8 @@ def instance_factories(w: World, later: list[Callable[[], object]]) -> dict[str,
         "WanEstimate": lambda: N.WanEstimate(1.0, 1.0),
         "PipelinePolicy": N.PipelinePolicy,
         "AnomalyPolicy": N.AnomalyPolicy,
+        "KvLayout": a_layout,
+        "LayoutPlan": lambda: N.layout_plan(a_layout(), a_layout(tokens_per_block=32), 0, 40),
     }
 
 

@@ -6,11 +6,12 @@ The public API is re-exported here; the Rust extension lives in
 
 from __future__ import annotations
 
-from pdd_transport import handoff, kv, local, policy, radix, security, wanem, wire
+from pdd_transport import handoff, kv, layout, local, policy, radix, security, wanem, wire
 from pdd_transport._native import __version__
 from pdd_transport.errors import (
     DeadlineExceeded,
     InvalidArgument,
+    LayoutMismatch,
     PddError,
     ProtocolError,
     TransportError,
@@ -33,6 +34,7 @@ from pdd_transport.wanem import Wanem
 __all__ = [
     "__version__",
     "kv",
+    "layout",
     "local",
     "policy",
     "radix",
@@ -58,4 +60,5 @@ __all__ = [
     "InvalidArgument",
     "TransportError",
     "DeadlineExceeded",
+    "LayoutMismatch",
 ]

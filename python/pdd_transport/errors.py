@@ -19,6 +19,7 @@ __all__ = [
     "InvalidArgument",
     "TransportError",
     "DeadlineExceeded",
+    "LayoutMismatch",
 ]
 
 
@@ -48,3 +49,23 @@ class TransportError(PddError, ConnectionError):
 
 class DeadlineExceeded(PddError, TimeoutError):
     """A bounded wait ran out."""
+
+
+class LayoutMismatch(PddError, ValueError):
+    """Two KV layouts cannot be mapped: another model, dtype, layer count or head
+    geometry, or no layer or head held by both (``pdd_transport.layout``). ``reason``
+    is ``"layout_mismatch"``; ``field`` names what differs (``"model"``, ``"dtype"``,
+    ``"total_layers"``, ``"total_kv_heads"``, ``"head_size"``, ``"layers"``,
+    ``"heads"``). Raised before any byte moves."""
+
+    field: str
+
+    def __init__(
+        self,
+        message: str,
+        reason: str = "layout_mismatch",
+        abort_reason: str = "refused",
+        field: str = "unspecified",
+    ) -> None:
+        super().__init__(message, reason, abort_reason)
+        self.field = field

@@ -14,6 +14,7 @@ use std::collections::{HashMap, VecDeque};
 use crate::error::{Error, Result};
 use crate::wire::{KvDone, KvGrant, KvPages, LocalDone, KV_PAGES_FIXED_LEN};
 
+pub mod layout;
 pub mod request_key;
 mod sender;
 pub mod session;

@@ -16,6 +16,10 @@
 //! decoded into a page between guard bytes; the decoder must return (never panic),
 //! never write outside the page, and give back the exact page for an unmutated input.
 //!
+//! The KV layout decoder (`pdd_core::kv::layout`, a peer's layout blob) likewise
+//! (`layout.rs`): mutated encodings of random layouts decode to a layout that
+//! re-encodes to the same bytes, or are refused with a named field.
+//!
 //! Usage: `pdd-fuzz [--seconds N] [--seed S] [--artifacts DIR]`. Exit status 1 and a
 //! file in DIR per failing input.
 
@@ -30,6 +34,8 @@ use proptest::strategy::{Strategy, ValueTree};
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+
+mod layout;
 
 const MAX: u32 = 1 << 24;
 
@@ -79,9 +85,20 @@ fn main() {
             iterations += 1;
             let page_check = panic::catch_unwind(AssertUnwindSafe(|| check_page_codec(&mut rng)));
             let why = match page_check {
+                Ok(Ok(())) => None,
+                Ok(Err((input, why))) => Some((input, why)),
+                Err(_) => Some((Vec::new(), "panic in the page codec".to_string())),
+            };
+            if let Some((input, why)) = why {
+                failures += 1;
+                report(&artifacts, &input, &why);
+            }
+            let layout_check =
+                panic::catch_unwind(AssertUnwindSafe(|| layout::check_layout_decoder(&mut rng)));
+            let why = match layout_check {
                 Ok(Ok(())) => continue,
                 Ok(Err((input, why))) => (input, why),
-                Err(_) => (Vec::new(), "panic in the page codec".to_string()),
+                Err(_) => (Vec::new(), "panic in the layout decoder".to_string()),
             };
             failures += 1;
             report(&artifacts, &why.0, &why.1);

@@ -41,7 +41,7 @@ fn classes(py: Python<'_>) -> PyResult<&[Py<PyType>; 4]> {
 
 /// An instance of the `pdd_transport.errors` class for `class`, carrying `reason` and
 /// `abort_reason`: the one place a binding error becomes a Python exception.
-fn raise(class: ErrorClass, message: String, reason: &str, abort_reason: &str) -> PyErr {
+pub(crate) fn raise(class: ErrorClass, message: String, reason: &str, abort_reason: &str) -> PyErr {
     Python::attach(|py| {
         let idx = match class {
             ErrorClass::Protocol => 0,

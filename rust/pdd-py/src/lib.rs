@@ -15,6 +15,7 @@ mod handles;
 mod handoff;
 mod kv;
 mod kv_events;
+mod layout;
 mod local;
 mod policy;
 mod properties;
@@ -35,6 +36,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     wire::register(m)?;
     kv::register(m)?;
     local::register(m)?;
+    layout::register(m)?;
     dual::register(m)?;
     kv_events::register(m)?;
     radix::register(m)?;
