@@ -770,6 +770,10 @@ class Pull:
     code: str | None = None
     #: The notice reached the prefill side as a refusal (not an empty grant).
     refused: bool = False
+    #: The grant's unit (None: the pool's page): ``block_ids`` then count units.
+    page_bytes: int | None = None
+    #: The pool layer of the grant's layer 0.
+    first_layer: int = 0
 
     @property
     def ok(self) -> bool:
@@ -804,18 +808,21 @@ class Puller:
         self._pulls: dict[str, Pull] = {}
 
     def claim(self, key: str, block_ids: Sequence[int], *, peer: int | None = None,
-              notice: bool | str = False) -> Pull:
+              notice: bool | str = False, page_bytes: int | None = None, first_layer: int = 0) -> Pull:
         """Grant ``block_ids`` (possibly none: an empty grant) to the prefill side for
         request ``key``. While the prefill instance has not connected yet the grant is
         retried on each :meth:`poll`, for at most ``grant_timeout_s``. ``notice`` (no
         blocks, the engine does not wait for it): True, an empty grant; a str, the
         request ended before its KV arrived and the prefill side is told so with this
         reason (a refusal: it frees its blocks and stops waiting at once; one that
-        predates refusals gets the empty grant)."""
+        predates refusals gets the empty grant). ``page_bytes`` (a divisor of the
+        pool's page) makes ``block_ids`` units of that size (a sub-page grant), and
+        ``first_layer`` is the pool layer of the grant's layer 0 (docs/kv.md
+        "Sub-page grants"); both are passed to the receiver's ``grant``."""
         if key in self._pulls:
             raise InvalidArgument(f"a pull of {key!r} is already live", "invalid_argument")
         pull = Pull(key=key, block_ids=[int(b) for b in block_ids], peer=peer, notice=notice,
-                    claimed_at=self._clock())
+                    claimed_at=self._clock(), page_bytes=page_bytes, first_layer=int(first_layer))
         self._pulls[key] = pull
         self._try_grant(pull, pull.claimed_at)
         return pull
@@ -920,7 +927,15 @@ class Puller:
                                                                                           pull.peer):
                 pull.state, pull.refused, pull.granted_at = _COMPLETE, True, now
                 return
-            pull.transfer = self.receiver.grant(pull.key, pull.block_ids, peer=pull.peer, deadline_s=self.deadline_s)
+            # Only a sub-page or layer-offset grant passes its shape: a receiver that
+            # predates them (or a test's stand-in) is called as before.
+            shape: dict[str, int] = {}
+            if pull.page_bytes is not None:
+                shape["page_bytes"] = int(pull.page_bytes)
+            if pull.first_layer:
+                shape["first_layer"] = pull.first_layer
+            pull.transfer = self.receiver.grant(pull.key, pull.block_ids, peer=pull.peer, deadline_s=self.deadline_s,
+                                                **shape)
         except PddError as e:
             if e.reason == "connection_lost" and now - pull.claimed_at < self.grant_timeout_s:
                 return  # the prefill instance has not connected yet: a later poll retries
