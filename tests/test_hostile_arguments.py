@@ -208,6 +208,11 @@ TOKENS_OK = st.one_of(
 TOKENS = P(TOKENS_OK, st.one_of(ARRAYS, LISTS))
 PAGES_EDGE = st.one_of(ARRAYS, LISTS, st.lists(st.integers(0, 7), max_size=4))
 PAGES = P(st.lists(st.integers(0, 7), max_size=4, unique=True), PAGES_EDGE)
+# A grant's unit (sub-page grants): the pool's page or a divisor of it (drawn units
+# below 8 then stay in the pages below 2, clear of the world's own), and the first pool
+# layer of a grant.
+UNIT_BYTES = P(st.sampled_from([None, 4096, 1024, 512]), INTS)
+FIRST_LAYER = P(st.sampled_from([0, 1]), INTS)
 REQUEST_KEY = P(st.one_of(st.integers(1, 2**64 - 1), st.text(max_size=20), st.binary(max_size=20)),
                 st.one_of(INTS, TEXT, BYTES))
 ROLE = P(st.sampled_from(["prefill", "relay_decode", "main_decode"]), TEXT)
@@ -695,7 +700,8 @@ def _rx_grant(h: H, o: Outcome) -> None:
     w = world()
     t = call(h, o, w.rx.grant, REQUEST_KEY, PAGES, layers=P(st.sampled_from([None, 1, 2]), INTS),
              peer=P(st.sampled_from([None, w.peer]), INTS),
-             deadline_s=P(st.one_of(st.none(), st.floats(0.01, 100.0)), FLOATS))
+             deadline_s=P(st.one_of(st.none(), st.floats(0.01, 100.0)), FLOATS),
+             page_bytes=UNIT_BYTES, first_layer=FIRST_LAYER)
     if t is not None:
         w.end(t)
 
@@ -908,7 +914,8 @@ def _lrx_grant(h: H, o: Outcome) -> None:
     w = world()
     t = call(h, o, w.lrx.grant, REQUEST_KEY, PAGES, peer=P(st.sampled_from([None, w.lpeer]), INTS),
              deadline_s=P(st.one_of(st.none(), st.floats(0.01, 100.0)), FLOATS),
-             timeout=P(st.just(5.0), WAIT_EDGES, ANY_NOT_A_WAIT, omit=False))
+             timeout=P(st.just(5.0), WAIT_EDGES, ANY_NOT_A_WAIT, omit=False),
+             page_bytes=UNIT_BYTES, first_layer=FIRST_LAYER)
     if t is not None:
         w.local_end(t)
 

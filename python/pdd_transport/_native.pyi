@@ -243,6 +243,8 @@ class KvReceiver:
         layers: int | None = None,
         peer: int | None = None,
         deadline_s: float | None = None,
+        page_bytes: int | None = None,
+        first_layer: int = 0,
     ) -> InboundTransfer: ...
     def cancel(self, transfer_id: int) -> bool: ...
     def refuse(self, request_id: _RequestKey, reason: str, *, peer: int | None = None) -> bool:
@@ -911,6 +913,8 @@ class LocalReceiver:
         peer: int | None = None,
         deadline_s: float | None = None,
         timeout: float = 10.0,
+        page_bytes: int | None = None,
+        first_layer: int = 0,
     ) -> LocalInbound: ...
     def cancel(self, transfer_id: int) -> bool: ...
     def refuse(self, request_id: _RequestKey, reason: str, *, peer: int | None = None) -> bool:

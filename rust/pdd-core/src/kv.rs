@@ -18,9 +18,11 @@ pub mod layout;
 pub mod request_key;
 mod sender;
 pub mod session;
+mod units;
 
 pub use request_key::request_id_of;
 pub use sender::{PlannedBlock, SenderTransfer};
+pub use units::GrantUnits;
 
 /// The fixed part of a KV_PAGES frame: where its data goes, relative to the grant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -156,7 +158,8 @@ pub enum TransferEvent {
         transfer_id: u64,
         /// Its request.
         request_id: u64,
-        /// The layer (pool layer index).
+        /// The layer (pool layer index: the grant's `first_layer` plus the grant
+        /// layer).
         layer: u16,
     },
     /// Every page of every layer has landed and the sender's KV_DONE agrees.
@@ -193,8 +196,13 @@ struct Inbound {
     /// The session the transfer was granted to: blocks and KV_DONE from any other
     /// session are refused as if the transfer did not exist.
     owner: u64,
-    /// Pool page of each grant page.
-    dest_pages: Vec<u32>,
+    /// Pool unit of each grant page (a unit is the grant's `page_bytes`; for a grant
+    /// of whole pages, the pool page).
+    dest_units: Vec<u32>,
+    /// Pool pages the grant's units touch, each once: what it holds.
+    held_pages: Vec<u32>,
+    /// Pool layer of grant layer 0.
+    first_layer: u16,
     /// Per (layer, grant page), layer-major: pending, in flight, landed.
     page_state: Vec<u8>,
     landed_per_layer: Vec<u32>,
@@ -206,13 +214,15 @@ struct Inbound {
     in_flight: u32,
 }
 
-/// Where one block's pages go: pool layer and pool page for each page of the block,
+/// Where one block's pages go: pool layer and pool unit for each page of the block,
 /// layer-major, in the order the block's data carries them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockTarget {
-    /// `(pool_layer, pool_page)` per page of the block.
+    /// `(pool_layer, pool_unit)` per page of the block: the page lands at byte offset
+    /// `pool_unit * page_bytes` of the pool layer's buffer (for a grant of whole
+    /// pages, the unit is the pool page).
     pub pages: Vec<(u16, u32)>,
-    /// Bytes per page.
+    /// Bytes per page: the grant's unit.
     pub page_bytes: u32,
 }
 
@@ -318,6 +328,7 @@ impl ReceiverState {
     /// and KV_DONE that arrive from that session count for it. Fails, changing
     /// nothing, if a page is out of the pool, repeated, or held by another live
     /// grant, or if `transfer_id` is 0 or in use ([`ReceiverState::id_in_use`]).
+    /// [`ReceiverState::grant_units_to`] with the default [`GrantUnits`].
     ///
     /// An empty `dest_pages` is an empty grant (the receiver needs nothing): it holds
     /// no page, takes no block, and completes on a KV_DONE of 0 blocks and 0 bytes.
@@ -332,40 +343,58 @@ impl ReceiverState {
         layer_count: u16,
         deadline_ms: u32,
     ) -> Result<KvGrant> {
+        self.grant_units_to(
+            owner,
+            transfer_id,
+            request_id,
+            dest_pages,
+            layer_count,
+            deadline_ms,
+            GrantUnits::default(),
+        )
+    }
+
+    /// [`ReceiverState::grant_to`] in units of `units.unit_bytes` (a divisor of the
+    /// pool's `page_bytes`) from pool layer `units.first_layer`: `dest_units` are pool
+    /// units in grant order (unit `u` is byte offset `u * unit_bytes` of a layer's
+    /// buffer), grant layer `i` is pool layer `first_layer + i`, and the KV_GRANT says
+    /// `page_bytes` = the unit. The grant holds every pool page its units touch (on
+    /// every layer): it fails, changing nothing, if a unit is out of the pool or
+    /// repeated, or a page it touches is held by another live grant.
+    #[allow(clippy::too_many_arguments)]
+    pub fn grant_units_to(
+        &mut self,
+        owner: u64,
+        transfer_id: u64,
+        request_id: u64,
+        dest_units: &[u32],
+        layer_count: u16,
+        deadline_ms: u32,
+        units: GrantUnits,
+    ) -> Result<KvGrant> {
         if self.id_in_use(transfer_id) {
             return Err(Error::InvalidArgument(format!(
                 "transfer id {transfer_id} is 0 or in use"
             )));
         }
-        if layer_count == 0 || layer_count > self.pool_layers {
-            return Err(Error::InvalidArgument(format!(
-                "layer_count {layer_count} outside 1..={}",
-                self.pool_layers
-            )));
-        }
-        let page_count = u32::try_from(dest_pages.len())
+        let page_count = u32::try_from(dest_units.len())
             .map_err(|_| Error::InvalidArgument("too many pages in one grant".into()))?;
-        let mut seen = std::collections::HashSet::with_capacity(dest_pages.len());
-        for &p in dest_pages {
-            if p >= self.pool_pages {
-                return Err(Error::InvalidArgument(format!(
-                    "page {p} outside the pool of {} pages",
-                    self.pool_pages
-                )));
-            }
-            if !seen.insert(p) {
-                return Err(Error::InvalidArgument(format!(
-                    "page {p} appears twice in the grant"
-                )));
-            }
+        let placed = units.place(
+            self.pool_layers,
+            self.pool_pages,
+            self.page_bytes,
+            dest_units,
+            layer_count,
+        )?;
+        for &p in &placed.pool_pages {
             let owner = self.page_owner[p as usize];
             if owner != 0 {
                 return Err(Error::PagesBusy {
-                    detail: format!("page {p} is held by live transfer {owner}"),
+                    detail: format!("pool page {p} is held by live transfer {owner}"),
                 });
             }
         }
-        for &p in dest_pages {
+        for &p in &placed.pool_pages {
             self.page_owner[p as usize] = transfer_id;
             self.held += 1;
         }
@@ -374,16 +403,18 @@ impl ReceiverState {
             request_id,
             layer_count,
             page_count,
-            page_bytes: self.page_bytes,
+            page_bytes: placed.unit_bytes,
             deadline_ms,
         };
-        let total = usize::from(layer_count) * dest_pages.len();
+        let total = usize::from(layer_count) * dest_units.len();
         self.live.insert(
             transfer_id,
             Inbound {
                 grant: grant.clone(),
                 owner,
-                dest_pages: dest_pages.to_vec(),
+                dest_units: dest_units.to_vec(),
+                held_pages: placed.pool_pages,
+                first_layer: units.first_layer,
                 page_state: vec![PAGE_PENDING; total],
                 landed_per_layer: vec![0; usize::from(layer_count)],
                 landed_total: 0,
@@ -475,7 +506,7 @@ impl ReceiverState {
             let base = usize::from(layer) * per_layer;
             for page in block.page_start..block.page_start + block.page_count {
                 t.page_state[base + page as usize] = PAGE_IN_FLIGHT;
-                pages.push((layer, t.dest_pages[page as usize]));
+                pages.push((t.first_layer + layer, t.dest_units[page as usize]));
             }
         }
         t.in_flight += 1;
@@ -521,7 +552,7 @@ impl ReceiverState {
                 events.push(TransferEvent::LayerComplete {
                     transfer_id: t.grant.transfer_id,
                     request_id: t.grant.request_id,
-                    layer,
+                    layer: t.first_layer + layer,
                 });
             }
         }
@@ -654,7 +685,7 @@ impl ReceiverState {
                 events.push(TransferEvent::LayerComplete {
                     transfer_id: tid,
                     request_id: g.request_id,
-                    layer,
+                    layer: t.first_layer + layer,
                 });
             }
             t.landed_total += pages;
@@ -771,9 +802,9 @@ impl ReceiverState {
         };
         if t.in_flight > 0 {
             self.draining
-                .insert(transfer_id, (t.dest_pages.clone(), t.in_flight, t.owner));
+                .insert(transfer_id, (t.held_pages.clone(), t.in_flight, t.owner));
         } else {
-            self.release_pages(transfer_id, &t.dest_pages);
+            self.release_pages(transfer_id, &t.held_pages);
         }
         if self.recently_ended.len() == RECENTLY_ENDED {
             if let Some((old, _)) = self.recently_ended.pop_front() {

@@ -240,20 +240,58 @@ impl PagePool {
     }
 
     fn page_ptr(&self, layer: u16, page: u32) -> Result<*mut u8, Error> {
+        self.unit_ptr(layer, page, self.page_bytes)
+    }
+
+    /// The address of unit `unit` of `unit_bytes` (a divisor of the pool's
+    /// `page_bytes`: a sub-page grant's page) on `layer`: byte offset
+    /// `unit * unit_bytes` of the layer's buffer. `page_addr` is the unit of a whole
+    /// page. Access rules as for [`PagePool::page_raw`].
+    pub fn unit_addr(&self, layer: u16, unit: u32, unit_bytes: u32) -> Result<usize, Error> {
+        self.unit_ptr(layer, unit, unit_bytes).map(|p| p as usize)
+    }
+
+    /// Units of `unit_bytes` in one layer, for a sender filling a grant whose pages
+    /// are `unit_bytes` long: its source pages then count units of that size. `Err`
+    /// (`invalid_argument`) unless `unit_bytes` divides the pool's `page_bytes`.
+    pub fn units_per_layer(&self, unit_bytes: u32) -> Result<u64, Error> {
+        if unit_bytes == 0 || !self.page_bytes.is_multiple_of(unit_bytes) {
+            return Err(Error::InvalidArgument(format!(
+                "the grant's page_bytes {unit_bytes} does not divide the source pool's \
+                 page_bytes {}",
+                self.page_bytes
+            )));
+        }
+        Ok(u64::from(self.pages) * u64::from(self.page_bytes / unit_bytes))
+    }
+
+    fn unit_ptr(&self, layer: u16, unit: u32, unit_bytes: u32) -> Result<*mut u8, Error> {
+        if unit_bytes == 0 || !self.page_bytes.is_multiple_of(unit_bytes) {
+            return Err(Error::InvalidArgument(format!(
+                "page_bytes {unit_bytes} does not divide the pool's page_bytes {}",
+                self.page_bytes
+            )));
+        }
         let region = self.layers.get(usize::from(layer)).ok_or_else(|| {
             Error::InvalidArgument(format!(
                 "layer {layer} outside the pool's {}",
                 self.layers.len()
             ))
         })?;
-        if page >= self.pages {
-            return Err(Error::InvalidArgument(format!(
-                "page {page} outside the pool's {}",
-                self.pages
-            )));
+        let per_page = u64::from(self.page_bytes / unit_bytes);
+        let units = u64::from(self.pages) * per_page;
+        if u64::from(unit) >= units {
+            return Err(if per_page == 1 {
+                Error::InvalidArgument(format!("page {unit} outside the pool's {}", self.pages))
+            } else {
+                Error::InvalidArgument(format!(
+                    "unit {unit} outside the pool's {units} units of {unit_bytes} bytes"
+                ))
+            });
         }
-        let offset = page as usize * self.page_bytes as usize;
-        // SAFETY: page < pages, so offset + page_bytes <= region.len: in bounds.
+        let offset = unit as usize * unit_bytes as usize;
+        // SAFETY: unit < pages * (page_bytes / unit_bytes), so offset + unit_bytes <=
+        // pages * page_bytes = region.len: in bounds.
         Ok(unsafe { region.ptr.as_ptr().add(offset) })
     }
 
@@ -276,12 +314,30 @@ impl PagePool {
     /// the caller's lane, and the engine keeps its obligation (docs/kv.md: it does not
     /// touch granted pages until their transfer ends).
     pub fn page_raw(&self, layer: u16, page: u32) -> Result<RawPage, Error> {
-        let ptr = self.page_ptr(layer, page)?;
+        self.unit_raw(layer, page, self.page_bytes)
+    }
+
+    /// [`PagePool::page_raw`] of unit `unit` of `unit_bytes` (a sub-page grant's
+    /// page: see [`PagePool::unit_addr`]), under the same rules.
+    pub fn unit_raw(&self, layer: u16, unit: u32, unit_bytes: u32) -> Result<RawPage, Error> {
+        let ptr = self.unit_ptr(layer, unit, unit_bytes)?;
         Ok(RawPage {
-            // page_ptr is in bounds of a region whose base is non-null.
+            // unit_ptr is in bounds of a region whose base is non-null.
             ptr: NonNull::new(ptr).ok_or_else(|| Error::InvalidArgument("null page".into()))?,
-            len: self.page_bytes as usize,
+            len: unit_bytes as usize,
         })
+    }
+
+    /// The bytes of unit `unit` of `unit_bytes` (see [`PagePool::unit_addr`]), to
+    /// read.
+    ///
+    /// # Safety
+    /// No one may write the unit while the returned slice is alive.
+    pub unsafe fn unit(&self, layer: u16, unit: u32, unit_bytes: u32) -> Result<&[u8], Error> {
+        let ptr = self.unit_ptr(layer, unit, unit_bytes)?;
+        // SAFETY: in bounds (unit_ptr), alive while &self is; no concurrent writer by
+        // the caller's contract.
+        Ok(unsafe { std::slice::from_raw_parts(ptr, unit_bytes as usize) })
     }
 
     /// A copy of one page (tests and verification; not the data path).
@@ -330,5 +386,19 @@ mod tests {
         // SAFETY: the test owns the pool; nothing else touches the page.
         unsafe { std::ptr::write_bytes(page.as_ptr(), 7, page.len()) };
         assert_eq!(p.copy_page(0, 2).unwrap(), vec![7; 8]);
+    }
+
+    #[test]
+    fn units_are_sub_page_slices_of_the_layer() {
+        let v: Vec<u8> = (0..24).collect();
+        let p = PagePool::new(vec![MemoryRegion::from_vec(v)], 8).unwrap();
+        // SAFETY: the test is the pool's only user.
+        assert_eq!(unsafe { p.unit(0, 5, 2) }.unwrap(), &[10, 11]);
+        let base = p.page_addr(0, 0).unwrap();
+        assert_eq!(p.unit_addr(0, 11, 2).unwrap(), base + 22);
+        assert_eq!(p.unit_raw(0, 3, 4).unwrap().len(), 4);
+        assert!(p.unit_raw(0, 12, 2).is_err(), "past the layer");
+        assert!(p.unit_raw(0, 0, 3).is_err(), "3 does not divide 8");
+        assert!(p.unit_raw(0, 0, 16).is_err(), "larger than a page");
     }
 }

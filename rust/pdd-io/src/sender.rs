@@ -759,6 +759,10 @@ impl OutboundTransfer {
     /// as the grant layer; `Some` only for a single layer). Each `(layer, page)` goes
     /// exactly once per transfer: a call that repeats one, or names one outside the
     /// grant, fails and queues nothing. Returns once every block is queued on a lane.
+    ///
+    /// A grant whose `page_bytes` is a unit of the pool's (a divisor: the receiver
+    /// granted sub-page units) is filled the same way, its source pages then counting
+    /// units of that size (unit `u` = byte offset `u * unit` of the source layer).
     pub async fn send_pages(
         &self,
         layers: std::ops::Range<u16>,
@@ -774,13 +778,8 @@ impl OutboundTransfer {
                 grant_pages.len()
             )));
         }
-        if pool.page_bytes() != self.grant.page_bytes {
-            return Err(Error::InvalidArgument(format!(
-                "source pages are {} bytes, the grant's are {}",
-                pool.page_bytes(),
-                self.grant.page_bytes
-            )));
-        }
+        // A grant of sub-page units: the source pages count units of its size too.
+        let units = pool.units_per_layer(self.grant.page_bytes)?;
         if src_layer.is_some() && layers.len() != 1 {
             return Err(Error::InvalidArgument(
                 "src_layer names one source layer: send one grant layer per call with it".into(),
@@ -793,10 +792,10 @@ impl OutboundTransfer {
                 pool.layers()
             )));
         }
-        if let Some(p) = src_pages.iter().find(|&&p| p >= pool.pages()) {
+        if let Some(p) = src_pages.iter().find(|&&p| u64::from(p) >= units) {
             return Err(Error::InvalidArgument(format!(
-                "source page {p} outside the pool's {}",
-                pool.pages()
+                "source page {p} outside the pool's {units} of {} bytes",
+                self.grant.page_bytes
             )));
         }
         if let OutboundStatus::Failed(e) = self.status() {

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use numpy::{PyArray1, PyArrayMethods, PyUntypedArrayMethods};
+use pdd_core::kv::GrantUnits;
 use pdd_core::wire::capability;
 use pdd_core::wire::handshake::LocalHello;
 use pdd_core::Error;
@@ -275,7 +276,13 @@ impl KvReceiver {
     /// layers `0..layers` (all with None) to `peer` (the only peer with None), for the
     /// request named `request_id` (an int, or a str/bytes key mapped by
     /// `request_id_of`).
-    #[pyo3(signature = (request_id, pages, *, layers = None, peer = None, deadline_s = None))]
+    ///
+    /// `page_bytes` (a divisor of the pool's; default the pool's) makes `pages` units
+    /// of that size (unit `u` = byte offset `u * page_bytes` of each layer's buffer):
+    /// a sub-page grant. `first_layer`: grant layer `i` is pool layer
+    /// `first_layer + i` (`layers` then defaults to the pool's layers from there).
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (request_id, pages, *, layers = None, peer = None, deadline_s = None, page_bytes = None, first_layer = 0))]
     fn grant(
         &self,
         py: Python<'_>,
@@ -284,15 +291,21 @@ impl KvReceiver {
         layers: Option<u16>,
         peer: Option<u64>,
         deadline_s: Option<f64>,
+        page_bytes: Option<u32>,
+        first_layer: u16,
     ) -> PyResult<InboundTransfer> {
         let pages = u32s_from_py(pages, "pages")?;
+        let units = GrantUnits {
+            unit_bytes: page_bytes,
+            first_layer,
+        };
         let deadline = deadline_s.map(|d| seconds(d, "deadline_s")).transpose()?;
         // grant() spawns its deadline timer: it must run inside the runtime.
         let rt = runtime()?;
         let _guard = rt.enter();
         let t = self
             .inner
-            .grant(request_id.id, &pages, layers, peer, deadline)
+            .grant_units(request_id.id, &pages, layers, units, peer, deadline)
             .map_err(PddErr)?;
         let rx = self.inner.clone();
         self.keys

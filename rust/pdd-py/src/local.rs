@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use pdd_core::kv::GrantUnits;
 use pdd_core::wire::capability;
 use pdd_core::wire::handshake::LocalHello;
 use pdd_io::local::receiver::{self, LocalReceiverConfig};
@@ -216,8 +217,10 @@ impl LocalReceiver {
     /// layer to `peer` (the only sender with None): only these pages are exposed.
     /// `request_id` is an int or the engine's str/bytes key (`kv.request_id_of`).
     /// No pages is an empty grant, as on the KV lanes: it completes with 0 bytes
-    /// once the sender finishes.
-    #[pyo3(signature = (request_id, pages, *, peer = None, deadline_s = None, timeout = 10.0))]
+    /// once the sender finishes. `page_bytes` and `first_layer` as for
+    /// `KvReceiver.grant` (the grant covers pool layers `first_layer..`).
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (request_id, pages, *, peer = None, deadline_s = None, timeout = 10.0, page_bytes = None, first_layer = 0))]
     fn grant(
         &self,
         py: Python<'_>,
@@ -226,15 +229,24 @@ impl LocalReceiver {
         peer: Option<u64>,
         deadline_s: Option<f64>,
         timeout: f64,
+        page_bytes: Option<u32>,
+        first_layer: u16,
     ) -> PyResult<LocalInbound> {
         let pages = u32s_from_py(pages, "pages")?;
+        let units = GrantUnits {
+            unit_bytes: page_bytes,
+            first_layer,
+        };
         let deadline = deadline_s.map(|d| seconds(d, "deadline_s")).transpose()?;
         let rx = self.inner.clone();
         let t = wait_bounded(
             py,
             seconds(timeout, "timeout")?,
             "registering a grant",
-            async move { rx.grant(request_id.id, &pages, peer, deadline).await },
+            async move {
+                rx.grant_units(request_id.id, &pages, units, peer, deadline)
+                    .await
+            },
         )?;
         // Events carry the engine's key (str keys included), as on the KV receiver.
         let live = self.inner.clone();

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use pdd_core::kv::session::{self as core_session, ReceiverEndpoint, SessionTimers};
-use pdd_core::kv::TransferEvent;
+use pdd_core::kv::{GrantUnits, TransferEvent};
 use pdd_core::wire::handshake::LocalHello;
 use pdd_core::wire::{capability, Frame, KvGrant, LocalAddr, LocalGrant, LocalRegion};
 use pdd_core::Error;
@@ -307,15 +307,41 @@ impl LocalReceiver {
         peer: Option<u64>,
         deadline: Option<Duration>,
     ) -> Result<LocalInbound, Error> {
+        let units = GrantUnits::default();
+        self.grant_units(request_id, pages, units, peer, deadline)
+            .await
+    }
+
+    /// [`grant`](Self::grant) of `pages` counted in `units`, as the WAN receiver's
+    /// `grant_units`: with a unit smaller than the pool's page (a divisor of it),
+    /// `pages` are pool units (unit `u` is byte offset `u * unit` of a layer's
+    /// buffer) and exactly those byte ranges are registered and put into; the grant
+    /// covers pool layers `units.first_layer..` to the pool's last.
+    pub async fn grant_units(
+        &self,
+        request_id: u64,
+        pages: &[u32],
+        units: GrantUnits,
+        peer: Option<u64>,
+        deadline: Option<Duration>,
+    ) -> Result<LocalInbound, Error> {
         let shared = &self.shared;
         let peer = self.the_peer(peer)?;
-        let layers = shared.pool.layers();
+        let layers = shared.pool.layers().saturating_sub(units.first_layer);
         // Reserved, not yet announced: the pages are registered first. The machine
         // checks the session, its empty-grant capability, the request's uniqueness.
         let (status, rx) = watch::channel(LocalStatus::InProgress);
         let grant = {
             let mut m = lock(&shared.machine);
-            let grant = m.reserve(peer, request_id, pages, layers, deadline, rand::random)?;
+            let grant = m.reserve_units(
+                peer,
+                request_id,
+                pages,
+                layers,
+                units,
+                deadline,
+                rand::random,
+            )?;
             lock(&shared.transfers).insert(
                 grant.transfer_id,
                 Entry {
@@ -326,25 +352,28 @@ impl LocalReceiver {
             );
             grant
         };
-        // Register exactly the granted pages: one region per run of consecutive
-        // pool pages, per layer. Pages inside memory the receiver had UCX allocate
+        // Register exactly the granted pages (units of the grant's size): one region
+        // per run of consecutive pool units, per layer. Pages inside memory the receiver had UCX allocate
         // (`SharedAllocation`) are not registered: their region carries the
         // allocation's key, which a sender on this host maps and copies into.
         let tid = grant.transfer_id;
-        let pb = shared.pool.page_bytes() as usize;
+        let unit = grant.page_bytes;
         let page_runs = runs(pages);
         let mut regions = Vec::with_capacity(page_runs.len() * usize::from(layers));
         let mut to_map = Vec::new();
         for layer in 0..layers {
             for &r in &page_runs {
-                let addr = match shared.pool.page_addr(layer, r.pool_start) {
+                let at = shared
+                    .pool
+                    .unit_addr(units.first_layer + layer, r.pool_start, unit);
+                let addr = match at {
                     Ok(a) => a,
                     Err(e) => {
                         with_machine(shared, |m| m.fail_transfer(tid, e.clone()));
                         return Err(e);
                     }
                 };
-                let len = r.count as usize * pb;
+                let len = r.count as usize * unit as usize;
                 let key = super::shared::shared_key(addr, len);
                 if key.is_none() {
                     to_map.push((addr, len));

@@ -408,8 +408,8 @@ fn with_machine_regions<R>(
 }
 
 /// Move what the machine said: its frames onto the control lane, in order; its
-/// events onto statuses, keys and waiters. A grant of another page size than our
-/// pool's is refused here (the machine answers it). Called with the machine locked.
+/// events onto statuses, keys and waiters. A grant of a page size that does not divide
+/// our pool's is refused here (the machine answers it). Called with the machine locked.
 fn flush(shared: &Arc<Shared>, m: &mut SenderSession) -> Vec<(KvGrant, LocalGrant)> {
     let now = clock::now();
     let mut regions = Vec::new();
@@ -426,12 +426,9 @@ fn flush(shared: &Arc<Shared>, m: &mut SenderSession) -> Vec<(KvGrant, LocalGran
                     let Some(g) = m.pending_grant(request_id).cloned() else {
                         continue;
                     };
-                    if g.page_bytes != shared.pool.page_bytes() {
-                        let e = Error::InvalidArgument(format!(
-                            "page_bytes {} but our pool's are {}",
-                            g.page_bytes,
-                            shared.pool.page_bytes()
-                        ));
+                    // A grant of sub-page units (a divisor of our page size) is
+                    // filled from units of our own pages; any other size cannot be.
+                    if let Err(e) = shared.pool.units_per_layer(g.page_bytes) {
                         m.refuse_grant(request_id, &e);
                     } else if g.page_count == 0 {
                         // An empty grant: no LOCAL_GRANT follows, nothing to put.
@@ -619,7 +616,9 @@ impl LocalOutbound {
     /// that repeats one, or names one outside the grant, fails and puts nothing.
     /// Returns once the puts are flushed (the bytes are in the receiver's memory)
     /// and a LOCAL_DONE is queued for each layer whose last page this call put. Runs
-    /// of consecutive source pages that land in one region go as one put.
+    /// of consecutive source pages that land in one region go as one put. A grant of
+    /// sub-page units (its `page_bytes` a divisor of our pool's) is put from units of
+    /// that size: source page `u` is byte offset `u * unit` of the source layer.
     ///
     /// The puts and notices run on a task of their own: a caller that stops waiting
     /// (its timeout) leaves them to finish, so the pages it was told went do go.
@@ -639,13 +638,8 @@ impl LocalOutbound {
                 grant_pages.len()
             )));
         }
-        if pool.page_bytes() != g.page_bytes {
-            return Err(Error::InvalidArgument(format!(
-                "source pages are {} bytes, the grant's are {}",
-                pool.page_bytes(),
-                g.page_bytes
-            )));
-        }
+        // A grant of sub-page units: the source pages count units of its size too.
+        let units = pool.units_per_layer(g.page_bytes)?;
         if src_layer.is_some() && layers.len() != 1 {
             return Err(Error::InvalidArgument(
                 "src_layer names one source layer: send one grant layer per call with it".into(),
@@ -658,10 +652,10 @@ impl LocalOutbound {
                 pool.layers()
             )));
         }
-        if let Some(p) = src_pages.iter().find(|&&p| p >= pool.pages()) {
+        if let Some(p) = src_pages.iter().find(|&&p| u64::from(p) >= units) {
             return Err(Error::InvalidArgument(format!(
-                "source page {p} outside the pool's {}",
-                pool.pages()
+                "source page {p} outside the pool's {units} of {} bytes",
+                g.page_bytes
             )));
         }
         let serial = self.serial.clone().lock_owned().await;
@@ -746,7 +740,9 @@ impl LocalOutbound {
                         transfer_id: self.grant.transfer_id,
                         detail: format!("layer {layer} page {gp} lies in no region"),
                     })?;
-                let src = pool.page_addr(from, src_pages[first + i as usize])?;
+                // Pages of the grant's size: whole pool pages, or units of them.
+                let src =
+                    pool.unit_addr(from, src_pages[first + i as usize], self.grant.page_bytes)?;
                 let remote = r.remote_addr + u64::from(gp - r.page_start) * pb;
                 match ops.last_mut() {
                     Some(last)

@@ -252,11 +252,13 @@ async fn read_block(
                 finished: false,
             };
             // Addresses only: begin_block marked every page of the block in flight for
-            // this lane alone, and the guard keeps them held until it finishes.
+            // this lane alone, and the guard keeps them held until it finishes. A page
+            // is a unit of the grant's size (a whole pool page, or a slice of one for a
+            // sub-page grant): its bytes land at its own address, never staged.
             let pages = target
                 .pages
                 .iter()
-                .map(|&(layer, page)| shared.pool.page_raw(layer, page))
+                .map(|&(layer, unit)| shared.pool.unit_raw(layer, unit, target.page_bytes))
                 .collect::<Result<Vec<RawPage>, Error>>()?;
             if compressed {
                 return land_compressed(

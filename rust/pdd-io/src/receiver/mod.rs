@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pdd_core::kv::session::{self as core_session, ReceiverEndpoint, SessionHandle, SessionTimers};
-use pdd_core::kv::TransferEvent;
+use pdd_core::kv::{GrantUnits, TransferEvent};
 use pdd_core::prefix::LeaseTable;
 use pdd_core::radix::RadixCache;
 use pdd_core::wire::handshake::LocalHello;
@@ -421,18 +421,39 @@ impl KvReceiver {
         peer: Option<u64>,
         deadline: Option<Duration>,
     ) -> Result<InboundTransfer, Error> {
+        let units = GrantUnits::default();
+        self.grant_units(request_id, pages, layer_count, units, peer, deadline)
+    }
+
+    /// [`grant`](Self::grant) of `pages` counted in `units`: with a unit smaller than
+    /// the pool's page (a divisor of it), `pages` are pool units (unit `u` is byte
+    /// offset `u * unit` of each layer's buffer) and blocks land there, on every lane
+    /// kind; grant layer `i` is pool layer `units.first_layer + i`, and `layer_count`
+    /// defaults to the pool's layers from there. Every pool page a unit touches is the
+    /// transfer's until it ends (`pdd_core::kv::ReceiverState::grant_units_to`).
+    pub fn grant_units(
+        &self,
+        request_id: u64,
+        pages: &[u32],
+        layer_count: Option<u16>,
+        units: GrantUnits,
+        peer: Option<u64>,
+        deadline: Option<Duration>,
+    ) -> Result<InboundTransfer, Error> {
         let shared = &self.shared;
-        let layers = layer_count.unwrap_or_else(|| shared.pool.layers());
+        let layers =
+            layer_count.unwrap_or_else(|| shared.pool.layers().saturating_sub(units.first_layer));
         let mut m = lock(&shared.machine);
         let peer = the_peer(&m, peer)?;
         // Transfer ids unguessable and unique among live and recent transfers (the
         // machine draws until one is free); the request's uniqueness per session,
         // the peer's empty-grant capability and the pages are the machine's checks.
-        let grant = m.grant(
+        let grant = m.grant_units(
             peer,
             request_id,
             pages,
             layers,
+            units,
             deadline,
             clock::now(),
             rand::random,

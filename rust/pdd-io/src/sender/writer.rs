@@ -168,7 +168,8 @@ async fn write_block<W: tokio::io::AsyncWrite + Unpin>(
     for &(layer, page) in &job.src {
         // SAFETY: source pages are only read by the transport; the engine must not
         // rewrite KV it asked to send until the transfer completes (documented).
-        pages.push(unsafe { pool.page(layer, page) }?);
+        // A page is a unit of the grant's size (a divisor of the pool's page_bytes).
+        pages.push(unsafe { pool.unit(layer, page, job.block.page_bytes) }?);
     }
     let data_len = job.block.data_len();
     let mut z: Option<(Encoded, &BlockEncoder)> = None;
