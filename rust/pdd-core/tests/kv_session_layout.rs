@@ -58,7 +58,7 @@ fn both_sides_learn_each_others_layout_first_and_are_up_only_then() {
         assert_eq!(out[0], (h, layout_frame(b"decoder layout")));
         // No grant before the sender's layout came.
         let e = rx.grant(1, 7, &[1], 1, None, ms(0), ids()).unwrap_err();
-        assert_eq!(e.reason(), "invalid_argument", "{e}");
+        assert_eq!(e.reason(), "connection_lost", "{e}");
 
         let mut tx = tx_with(Some(b"prefill layout"), caps);
         assert!(tx.is_connected() && !tx.is_up());

@@ -96,13 +96,18 @@ impl ReceiverEndpoint {
         self.events.push_back(ReceiverEvent::PeerLayout { session });
     }
 
-    /// A grant needs the peer's layout first, where it negotiated one.
+    /// A grant needs the peer's layout first, where it negotiated one. Until then
+    /// the peer is not up: `connection_lost`, as for a peer not connected yet, so a
+    /// caller that retries a grant while the prefill side connects (the Puller)
+    /// retries this too; the layout is the peer's first frame, so the wait is short.
     pub(super) fn check_layout_known(&self, session: SessionHandle) -> Result<()> {
         match self.sessions.get(&session.generation) {
-            Some(s) if Self::awaits_layout(s) => Err(Error::InvalidArgument(format!(
-                "peer {} has not sent its KV layout yet: wait until it is up",
-                session.id
-            ))),
+            Some(s) if Self::awaits_layout(s) => Err(Error::ConnectionLost {
+                detail: format!(
+                    "peer {} is not up yet: its KV_LAYOUT has not arrived",
+                    session.id
+                ),
+            }),
             _ => Ok(()),
         }
     }
