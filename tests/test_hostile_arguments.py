@@ -663,6 +663,9 @@ BUFFER = P(st.sampled_from([0, 1 << 16, 8 << 20]), INTS)
 CONGESTION = P(st.sampled_from([None, "cubic", "reno"]), TEXT)
 COMPRESS = P(st.sampled_from(["auto", "on", "off"]), TEXT)
 RADIX = obj(st.one_of(st.none(), st.builds(N.RadixCache)))
+# A KV layout: opaque bytes, 1..256 of them (an empty or longer one is refused).
+LAYOUT = P(st.one_of(st.none(), st.binary(min_size=1, max_size=256)),
+           st.one_of(BYTES, st.sampled_from([b"", b"x" * 256, b"x" * 257])))
 
 
 @spec("KvReceiver()", examples=NET_EXAMPLES)
@@ -670,7 +673,7 @@ def _receiver_new(h: H, o: Outcome) -> None:
     closing(call(h, o, N.KvReceiver, POOL, listen=LISTEN, role=P(st.just("main_decode"), TEXT), secret=SECRET,
                  insecure=BOOL, tls=TLS, heartbeat_s=HEARTBEAT, dead_after_s=DEAD_AFTER, hello_timeout_s=SECONDS,
                  socket_buffer=BUFFER, congestion=CONGESTION, max_payload=MAX_PAYLOAD, prefix_cache=RADIX,
-                 sealed_lanes=BOOL))
+                 sealed_lanes=BOOL, layout=LAYOUT))
 
 
 def connect_to(live: Callable[[], str]) -> P:
@@ -687,12 +690,17 @@ def _sender_new(h: H, o: Outcome) -> None:
                  block_bytes=P(st.sampled_from([PAGE, 1 << 20]), INTS), socket_buffer=BUFFER,
                  congestion=CONGESTION, max_payload=MAX_PAYLOAD,
                  lane_stall_s=P(st.one_of(st.none(), st.floats(0.01, 1.0)), FLOATS),
-                 lane_failover=BOOL, sealed_lanes=BOOL, unsent_limit=BUFFER, compress=COMPRESS))
+                 lane_failover=BOOL, sealed_lanes=BOOL, unsent_limit=BUFFER, compress=COMPRESS, layout=LAYOUT))
 
 
 @spec("KvReceiver.wait_peer")
 def _rx_wait_peer(h: H, o: Outcome) -> None:
     call(h, o, world().rx.wait_peer, peer=P(st.sampled_from([None, 424242, 7]), INTS), timeout=WAIT)
+
+
+@spec("KvReceiver.peer_layout")
+def _rx_peer_layout(h: H, o: Outcome) -> None:
+    call(h, o, world().rx.peer_layout, peer=P(st.sampled_from([None, 424242, 7]), INTS))
 
 
 @spec("KvReceiver.grant")
@@ -893,7 +901,8 @@ def _out_abort(h: H, o: Outcome) -> None:
 @spec("LocalReceiver()", examples=NET_EXAMPLES)
 def _lrx_new(h: H, o: Outcome) -> None:
     closing(call(h, o, N.LocalReceiver, POOL, listen=LISTEN, role=P(st.just("relay_decode"), TEXT), secret=SECRET,
-                 insecure=BOOL, tls=TLS, heartbeat_s=HEARTBEAT, dead_after_s=DEAD_AFTER, hello_timeout_s=SECONDS))
+                 insecure=BOOL, tls=TLS, heartbeat_s=HEARTBEAT, dead_after_s=DEAD_AFTER, hello_timeout_s=SECONDS,
+                 layout=LAYOUT))
 
 
 @spec("LocalSender()", examples=NET_EXAMPLES)
@@ -901,12 +910,19 @@ def _ltx_new(h: H, o: Outcome) -> None:
     closing(call(h, o, N.LocalSender, POOL, connect_to(lambda: world().lrx_addr),
                  node_id=P(st.one_of(st.none(), st.integers(1, 2**64 - 1)), INTS), role=ROLE, secret=SECRET,
                  tls=TLS, heartbeat_s=HEARTBEAT, dead_after_s=DEAD_AFTER,
-                 connect_timeout_s=P(st.sampled_from([1.0, 5.0]), WAIT_EDGES, ANY_NOT_A_WAIT), put_timeout_s=SECONDS))
+                 connect_timeout_s=P(st.sampled_from([1.0, 5.0]), WAIT_EDGES, ANY_NOT_A_WAIT), put_timeout_s=SECONDS,
+                 layout=LAYOUT))
 
 
 @spec("LocalReceiver.wait_peer")
 def _lrx_wait_peer(h: H, o: Outcome) -> None:
     call(h, o, world().lrx.wait_peer, timeout=WAIT)
+
+
+@spec("LocalReceiver.peer_layout")
+def _lrx_peer_layout(h: H, o: Outcome) -> None:
+    w = world()
+    call(h, o, w.lrx.peer_layout, peer=P(st.sampled_from([None, w.lpeer, 7]), INTS))
 
 
 @spec("LocalReceiver.grant")

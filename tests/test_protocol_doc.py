@@ -116,6 +116,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "KV_PAGES_Z": {"kind": "KV_PAGES_Z", "transfer_id": 11, "layer_start": 3, "layer_count": 1,
                    "page_start": 40, "page_count": 2, "page_bytes": 8, "codec": 1, "raw_crc32c": 0xDEADBEEF,
                    "lengths": [8, 3], "data": bytes(range(11))},
+    "KV_LAYOUT": {"kind": "KV_LAYOUT", "layout": bytes(range(1, 12))},
 }
 
 

@@ -192,13 +192,14 @@ class Settings:
             idle_wait_s=get("idle_wait_s", float, d.idle_wait_s),
         )
 
-    def decode_side(self, pool: Any) -> Puller:
+    def decode_side(self, pool: Any, *, layout: bytes | None = None) -> Puller:
         """A decode instance's end: a receiver over ``pool`` listening on ``listen``
         (a :class:`~pdd_transport.kv.KvReceiver` on the WAN path, a
         :class:`~pdd_transport.local.LocalReceiver` where ``path`` is ``"local"``), its
         address published as a prefill side names it (``host:port``, or
         ``local://host:port``; see :func:`publish_address`), and a :class:`Puller` that
-        owns it."""
+        owns it. ``layout``: the pool's KV layout (1..256 opaque bytes), exchanged with
+        each prefill side that has one too (:meth:`Puller.peer_layout`)."""
         from pdd_transport.transfers import Puller, publish_address
 
         receiver: Any
@@ -207,23 +208,28 @@ class Settings:
 
             receiver = LocalReceiver(pool, self.listen, secret=self.secret, insecure=self.insecure,
                                      tls=self.receiver_tls(), heartbeat_s=self.heartbeat_s,
-                                     dead_after_s=self.dead_after_s)
+                                     dead_after_s=self.dead_after_s, layout=layout)
         else:
             receiver = _native.KvReceiver(pool, self.listen, secret=self.secret, insecure=self.insecure,
                                           tls=self.receiver_tls(), heartbeat_s=self.heartbeat_s,
-                                          dead_after_s=self.dead_after_s)
+                                          dead_after_s=self.dead_after_s, layout=layout)
         host, port = receiver.address
         publish_address(f"{LOCAL_SCHEME if self.path == 'local' else ''}{host}:{port}")
         return Puller(receiver, grant_timeout_s=self.grant_timeout_s, deadline_s=self.deadline_s, owns_receiver=True)
 
-    def prefill_side(self, pool: Any, on_send: Callable[[Push, str, int, int, int], None] | None = None) -> Pusher:
+    def prefill_side(self, pool: Any, on_send: Callable[[Push, str, int, int, int], None] | None = None, *,
+                     layout: bytes | None = None) -> Pusher:
         """A prefill instance's end: a :class:`Pusher` over ``pool``, already
         connecting to each ``connect`` address (one that cannot be reached yet is
-        retried by the first push to it)."""
+        retried by the first push to it). ``layout``: the pool's KV layout (1..256
+        opaque bytes), exchanged with each decoder that has one too
+        (:meth:`Pusher.peer_layout`)."""
         from pdd_transport.transfers import Pusher
 
+        with_layout = {"layout": layout} if layout is not None else {}
         pusher = Pusher(pool, grant_timeout_s=self.grant_timeout_s, deadline_s=self.deadline_s,
-                        wan_options=self.wan_options(), local_options=self.local_options(), on_send=on_send,
+                        wan_options={**self.wan_options(), **with_layout},
+                        local_options={**self.local_options(), **with_layout}, on_send=on_send,
                         allowed=self.allowed_destinations(), tls_for=self.sender_tls if self.tls_cert else None)
         for address in self.connect:
             try:

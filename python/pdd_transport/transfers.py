@@ -490,6 +490,14 @@ class Pusher:
         """Address -> sender, for those made so far."""
         return dict(self._senders)
 
+    def peer_layout(self, address: str) -> bytes | None:
+        """The KV layout the decoder at ``address`` sent (capability ``kv_layout``;
+        known once its sender connected, :meth:`sender_for`). None: no sender to it
+        yet, or it or this side has no layout (or predates layouts)."""
+        sender = self._senders.get(address)
+        layout: bytes | None = getattr(sender, "peer_layout", None) if sender is not None else None
+        return layout
+
     # -- pushes
 
     def start(self, key: str, destinations: Iterable[str], *, blocks: int, tag: Any = None,
@@ -865,6 +873,15 @@ class Puller:
 
     def get(self, key: str) -> Pull | None:
         return self._pulls.get(key)
+
+    def peer_layout(self, peer: int | None = None) -> bytes | None:
+        """The KV layout prefill instance ``peer`` (the only connected one with None)
+        sent (capability ``kv_layout``; known once the receiver's ``wait_peer``
+        returned for it). None: it or this side has no layout, or it predates
+        layouts. Raises as a grant would while no peer (or several) is connected."""
+        peer_layout = getattr(self.receiver, "peer_layout", None)
+        layout: bytes | None = peer_layout(peer) if peer_layout is not None else None
+        return layout
 
     def __len__(self) -> int:
         return len(self._pulls)

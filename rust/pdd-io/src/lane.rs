@@ -28,6 +28,19 @@ pub fn with_aead(local: &LocalHello, tls: bool) -> LocalHello {
     h
 }
 
+/// Offer `kv_layout` exactly when this endpoint has a layout to send: the bit
+/// promises a KV_LAYOUT first, and where both offer it each side waits for the
+/// other's before the session counts as up (a side without one would hold the
+/// other forever).
+pub fn offer_layout(local: &mut LocalHello, has_layout: bool) {
+    use pdd_core::wire::capability::KV_LAYOUT;
+    if has_layout {
+        local.capabilities |= KV_LAYOUT;
+    } else {
+        local.capabilities &= !KV_LAYOUT;
+    }
+}
+
 /// Whether a lane's ends agreed to seal its KV (see [`crate::sealed`]).
 pub fn sealed(agreed: &Negotiated) -> bool {
     use pdd_core::wire::capability::{AEAD, SEALED_LANES};

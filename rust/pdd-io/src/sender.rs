@@ -85,6 +85,9 @@ pub struct SenderConfig {
     /// `Auto` (the default) where the sender's measurements say it pays, `On` for
     /// every block, `Off` never (the capability is not offered).
     pub compress: crate::compress::CompressMode,
+    /// Our pool's KV layout (1 ..= 256 opaque bytes), sent to a receiver that has
+    /// one too (capability `kv_layout`, offered exactly when this is set).
+    pub layout: Option<Vec<u8>>,
 }
 
 impl SenderConfig {
@@ -109,6 +112,7 @@ impl SenderConfig {
             lane_failover: true,
             lane_stall: None,
             compress: crate::compress::CompressMode::Auto,
+            layout: None,
         }
     }
 
@@ -264,8 +268,10 @@ impl KvSender {
         } else {
             cfg.hello.capabilities |= pdd_core::wire::capability::KV_COMPRESS;
         }
+        lane::offer_layout(&mut cfg.hello, cfg.layout.is_some());
         let timers = SessionTimers::new(cfg.heartbeat, cfg.dead_after);
-        let machine = SenderSession::new(timers, cfg.lane_stall())?;
+        let machine =
+            SenderSession::new(timers, cfg.lane_stall())?.with_layout(cfg.layout.clone())?;
         let shared = Arc::new(Shared {
             adaptive: crate::compress::Adaptive::new(cfg.compress),
             pool,
@@ -408,6 +414,18 @@ impl KvSender {
     /// grant still is).
     pub fn decline(&self, request_id: u64, reason: &str) -> Result<bool, Error> {
         with_machine(&self.shared, |m| m.decline(request_id, reason))
+    }
+
+    /// The receiver's KV layout on the live session (its KV_LAYOUT), known once
+    /// `connect` (or a reconnect) returned where both sides have a layout. `None`:
+    /// the receiver has none or is older, or no session is live.
+    pub fn peer_layout(&self) -> Option<Vec<u8>> {
+        lock(&self.shared.machine).peer_layout().map(<[u8]>::to_vec)
+    }
+
+    /// Our layout, as given (`SenderConfig::layout`).
+    pub fn layout(&self) -> Option<Vec<u8>> {
+        self.shared.cfg.layout.clone()
     }
 
     /// Whether a session is up now (false while one is being opened or after it was
@@ -634,6 +652,9 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
         control_stream,
         control_rx,
     ));
+    if agreed.capabilities & pdd_core::wire::capability::KV_LAYOUT != 0 {
+        session::wait_layout(shared, &conn).await?;
+    }
     Ok(conn)
 }
 

@@ -16,7 +16,7 @@ use pdd_io::receiver::{self, ReceiverConfig, TransferStatus};
 use pdd_io::sender::{self, OutboundStatus, SenderConfig};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 
 use crate::convert::{address, role, seconds, seconds_or_zero, tuning, u32s_from_py};
 use crate::errors::{invalid, PddErr};
@@ -203,7 +203,7 @@ pub struct KvReceiver {
 #[pymethods]
 impl KvReceiver {
     #[new]
-    #[pyo3(signature = (pool, listen = "127.0.0.1:0", *, role = "main_decode", secret = None, insecure = false, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, hello_timeout_s = 5.0, socket_buffer = 8388608, congestion = None, max_payload = 16777216, prefix_cache = None, sealed_lanes = true))]
+    #[pyo3(signature = (pool, listen = "127.0.0.1:0", *, role = "main_decode", secret = None, insecure = false, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, hello_timeout_s = 5.0, socket_buffer = 8388608, congestion = None, max_payload = 16777216, prefix_cache = None, sealed_lanes = true, layout = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -221,6 +221,7 @@ impl KvReceiver {
         max_payload: u32,
         prefix_cache: Option<PyRef<'_, RadixCache>>,
         sealed_lanes: bool,
+        layout: Option<PyBackedBytes>,
     ) -> PyResult<Self> {
         let caps = if prefix_cache.is_some() {
             capability::KV_STREAM | capability::PREFIX_CACHE
@@ -234,6 +235,7 @@ impl KvReceiver {
         cfg.allow_insecure = insecure;
         cfg.tls = tls.map(|t| t.inner.clone());
         cfg.sealed_lanes = sealed_lanes;
+        cfg.layout = layout.map(|l| l.to_vec());
         cfg.heartbeat = seconds(heartbeat_s, "heartbeat_s")?;
         cfg.dead_after = seconds(dead_after_s, "dead_after_s")?;
         cfg.hello_timeout = seconds(hello_timeout_s, "hello_timeout_s")?;
@@ -263,7 +265,28 @@ impl KvReceiver {
             .collect()
     }
 
-    /// Wait until `peer` (any peer with None) is connected; returns its node id.
+    /// Our pool's KV layout as given (`layout=`), or None.
+    #[getter]
+    fn layout<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.inner.layout().map(|l| PyBytes::new(py, &l))
+    }
+
+    /// The KV layout `peer` (the only peer with None) sent (capability
+    /// `kv_layout`): known once `wait_peer` returned for it. None: the peer has no
+    /// layout, predates layouts, or this receiver has none (then nothing is
+    /// exchanged either way).
+    #[pyo3(signature = (peer = None))]
+    fn peer_layout<'py>(
+        &self,
+        py: Python<'py>,
+        peer: Option<u64>,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let l = self.inner.peer_layout(peer).map_err(PddErr)?;
+        Ok(l.map(|l| PyBytes::new(py, &l)))
+    }
+
+    /// Wait until `peer` (any peer with None) is connected and up (its KV layout
+    /// came, where both sides have one); returns its node id.
     #[pyo3(signature = (peer = None, timeout = 10.0))]
     fn wait_peer(&self, py: Python<'_>, peer: Option<u64>, timeout: f64) -> PyResult<u64> {
         let rx = self.inner.clone();
@@ -505,7 +528,7 @@ pub struct KvSender {
 #[pymethods]
 impl KvSender {
     #[new]
-    #[pyo3(signature = (pool, connect, *, lanes = 4, node_id = None, role = "prefill", secret = None, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, block_bytes = 1048576, socket_buffer = 8388608, congestion = None, max_payload = 16777216, lane_stall_s = None, lane_failover = true, sealed_lanes = true, unsent_limit = 1048576, compress = "auto"))]
+    #[pyo3(signature = (pool, connect, *, lanes = 4, node_id = None, role = "prefill", secret = None, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, block_bytes = 1048576, socket_buffer = 8388608, congestion = None, max_payload = 16777216, lane_stall_s = None, lane_failover = true, sealed_lanes = true, unsent_limit = 1048576, compress = "auto", layout = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -528,6 +551,7 @@ impl KvSender {
         sealed_lanes: bool,
         unsent_limit: usize,
         compress: &str,
+        layout: Option<PyBackedBytes>,
     ) -> PyResult<Self> {
         let mut hello = LocalHello::new(self::role(role)?, capability::KV_STREAM);
         hello.secret = secret.map(|c| bytes::Bytes::copy_from_slice(&c));
@@ -540,6 +564,7 @@ impl KvSender {
         cfg.lane_failover = lane_failover;
         cfg.sealed_lanes = sealed_lanes;
         cfg.compress = pdd_io::compress::CompressMode::parse(compress).map_err(PddErr)?;
+        cfg.layout = layout.map(|l| l.to_vec());
         cfg.lanes = lanes;
         cfg.tls = tls.map(|t| t.inner.clone());
         cfg.heartbeat = seconds(heartbeat_s, "heartbeat_s")?;
@@ -619,6 +644,21 @@ impl KvSender {
                 Ok(None)
             }
         }
+    }
+
+    /// Our pool's KV layout as given (`layout=`), or None.
+    #[getter]
+    fn layout<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.inner.layout().map(|l| PyBytes::new(py, &l))
+    }
+
+    /// The receiver's KV layout on the live session (capability `kv_layout`),
+    /// known once the constructor (or a reconnect) returned. None: the receiver
+    /// has no layout, predates layouts, or this sender has none, or no session is
+    /// live.
+    #[getter]
+    fn peer_layout<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.inner.peer_layout().map(|l| PyBytes::new(py, &l))
     }
 
     /// Whether a session is up now.

@@ -12,7 +12,7 @@ use pdd_io::local::sender::{self, LocalSenderConfig};
 use pdd_io::local::LocalStatus;
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 
 use crate::convert::{address, role, seconds, u32s_from_py};
 use crate::errors::PddErr;
@@ -159,7 +159,7 @@ pub struct LocalReceiver {
 #[pymethods]
 impl LocalReceiver {
     #[new]
-    #[pyo3(signature = (pool, listen = "127.0.0.1:0", *, role = "relay_decode", secret = None, insecure = false, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, hello_timeout_s = 5.0))]
+    #[pyo3(signature = (pool, listen = "127.0.0.1:0", *, role = "relay_decode", secret = None, insecure = false, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, hello_timeout_s = 5.0, layout = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -172,10 +172,12 @@ impl LocalReceiver {
         heartbeat_s: f64,
         dead_after_s: f64,
         hello_timeout_s: f64,
+        layout: Option<PyBackedBytes>,
     ) -> PyResult<Self> {
         let mut hello = LocalHello::new(self::role(role)?, capability::KV_STREAM);
         hello.secret = secret.map(|c| bytes::Bytes::copy_from_slice(&c));
         let mut cfg = LocalReceiverConfig::new(address(listen)?, hello);
+        cfg.layout = layout.map(|l| l.to_vec());
         cfg.allow_insecure = insecure;
         cfg.tls = tls.map(|t| t.inner.clone());
         cfg.heartbeat = seconds(heartbeat_s, "heartbeat_s")?;
@@ -201,7 +203,27 @@ impl LocalReceiver {
         self.inner.peers()
     }
 
-    /// Wait until a sender is connected; returns its local session number.
+    /// Our pool's KV layout as given (`layout=`), or None.
+    #[getter]
+    fn layout<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.inner.layout().map(|l| PyBytes::new(py, &l))
+    }
+
+    /// The KV layout `peer` (the only sender with None) sent (capability
+    /// `kv_layout`): known once `wait_peer` returned for it. None: the sender has
+    /// no layout, predates layouts, or this receiver has none.
+    #[pyo3(signature = (peer = None))]
+    fn peer_layout<'py>(
+        &self,
+        py: Python<'py>,
+        peer: Option<u64>,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let l = self.inner.peer_layout(peer).map_err(PddErr)?;
+        Ok(l.map(|l| PyBytes::new(py, &l)))
+    }
+
+    /// Wait until a sender is connected and up (its KV layout came, where both
+    /// sides have one); returns its local session number.
     #[pyo3(signature = (timeout = 10.0))]
     fn wait_peer(&self, py: Python<'_>, timeout: f64) -> PyResult<u64> {
         let rx = self.inner.clone();
@@ -404,7 +426,7 @@ pub struct LocalSender {
 #[pymethods]
 impl LocalSender {
     #[new]
-    #[pyo3(signature = (pool, connect, *, node_id = None, role = "prefill", secret = None, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, put_timeout_s = 30.0))]
+    #[pyo3(signature = (pool, connect, *, node_id = None, role = "prefill", secret = None, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, put_timeout_s = 30.0, layout = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -418,6 +440,7 @@ impl LocalSender {
         dead_after_s: f64,
         connect_timeout_s: f64,
         put_timeout_s: f64,
+        layout: Option<PyBackedBytes>,
     ) -> PyResult<Self> {
         let session_id = node_id.unwrap_or_else(pdd_io::config::random_session_id);
         let mut hello = LocalHello::new(self::role(role)?, capability::KV_STREAM);
@@ -428,11 +451,26 @@ impl LocalSender {
         cfg.dead_after = seconds(dead_after_s, "dead_after_s")?;
         cfg.connect_timeout = seconds(connect_timeout_s, "connect_timeout_s")?;
         cfg.put_timeout = seconds(put_timeout_s, "put_timeout_s")?;
+        cfg.layout = layout.map(|l| l.to_vec());
         let pool = pool.pool.clone();
         let tx = block_on(py, sender::LocalSender::connect(pool, cfg))?.map_err(PddErr)?;
         Ok(LocalSender {
             inner: Arc::new(tx),
         })
+    }
+
+    /// Our pool's KV layout as given (`layout=`), or None.
+    #[getter]
+    fn layout<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.inner.layout().map(|l| PyBytes::new(py, &l))
+    }
+
+    /// The receiver's KV layout (capability `kv_layout`), known once the
+    /// constructor returned. None: the receiver has no layout, predates layouts,
+    /// or this sender has none.
+    #[getter]
+    fn peer_layout<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.inner.peer_layout().map(|l| PyBytes::new(py, &l))
     }
 
     /// Wait for the receiver's grant for `request_id` (an int, or the str/bytes key

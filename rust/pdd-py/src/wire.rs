@@ -9,9 +9,9 @@ use pdd_core::wire::handshake::{negotiate, LocalHello};
 use pdd_core::wire::{
     self, capability, decode_frame as core_decode, decode_frame_shared,
     encode_frame as core_encode, Abort, AbortReason, Auth, CacheEvent, CacheEvents, Frame,
-    FrameKind, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvPages, KvPagesZ, LaneDelivered,
-    LaneRevoke, LocalAddr, LocalDone, LocalGrant, LocalRegion, Ping, PrefixQuery, PrefixReply,
-    Progress, Role, AUTH_LEN,
+    FrameKind, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvLayout, KvPages, KvPagesZ,
+    LaneDelivered, LaneRevoke, LocalAddr, LocalDone, LocalGrant, LocalRegion, Ping, PrefixQuery,
+    PrefixReply, Progress, Role, AUTH_LEN,
 };
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -70,6 +70,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ("lane_delivery", capability::LANE_DELIVERY),
         ("refusal", capability::REFUSAL),
         ("kv_compress", capability::KV_COMPRESS),
+        ("kv_layout", capability::KV_LAYOUT),
     ] {
         caps.set_item(name, bit)?;
     }
@@ -373,6 +374,9 @@ fn frame_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Frame> {
                     })?
                 }
             },
+        }),
+        FrameKind::KvLayout => Frame::KvLayout(KvLayout {
+            layout: bytes_field(&mut f, "layout")?,
         }),
         FrameKind::KvDone => Frame::KvDone(KvDone {
             transfer_id: get!(f, "transfer_id"),
@@ -719,6 +723,9 @@ fn frame_to_dict<'py>(py: Python<'py>, frame: &Frame) -> PyResult<Bound<'py, PyD
             if p.resent {
                 d.set_item("resent", true)?;
             }
+        }
+        Frame::KvLayout(l) => {
+            d.set_item("layout", PyBytes::new(py, &l.layout))?;
         }
         Frame::LocalDone(l) => {
             d.set_item("transfer_id", l.transfer_id)?;

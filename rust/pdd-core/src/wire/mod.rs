@@ -23,12 +23,12 @@ pub mod tokens;
 pub use codec::{
     decode_frame, decode_frame_shared, encode_frame, encode_frame_to_vec, FrameDecoder,
 };
-pub use frame::{put_z_head, z_payload_bounds};
+pub use frame::{check_kv_layout, put_z_head, z_payload_bounds};
 pub use frame::{
     Abort, Auth, CacheEvent, CacheEvents, Frame, Handoff, HandoffAck, Hello, KvDone, KvGrant,
-    KvPages, KvPagesZ, LaneDelivered, LaneRevoke, LocalAddr, LocalDone, LocalGrant, LocalRegion,
-    Ping, PrefixQuery, PrefixReply, Progress, ZRest, KV_PAGES_FIXED_LEN, KV_PAGES_Z_FIXED_LEN,
-    LOCAL_REGION_MIN_LEN, MAX_DELIVERED_LANES,
+    KvLayout, KvPages, KvPagesZ, LaneDelivered, LaneRevoke, LocalAddr, LocalDone, LocalGrant,
+    LocalRegion, Ping, PrefixQuery, PrefixReply, Progress, ZRest, KV_PAGES_FIXED_LEN,
+    KV_PAGES_Z_FIXED_LEN, LOCAL_REGION_MIN_LEN, MAX_DELIVERED_LANES,
 };
 
 use std::fmt;
@@ -59,6 +59,10 @@ pub const MAX_ABORT_MESSAGE_LEN: usize = 1024;
 pub const MAX_PAGE_SIZE: u16 = 256;
 /// Longest UCX worker address LOCAL_ADDR carries.
 pub const MAX_LOCAL_ADDRESS_LEN: usize = 16 << 10;
+/// Longest KV_LAYOUT blob (bytes); the shortest is 1. A layout descriptor is a small
+/// fixed header and a model name: this bound keeps a peer's frame small and the
+/// copy both sides keep per session cheap.
+pub const MAX_KV_LAYOUT_LEN: usize = 256;
 /// Longest packed remote key of one LOCAL_GRANT region.
 pub const MAX_LOCAL_RKEY_LEN: usize = 1024;
 /// LOCAL_ADDR memory kind: host memory.
@@ -174,6 +178,10 @@ frame_kinds! {
     /// whose pages may each be compressed (codec, raw length and the CRC32C of the
     /// decoded pages in the frame). 0x15 is unassigned.
     KvPagesZ = 0x16, "KV_PAGES_Z", flags = FLAG_RESENT;
+    /// KV layout (capability `kv_layout`), on the control lane, both ways, once,
+    /// first: the sending side's pool layout as an opaque blob, so that each side
+    /// can map (or refuse) the other's before any grant or KV byte.
+    KvLayout = 0x17, "KV_LAYOUT", flags = 0;
 }
 
 impl fmt::Display for FrameKind {
@@ -377,6 +385,12 @@ pub mod capability {
     /// one by one) on a data lane; the receiver decodes each page into its granted
     /// page and checks the decoded bytes.
     pub const KV_COMPRESS: u64 = 1 << 11;
+    /// KV layout: the side offers it exactly when it was given a pool layout, and
+    /// then sends one KV_LAYOUT on the control lane right after the session opens,
+    /// before any grant or KV data; where both offered it, each side counts the
+    /// session as up only once the peer's KV_LAYOUT arrived. A side without a layout
+    /// (or an older build) does not offer it: nothing is sent either way.
+    pub const KV_LAYOUT: u64 = 1 << 12;
     /// Every bit defined by this build.
     pub const ALL_KNOWN: u64 = KV_STREAM
         | HANDOFF
@@ -389,7 +403,8 @@ pub mod capability {
         | SEALED_LANES
         | LANE_DELIVERY
         | REFUSAL
-        | KV_COMPRESS;
+        | KV_COMPRESS
+        | KV_LAYOUT;
 }
 
 /// The fixed header in front of every payload.

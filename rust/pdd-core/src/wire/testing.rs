@@ -278,6 +278,11 @@ pub fn any_frame() -> impl Strategy<Value = Frame> {
             })
         }),
         kv_pages_z(),
+        vec(any::<u8>(), 1..=crate::wire::MAX_KV_LAYOUT_LEN).prop_map(|layout| {
+            Frame::KvLayout(crate::wire::KvLayout {
+                layout: Bytes::from(layout),
+            })
+        }),
     ]
 }
 

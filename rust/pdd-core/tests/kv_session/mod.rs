@@ -798,7 +798,9 @@ impl Sim {
                     );
                 }
             }
-            ReceiverEvent::Transfer(_) | ReceiverEvent::Rtt { .. } => {}
+            ReceiverEvent::Transfer(_)
+            | ReceiverEvent::Rtt { .. }
+            | ReceiverEvent::PeerLayout { .. } => {}
             ReceiverEvent::PrefixQuery { .. } => {
                 self.problems.push("a prefix query nobody sent".into());
             }
@@ -879,7 +881,8 @@ impl Sim {
             | SenderEvent::TransferFailed { .. }
             | SenderEvent::RequestAborted { .. }
             | SenderEvent::Rtt(_)
-            | SenderEvent::PrefixReply(_) => {}
+            | SenderEvent::PrefixReply(_)
+            | SenderEvent::PeerLayout => {}
         }
     }
 

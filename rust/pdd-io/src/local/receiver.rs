@@ -56,6 +56,9 @@ pub struct LocalReceiverConfig {
     /// unanswered only when every place holds a session. Default: the WAN receiver's
     /// session and half-open bounds together.
     pub max_connections: u64,
+    /// Our pool's KV layout (1 ..= 256 opaque bytes), sent to every sender that
+    /// has one too (capability `kv_layout`, offered exactly when this is set).
+    pub layout: Option<Vec<u8>>,
 }
 
 impl LocalReceiverConfig {
@@ -71,6 +74,7 @@ impl LocalReceiverConfig {
             dead_after: Duration::from_secs(5),
             max_connections: (crate::receiver::MAX_SESSIONS as u64)
                 + crate::receiver::MAX_OPENING_CONNECTIONS,
+            layout: None,
         }
     }
 }
@@ -173,6 +177,7 @@ impl LocalReceiver {
         }
         cfg.hello.capabilities |=
             capability::LOCAL_UCX | capability::EMPTY_GRANT | capability::REFUSAL;
+        lane::offer_layout(&mut cfg.hello, cfg.layout.is_some());
         lane::check_exposure(
             cfg.listen,
             &cfg.hello,
@@ -192,7 +197,8 @@ impl LocalReceiver {
         let timers = SessionTimers::new(cfg.heartbeat, cfg.dead_after);
         let machine =
             ReceiverEndpoint::new(pool.layers(), pool.pages(), pool.page_bytes(), timers)?
-                .with_max_sessions(usize::MAX);
+                .with_max_sessions(usize::MAX)
+                .with_layout(cfg.layout.clone())?;
         let metrics = Arc::new(Metrics::default());
         let shared = Arc::new(Shared {
             events: Mutex::new(std::collections::VecDeque::new()),
@@ -274,20 +280,39 @@ impl LocalReceiver {
         &self.shared.metrics
     }
 
-    /// Connected senders (local session numbers).
+    /// Connected senders that are up (their KV_LAYOUT came, where `kv_layout` was
+    /// negotiated): local session numbers.
     pub fn peers(&self) -> Vec<u64> {
-        lock(&self.shared.sessions).keys().copied().collect()
+        let m = lock(&self.shared.machine);
+        let sessions = lock(&self.shared.sessions);
+        sessions.keys().copied().filter(|&p| m.is_up(p)).collect()
     }
 
-    /// Wait until a sender is connected (its endpoint can be granted to).
+    /// Wait until a sender is connected and up (its endpoint can be granted to;
+    /// where both sides have a layout, its KV_LAYOUT came).
     pub async fn wait_peer(&self) -> u64 {
         loop {
             let notified = self.shared.peers_changed.notified();
-            if let Some(&p) = lock(&self.shared.sessions).keys().min() {
+            if let Some(p) = self.peers().into_iter().min() {
                 return p;
             }
             notified.await;
         }
+    }
+
+    /// Our layout, as given (`LocalReceiverConfig::layout`).
+    pub fn layout(&self) -> Option<Vec<u8>> {
+        self.shared.cfg.layout.clone()
+    }
+
+    /// The layout `peer` (the only connected sender with `None`) sent in its
+    /// KV_LAYOUT. `Ok(None)`: it has none, is older, or is not up yet
+    /// ([`LocalReceiver::wait_peer`] returns once it is).
+    pub fn peer_layout(&self, peer: Option<u64>) -> Result<Option<Vec<u8>>, Error> {
+        let peer = self.the_peer(peer)?;
+        Ok(lock(&self.shared.machine)
+            .peer_layout(peer)
+            .map(<[u8]>::to_vec))
     }
 
     /// Grant pool pages `pages` (in grant order) on every pool layer to `peer` (the
@@ -643,6 +668,10 @@ fn flush(shared: &Arc<Shared>, m: &mut ReceiverEndpoint) {
             }
             core_session::ReceiverEvent::Rtt { rtt, .. } => {
                 Metrics::set(&shared.metrics.rtt_us, rtt.as_micros() as u64);
+            }
+            // The session is up now: `wait_peer` looks again.
+            core_session::ReceiverEvent::PeerLayout { .. } => {
+                shared.peers_changed.notify_waiters();
             }
             // Not on a local session: the machine refuses them there.
             core_session::ReceiverEvent::StopLane { .. }

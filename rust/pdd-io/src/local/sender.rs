@@ -56,6 +56,9 @@ pub struct LocalSenderConfig {
     pub dead_after: Duration,
     /// Bound on one layer's puts and flush.
     pub put_timeout: Duration,
+    /// Our pool's KV layout (1 ..= 256 opaque bytes), sent to a receiver that has
+    /// one too (capability `kv_layout`, offered exactly when this is set).
+    pub layout: Option<Vec<u8>>,
 }
 
 impl LocalSenderConfig {
@@ -70,6 +73,7 @@ impl LocalSenderConfig {
             heartbeat: Duration::from_secs(1),
             dead_after: Duration::from_secs(5),
             put_timeout: Duration::from_secs(30),
+            layout: None,
         }
     }
 }
@@ -139,6 +143,7 @@ impl LocalSender {
         }
         cfg.hello.capabilities |=
             capability::LOCAL_UCX | capability::EMPTY_GRANT | capability::REFUSAL;
+        lane::offer_layout(&mut cfg.hello, cfg.layout.is_some());
         // A LOCAL_GRANT carries one key per run of granted pages: a gigabyte of
         // shuffled 4 KiB pages is 262,144 regions. The receiver is authenticated and
         // in our datacenter; its frames may take up to this.
@@ -205,8 +210,36 @@ impl LocalSender {
         }
         // No data lanes: the stall bound is never used, only checked.
         let timers = SessionTimers::new(cfg.heartbeat, cfg.dead_after);
-        let mut machine = SenderSession::new(timers, cfg.dead_after / 2)?;
+        let mut machine =
+            SenderSession::new(timers, cfg.dead_after / 2)?.with_layout(cfg.layout.clone())?;
         machine.connected(connected.agreed.capabilities, 0, clock::now())?;
+        if connected.agreed.capabilities & capability::KV_LAYOUT != 0 {
+            // The receiver's KV_LAYOUT follows its LOCAL_ADDR: the connection is up
+            // (and `connect` returns) only once it came.
+            let next = tokio::time::timeout(cfg.connect_timeout, control.next()).await;
+            let outcome = match next {
+                Err(_) => Err(Error::DeadlineExceeded {
+                    what: format!("KV_LAYOUT from {}", cfg.addr),
+                }),
+                Ok(Err(e)) => Err(e),
+                Ok(Ok(frame)) => {
+                    machine.handle_frame(frame, clock::now());
+                    if machine.is_up() {
+                        Ok(())
+                    } else {
+                        Err(Error::InvalidField {
+                            kind: pdd_core::wire::FrameKind::KvLayout,
+                            field: "kind",
+                            detail: "expected the receiver's KV_LAYOUT after LOCAL_ADDR".into(),
+                        })
+                    }
+                }
+            };
+            if let Err(e) = outcome {
+                control.end(&e);
+                return Err(e);
+            }
+        }
         let shared = Arc::new(Shared {
             pool,
             cfg,
@@ -253,6 +286,17 @@ impl LocalSender {
     /// Endpoint counters.
     pub fn metrics(&self) -> &Metrics {
         &self.shared.metrics
+    }
+
+    /// The receiver's KV layout (its KV_LAYOUT), known once `connect` returned
+    /// where both sides have a layout. `None`: the receiver has none or is older.
+    pub fn peer_layout(&self) -> Option<Vec<u8>> {
+        lock(&self.shared.machine).peer_layout().map(<[u8]>::to_vec)
+    }
+
+    /// Our layout, as given (`LocalSenderConfig::layout`).
+    pub fn layout(&self) -> Option<Vec<u8>> {
+        self.shared.cfg.layout.clone()
     }
 
     /// Wait for the receiver's grant for `request_id` (KV_GRANT and its LOCAL_GRANT).
@@ -474,8 +518,10 @@ fn flush(shared: &Arc<Shared>, m: &mut SenderSession) -> Vec<(KvGrant, LocalGran
                 SenderEvent::Rtt(rtt) => {
                     Metrics::set(&shared.metrics.rtt_us, rtt.as_micros() as u64);
                 }
-                // No data lanes, no prefix queries on the local path.
-                SenderEvent::StopLane { .. }
+                // No data lanes, no prefix queries on the local path; the
+                // receiver's layout is awaited in `connect`.
+                SenderEvent::PeerLayout
+                | SenderEvent::StopLane { .. }
                 | SenderEvent::LaneReleased { .. }
                 | SenderEvent::PrefixReply(_) => {}
             }

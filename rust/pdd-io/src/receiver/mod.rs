@@ -74,6 +74,9 @@ pub struct ReceiverConfig {
     /// KV is decrypted inside the granted pages. Off: data lanes stay in TLS records.
     /// On by default.
     pub sealed_lanes: bool,
+    /// Our pool's KV layout (1 ..= 256 opaque bytes), sent to every sender that
+    /// has one too (capability `kv_layout`, offered exactly when this is set).
+    pub layout: Option<Vec<u8>>,
 }
 
 impl ReceiverConfig {
@@ -90,6 +93,7 @@ impl ReceiverConfig {
             allow_insecure: false,
             tls: None,
             sealed_lanes: true,
+            layout: None,
         }
     }
 }
@@ -259,6 +263,7 @@ impl KvReceiver {
             pdd_core::wire::capability::EMPTY_GRANT | pdd_core::wire::capability::REFUSAL;
         // It decodes KV_PAGES_Z (compressed pages) from a sender that offers it too.
         cfg.hello.capabilities |= pdd_core::wire::capability::KV_COMPRESS;
+        crate::lane::offer_layout(&mut cfg.hello, cfg.layout.is_some());
         if cfg.sealed_lanes {
             cfg.hello.capabilities |= pdd_core::wire::capability::SEALED_LANES;
         } else {
@@ -283,7 +288,8 @@ impl KvReceiver {
         })?;
         let timers = SessionTimers::new(cfg.heartbeat, cfg.dead_after);
         let machine =
-            ReceiverEndpoint::new(pool.layers(), pool.pages(), pool.page_bytes(), timers)?;
+            ReceiverEndpoint::new(pool.layers(), pool.pages(), pool.page_bytes(), timers)?
+                .with_layout(cfg.layout.clone())?;
         let metrics = Arc::new(Metrics::default());
         let shared = Arc::new(Shared {
             pool,
@@ -372,26 +378,33 @@ impl KvReceiver {
         &self.shared.pool
     }
 
-    /// Connected peers: session id and remote address, by id.
+    /// Connected peers that are up (their KV_LAYOUT came, where `kv_layout` was
+    /// negotiated): session id and remote address, by id.
     pub fn peers(&self) -> Vec<(u64, SocketAddr)> {
+        let m = lock(&self.shared.machine);
         let mut ids: Vec<(u64, SocketAddr)> = lock(&self.shared.sessions)
             .values()
+            .filter(|s| m.is_up(s.id))
             .map(|s| (s.id, s.peer_addr))
             .collect();
         ids.sort_unstable();
         ids
     }
 
-    /// Wait until `peer` (or, with `None`, any peer) is connected; returns its id.
+    /// Wait until `peer` (or, with `None`, any peer) is connected and up (where
+    /// both sides have a layout: its KV_LAYOUT came, so
+    /// [`KvReceiver::peer_layout`] has it); returns its id.
     pub async fn wait_peer(&self, peer: Option<u64>) -> u64 {
         let mut changed = self.shared.sessions_changed.subscribe();
         loop {
             {
+                let m = lock(&self.shared.machine);
                 let sessions = lock(&self.shared.sessions);
+                let mut up = sessions.values().map(|s| s.id).filter(|&id| m.is_up(id));
                 match peer {
-                    Some(p) if sessions.values().any(|s| s.id == p) => return p,
+                    Some(p) if up.any(|id| id == p) => return p,
                     None => {
-                        if let Some(p) = sessions.values().map(|s| s.id).min() {
+                        if let Some(p) = up.min() {
                             return p;
                         }
                     }
@@ -490,6 +503,20 @@ impl KvReceiver {
             let peer = the_peer(m, peer)?;
             m.refuse(peer, request_id, reason)
         })
+    }
+
+    /// Our layout, as given (`ReceiverConfig::layout`).
+    pub fn layout(&self) -> Option<Vec<u8>> {
+        self.shared.cfg.layout.clone()
+    }
+
+    /// The layout `peer` (the only connected peer with `None`) sent in its
+    /// KV_LAYOUT. `Ok(None)`: it has none, is older, or is not up yet
+    /// ([`KvReceiver::wait_peer`] returns once it is).
+    pub fn peer_layout(&self, peer: Option<u64>) -> Result<Option<Vec<u8>>, Error> {
+        let m = lock(&self.shared.machine);
+        let peer = the_peer(&m, peer)?;
+        Ok(m.peer_layout(peer).map(<[u8]>::to_vec))
     }
 
     /// Whether a live transfer has had any block begin landing: `None` once it
@@ -642,6 +669,10 @@ fn flush(shared: &Shared, m: &mut ReceiverEndpoint) -> Vec<(SessionHandle, Prefi
             }
             core_session::ReceiverEvent::PrefixQuery { session, query } => {
                 queries.push((session, query));
+            }
+            // The session is up now: `wait_peer` looks again.
+            core_session::ReceiverEvent::PeerLayout { .. } => {
+                shared.sessions_changed.send_modify(|n| *n += 1);
             }
         }
     }

@@ -103,6 +103,10 @@ pub(super) fn flush(shared: &Arc<Shared>, m: &mut SenderSession) {
             }
             // Only on a local-path session (`local/sender.rs`).
             SenderEvent::RegionsArrived { .. } => {}
+            // The connection is up now: `wait_layout` looks again.
+            SenderEvent::PeerLayout => {
+                shared.grants_changed.send_modify(|n| *n += 1);
+            }
             SenderEvent::PrefixReply(r) => {
                 // A reply after its query timed out has nobody waiting: dropped.
                 if let Some((_, waiter)) = lock(&shared.queries).remove(&r.query_id) {
@@ -163,6 +167,36 @@ pub(super) fn kill(conn: &Conn, error: Error) {
         *death = Some(error);
     }
     conn.cancel.cancel();
+}
+
+/// Where both sides offered `kv_layout`: wait (within `connect_timeout`) until the
+/// receiver's KV_LAYOUT came, its first frame, so that a connection counts as up
+/// only once its layout is known. Ends the connection if it does not come.
+pub(super) async fn wait_layout(shared: &Arc<Shared>, conn: &Arc<Conn>) -> Result<(), Error> {
+    let mut changed = shared.grants_changed.subscribe();
+    let bound = tokio::time::sleep(shared.cfg.connect_timeout);
+    tokio::pin!(bound);
+    loop {
+        {
+            let m = lock(&shared.machine);
+            if m.connects() == conn.generation && m.is_up() {
+                return Ok(());
+            }
+        }
+        tokio::select! {
+            _ = conn.cancel.cancelled() => return Err(conn.dead_error()),
+            _ = &mut bound => {
+                let e = Error::DeadlineExceeded {
+                    what: format!("the receiver's KV_LAYOUT within {:?}", shared.cfg.connect_timeout),
+                };
+                end_conn(shared, conn, e.clone(), true);
+                return Err(e);
+            }
+            r = changed.changed() => if r.is_err() {
+                return Err(Error::Cancelled { detail: "sender closed".into() });
+            },
+        }
+    }
 }
 
 pub(super) async fn control_loop(

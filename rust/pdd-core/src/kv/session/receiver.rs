@@ -80,6 +80,12 @@ pub enum ReceiverEvent {
         /// Round-trip time.
         rtt: Duration,
     },
+    /// The peer's KV_LAYOUT came (`kv_layout`): the session is up now
+    /// ([`ReceiverEndpoint::is_up`]) and [`ReceiverEndpoint::peer_layout`] has it.
+    PeerLayout {
+        /// The instance.
+        session: SessionHandle,
+    },
     /// A PREFIX_QUERY to answer (`crate::prefix::answer_query`); the reply goes on
     /// the session's control lane.
     PrefixQuery {
@@ -114,10 +120,14 @@ struct Session {
     lanes: HashMap<u16, u64>,
     /// Every lane instance not yet down, revoked ones included.
     live_lanes: HashMap<u64, LaneState>,
+    /// The peer's KV_LAYOUT (`kv_layout`), once it came (`receiver_layout.rs`).
+    peer_layout: Option<Vec<u8>>,
 }
 
 #[path = "receiver_lanes.rs"]
 mod lanes;
+#[path = "receiver_layout.rs"]
+mod layout;
 
 #[path = "receiver_grants.rs"]
 mod grants;
@@ -147,6 +157,8 @@ enum Timer {
     Tail(u64),
     /// (generation, lane instance): a revoked lane must end by then.
     LaneEnd(u64, u64),
+    /// The peer's KV_LAYOUT must have come by then (`kv_layout` negotiated).
+    Layout(u64),
 }
 
 /// Every KV session of one receiver, and the pool bookkeeping they share.
@@ -180,6 +192,8 @@ pub struct ReceiverEndpoint {
     next_lane: u64,
     closed: bool,
     max_sessions: usize,
+    /// Our pool's layout, sent to every peer that negotiated `kv_layout`.
+    layout: Option<Vec<u8>>,
 }
 
 /// Most random draws [`ReceiverEndpoint::grant`] makes for a transfer id not in use.
@@ -208,6 +222,7 @@ impl ReceiverEndpoint {
             next_lane: 1,
             closed: false,
             max_sessions: MAX_SESSIONS,
+            layout: None,
         })
     }
 
@@ -366,9 +381,11 @@ impl ReceiverEndpoint {
                 ping_nonce: 0,
                 lanes: HashMap::new(),
                 live_lanes: HashMap::new(),
+                peer_layout: None,
             },
         );
         self.live.insert(id, generation);
+        self.layout_opened(handle, now);
         self.queue.set(Timer::Ping(generation), now);
         self.arm_dead(generation, now);
         Ok(handle)
@@ -534,6 +551,7 @@ impl ReceiverEndpoint {
                 }
             }
             Frame::LaneRevoke(r) if failover && !local => self.revoke(session, r.lane, now),
+            Frame::KvLayout(l) => self.peer_layout_frame(session, &l.layout),
             other => {
                 let e = Error::InvalidField {
                     kind: other.kind(),
@@ -696,6 +714,7 @@ impl ReceiverEndpoint {
                         self.queue.set(Timer::Tail(id), now.saturating_add(bound));
                     }
                 }
+                Timer::Layout(generation) => self.layout_overdue(generation),
                 Timer::LaneEnd(generation, instance) => {
                     let Some(s) = self.sessions.get(&generation) else {
                         continue;
@@ -817,6 +836,7 @@ impl ReceiverEndpoint {
         }
         self.queue.clear(Timer::Ping(session.generation));
         self.queue.clear(Timer::Dead(session.generation));
+        self.queue.clear(Timer::Layout(session.generation));
         for &instance in s.live_lanes.keys() {
             self.queue
                 .clear(Timer::LaneEnd(session.generation, instance));

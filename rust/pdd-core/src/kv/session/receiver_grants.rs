@@ -106,6 +106,7 @@ impl ReceiverEndpoint {
                 message: format!("peer {peer} declined request {request_id}: {reason}"),
             });
         }
+        self.check_layout_known(session)?;
         let caps = self.capabilities(session).unwrap_or(0);
         if pages.is_empty() && caps & capability::EMPTY_GRANT == 0 {
             // An older sender would take a 0-page KV_GRANT as a protocol error.

@@ -108,6 +108,9 @@ pub enum SenderEvent {
     Rtt(Duration),
     /// The answer to a PREFIX_QUERY.
     PrefixReply(PrefixReply),
+    /// The receiver's KV_LAYOUT came (`kv_layout`): the connection is up now
+    /// ([`SenderSession::is_up`]).
+    PeerLayout,
 }
 
 #[derive(Debug)]
@@ -132,6 +135,8 @@ struct Conn {
     /// A data lane failed: its error ends the session unless the control lane
     /// brings the receiver's reason first.
     failed: Option<Error>,
+    /// The receiver's KV_LAYOUT (`kv_layout`), once it came (`sender_layout.rs`).
+    peer_layout: Option<Vec<u8>>,
 }
 
 #[derive(Debug)]
@@ -158,6 +163,8 @@ impl Outbound {
     }
 }
 
+#[path = "sender_layout.rs"]
+mod layout;
 #[path = "sender_notices.rs"]
 mod notices;
 
@@ -203,6 +210,8 @@ pub struct SenderSession {
     transmit: VecDeque<Frame>,
     events: VecDeque<SenderEvent>,
     closed: bool,
+    /// Our pool's layout, sent on every connection that negotiated `kv_layout`.
+    layout: Option<Vec<u8>>,
 }
 
 impl SenderSession {
@@ -232,6 +241,7 @@ impl SenderSession {
             transmit: VecDeque::new(),
             events: VecDeque::new(),
             closed: false,
+            layout: None,
         })
     }
 
@@ -282,7 +292,9 @@ impl SenderSession {
                 .collect(),
             revoking: None,
             failed: None,
+            peer_layout: None,
         });
+        self.layout_connected();
         self.queue.set(Timer::Ping, now);
         self.queue
             .set(Timer::Dead, now.saturating_add(self.timers.dead_after));
@@ -300,6 +312,7 @@ impl SenderSession {
         self.queue
             .set(Timer::Dead, now.saturating_add(self.timers.dead_after));
         match frame {
+            Frame::KvGrant(_) if self.grant_before_layout() => {}
             Frame::KvGrant(g) => {
                 let id = g.transfer_id;
                 if self.transfers.contains_key(&id)
@@ -396,6 +409,7 @@ impl SenderSession {
                 }
             }
             Frame::PrefixReply(r) => self.events.push_back(SenderEvent::PrefixReply(r)),
+            Frame::KvLayout(l) => self.peer_layout_frame(&l.layout),
             Frame::Abort(a) if a.request_id == 0 => self.end(peer_aborted(&a), false),
             Frame::Abort(a) => {
                 let mut error = peer_aborted(&a);

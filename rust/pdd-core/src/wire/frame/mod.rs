@@ -7,8 +7,9 @@ use bytes::Bytes;
 use super::tokens::encoded_len;
 use super::{
     AbortReason, FrameKind, Role, AUTH_LEN, FLAG_FINAL, FLAG_KV_COMPLETE, FLAG_RESENT, FLAG_RESUME,
-    HARD_MAX_PAYLOAD, MAX_ABORT_MESSAGE_LEN, MAX_HELLO_AUTH_LEN, MAX_LOCAL_ADDRESS_LEN,
-    MAX_LOCAL_RKEY_LEN, MAX_PAGE_SIZE, MEMORY_KIND_CUDA, MEMORY_KIND_HOST, MIN_MAX_PAYLOAD,
+    HARD_MAX_PAYLOAD, MAX_ABORT_MESSAGE_LEN, MAX_HELLO_AUTH_LEN, MAX_KV_LAYOUT_LEN,
+    MAX_LOCAL_ADDRESS_LEN, MAX_LOCAL_RKEY_LEN, MAX_PAGE_SIZE, MEMORY_KIND_CUDA, MEMORY_KIND_HOST,
+    MIN_MAX_PAYLOAD,
 };
 use crate::error::{Error, Result};
 
@@ -289,6 +290,27 @@ pub struct LaneDelivered {
     pub lanes: Vec<(u16, u64)>,
 }
 
+/// KV_LAYOUT (capability `kv_layout`, both ways, on the control lane, once, before
+/// any grant or KV data): the sending side's pool layout. Opaque here: the session
+/// carries it to the other side's engine, which maps or refuses it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvLayout {
+    /// The layout's bytes, 1 ..= [`MAX_KV_LAYOUT_LEN`].
+    pub layout: Bytes,
+}
+
+/// A KV_LAYOUT blob's length is 1 ..= [`MAX_KV_LAYOUT_LEN`]: one rule for the
+/// encoder, the decoder and the sessions that keep it.
+pub fn check_kv_layout(layout: &[u8]) -> std::result::Result<(), String> {
+    if layout.is_empty() || layout.len() > MAX_KV_LAYOUT_LEN {
+        return Err(format!(
+            "a layout of {} bytes, outside 1..={MAX_KV_LAYOUT_LEN}",
+            layout.len()
+        ));
+    }
+    Ok(())
+}
+
 /// Fixed bytes of one LOCAL_GRANT region before its key, plus at least one key byte.
 pub const LOCAL_REGION_MIN_LEN: u64 = 2 + 4 + 4 + 8 + 2 + 1;
 
@@ -363,6 +385,8 @@ pub enum Frame {
     LaneDelivered(LaneDelivered),
     /// KV_PAGES_Z
     KvPagesZ(KvPagesZ),
+    /// KV_LAYOUT
+    KvLayout(KvLayout),
 }
 
 impl Frame {
@@ -390,6 +414,7 @@ impl Frame {
             Frame::LaneRevoked(_) => FrameKind::LaneRevoked,
             Frame::LaneDelivered(_) => FrameKind::LaneDelivered,
             Frame::KvPagesZ(_) => FrameKind::KvPagesZ,
+            Frame::KvLayout(_) => FrameKind::KvLayout,
         }
     }
 
@@ -525,6 +550,10 @@ impl Frame {
             Frame::LaneDelivered(d) => {
                 check_delivered(&d.lanes).or_else(arg)?;
             }
+            Frame::KvLayout(l) => {
+                check_kv_layout(&l.layout)
+                    .map_err(|d| Error::InvalidArgument(format!("KV_LAYOUT: {d}")))?;
+            }
             Frame::KvDone(_)
             | Frame::HandoffAck(_)
             | Frame::Progress(_)
@@ -578,6 +607,7 @@ impl Frame {
             Frame::LaneRevoke(_) | Frame::LaneRevoked(_) => 2,
             Frame::LaneDelivered(d) => 2 + 10 * d.lanes.len(),
             Frame::KvPagesZ(p) => KV_PAGES_Z_FIXED_LEN + 4 * p.lengths.len() + p.data.len(),
+            Frame::KvLayout(l) => 2 + l.layout.len(),
         })
     }
 }

@@ -8,13 +8,14 @@ use crate::wire::reader::{PayloadReader, PayloadWriter};
 use crate::wire::tokens::{put_tokens, read_tokens};
 use crate::wire::{
     AbortReason, FrameKind, Role, AUTH_LEN, FLAG_FINAL, FLAG_KV_COMPLETE, FLAG_RESENT, FLAG_RESUME,
-    HARD_MAX_PAYLOAD, MAX_ABORT_MESSAGE_LEN, MAX_HELLO_AUTH_LEN, MAX_LOCAL_ADDRESS_LEN,
-    MAX_LOCAL_RKEY_LEN, MAX_PAGE_SIZE, MEMORY_KIND_CUDA, MEMORY_KIND_HOST, MIN_MAX_PAYLOAD,
+    HARD_MAX_PAYLOAD, MAX_ABORT_MESSAGE_LEN, MAX_HELLO_AUTH_LEN, MAX_KV_LAYOUT_LEN,
+    MAX_LOCAL_ADDRESS_LEN, MAX_LOCAL_RKEY_LEN, MAX_PAGE_SIZE, MEMORY_KIND_CUDA, MEMORY_KIND_HOST,
+    MIN_MAX_PAYLOAD,
 };
 
 use super::{
     check_delivered, check_local_done, check_page_block, check_region, Abort, Auth, CacheEvent,
-    CacheEvents, Frame, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvPages, KvPagesZ,
+    CacheEvents, Frame, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvLayout, KvPages, KvPagesZ,
     LaneDelivered, LaneRevoke, LocalAddr, LocalDone, LocalGrant, LocalRegion, Ping, PrefixQuery,
     PrefixReply, Progress, ZRest, LOCAL_REGION_MIN_LEN, MAX_DELIVERED_LANES,
 };
@@ -128,6 +129,11 @@ impl Frame {
             Frame::Auth(a) => {
                 out.put_slice(&a.nonce);
                 out.put_slice(&a.proof);
+            }
+            Frame::KvLayout(l) => {
+                // validate() bounds the length to MAX_KV_LAYOUT_LEN.
+                out.put_u16_le(l.layout.len() as u16);
+                out.put_slice(&l.layout);
             }
             Frame::LocalAddr(a) => {
                 out.put_u8(a.memory_kind);
@@ -408,6 +414,19 @@ impl Frame {
                 a.nonce.copy_from_slice(&r.bytes(AUTH_LEN, "nonce")?);
                 a.proof.copy_from_slice(&r.bytes(AUTH_LEN, "proof")?);
                 Frame::Auth(a)
+            }
+            FrameKind::KvLayout => {
+                // The length is checked before a byte of the blob is taken.
+                let len = usize::from(r.u16("layout_len")?);
+                if len == 0 || len > MAX_KV_LAYOUT_LEN {
+                    return Err(r.invalid(
+                        "layout_len",
+                        format!("{len} outside 1..={MAX_KV_LAYOUT_LEN}"),
+                    ));
+                }
+                Frame::KvLayout(KvLayout {
+                    layout: r.bytes(len, "layout")?,
+                })
             }
             FrameKind::LocalAddr => {
                 let memory_kind = r.u8("memory_kind")?;
