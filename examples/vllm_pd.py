@@ -55,15 +55,16 @@ ENGINE_ENV = {
 }
 
 
-def build_tiny_model(path: Path = MODEL_DIR) -> Path:
+def build_tiny_model(path: Path = MODEL_DIR, seed: int = 0) -> Path:
     """A random-weight Llama (hidden 128, 4 heads of 32, 2 layers, vocab 512, bf16),
-    fixed seed, saved once to ``path`` and reused."""
+    weights from ``seed``, saved once to ``path`` and reused (another seed at another
+    path: another model of the same shape)."""
     if (path / "config.json").exists() and (path / "model.safetensors").exists():
         return path
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=512,
         hidden_size=128,

@@ -8,14 +8,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from pdd_transport import _native  # noqa: E402
 from pdd_transport.engine import Engine, EngineConfig, PageTable, generate, greedy, init_weights  # noqa: E402
-from pdd_transport.kv import pool_from_buffers
+from pdd_transport.kv import pool_from_buffers  # noqa: E402
 from pdd_transport.layout import KvLayout  # noqa: E402
 from pdd_transport.transfers import Puller, Pusher  # noqa: E402
 
@@ -97,7 +96,7 @@ def test_two_prefill_ranks_feed_one_decoder_that_decodes_the_same_tokens() -> No
     held = loadable // 32 * 32
     d_table = d.allocate(len(PROMPT) + NEW)
     over, settled = move(sources, d.kv_pool(), d.kv_layout(), p_table.pages, d_table.pages[: held // 32], loadable)
-    assert all(o.ok for o in over) and all(s.ok for s in settled)
+    assert all(o.ok for o in over) and all(s.ok for s in settled), ([o.failures for o in over], [s.reason for s in settled])
     d_table.tokens = PROMPT[:held]
     assert decode_from(d, d_table, PROMPT) == reference
 
@@ -117,7 +116,7 @@ def test_one_prefill_feeds_two_decoder_ranks_each_only_its_heads() -> None:
         pool = pool_from_buffers(mem, mem[0, 0].nbytes, num_layers=mem.shape[0])
         over, settled = move([(p.kv_pool(), p.kv_layout())], pool, d.kv_layout(heads=h), p_table.pages,
                              d_table.pages[: held // 16], loadable)
-        assert over[0].ok and settled[0].ok
+        assert over[0].ok and settled[0].ok, (over[0].failures, settled[0].reason)
         assert over[0].legs[0].bytes == held * 2 * (h[1] - h[0]) * d.config.head_dim * 4 * d.config.num_layers
         d.load_rank_pool(h, mem)  # the ranks decode as one engine
     d_table.tokens = PROMPT[:held]

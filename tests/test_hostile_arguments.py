@@ -1497,7 +1497,7 @@ def _packet_ops(h: H, o: Outcome) -> None:
 
 LAYOUT_DTYPES = ["f32", "f16", "bf16", "f8_e4m3", "f8_e5m2"]
 LAYOUT_ARRANGEMENTS = ["kv_head_token", "kv_token_head", "token_kv_head", "head_kv_token", "token_head_kv",
-                       "head_token_kv"]
+                       "head_token_kv", "head_kt_v"]
 RANGE_EDGE = st.one_of(st.none(), st.tuples(INTS, INTS), st.tuples(st.integers(0, 9), st.integers(0, 9)))
 LAYOUT_PARAMS = {
     "model": P(st.sampled_from(["m", "tiny-llama"]), LONG_TEXT, omit=False),
@@ -1652,9 +1652,10 @@ def test_every_public_entry_point_has_a_property_test() -> None:
     owners = {p.split(".")[0] for p in props}
     assert owners <= set(PROPERTY_CLASSES), f"properties no test reads: {sorted(owners - set(PROPERTY_CLASSES))}"
     # The stubs name the same classes and functions as the module.
-    stub = (Path(__file__).parent.parent / "python" / "pdd_transport" / "_native.pyi").read_text()
+    package = Path(__file__).parent.parent / "python" / "pdd_transport"
+    stub = "\n".join(p.read_text() for p in sorted(package.glob("_native*.pyi")))  # and the modules it re-exports
     for name in sorted({c.split(".")[0].removesuffix("()") for c in calls}):
-        assert re.search(rf"^(class|def) {name}\b", stub, re.M), f"{name} is missing from _native.pyi"
+        assert re.search(rf"^(class|def) {name}\b", stub, re.M), f"{name} is missing from the _native*.pyi stubs"
 
 
 def instance_factories(w: World, later: list[Callable[[], object]]) -> dict[str, Callable[[], Any]]:

@@ -140,21 +140,28 @@ def test_a_hostile_kv_layout_frame_is_refused_by_the_decoder(length: int, body: 
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_settings_pass_the_layout_and_puller_and_pusher_expose_the_peers(path: str) -> None:
+def test_settings_pass_the_layout_and_each_side_learns_the_others(path: str) -> None:
+    from pdd_transport.layout import KvLayout
+
+    def lay(tpb: int) -> KvLayout:
+        return KvLayout(model="m", dtype="bf16", total_layers=LAYERS, tokens_per_block=tpb,
+                        total_kv_heads=4, head_size=8, arrangement="head_kv_token", page_bytes=PAGE)
+
+    d_kv, p_kv = lay(32), lay(16)
     src = np.zeros((LAYERS, PAGES * PAGE), np.uint8)
     dst = np.zeros_like(src)
     settings = Settings(path=path)
-    puller = settings.decode_side(kv.pool_from_buffers(list(dst), PAGE), layout=D_LAYOUT)
+    puller = settings.decode_side(kv.pool_from_buffers(list(dst), PAGE), layout=d_kv)
     host, port = puller.receiver.address
     address = f"{'local://' if path == 'local' else ''}{host}:{port}"
     settings.connect = [address]
-    pusher = settings.prefill_side(kv.pool_from_buffers(list(src), PAGE), layout=P_LAYOUT)
+    pusher = settings.prefill_side(kv.pool_from_buffers(list(src), PAGE), layout=p_kv)
     closers: list[Callable[[], Any]] = [puller.close, pusher.close]
     try:
-        assert pusher.peer_layout(address) == D_LAYOUT
-        assert pusher.peer_layout("127.0.0.1:1") is None  # no sender to it
+        assert puller.layout == d_kv and pusher.layout == p_kv
+        assert KvLayout.decode(pusher.senders[address].peer_layout) == d_kv
         peer = puller.receiver.wait_peer(timeout=10)
-        assert puller.peer_layout(peer) == P_LAYOUT and puller.peer_layout() == P_LAYOUT
+        assert KvLayout.decode(puller.receiver.peer_layout(peer)) == p_kv
     finally:
         for c in closers:
             c()

@@ -45,7 +45,7 @@ def test_defaults_properties_and_value_semantics() -> None:
     # The digest covers the model geometry, not how a pool holds it.
     assert make(tokens_per_block=32, heads=(2, 4), layers=(1, 3), arrangement="token_head_kv").digest == a.digest
     assert make(dtype="bf16").digest != a.digest and make(model="other").digest != a.digest
-    assert set(DTYPES) == {"f32", "f16", "bf16", "f8_e4m3", "f8_e5m2"} and len(ARRANGEMENTS) == 6
+    assert set(DTYPES) == {"f32", "f16", "bf16", "f8_e4m3", "f8_e5m2"} and len(ARRANGEMENTS) == 7 and ARRANGEMENTS[-1] == "head_kt_v"
     for dtype in DTYPES:
         for arrangement in ARRANGEMENTS:
             x = make(dtype=dtype, arrangement=arrangement, page_bytes=4096 * 4)

@@ -125,14 +125,15 @@ def test_receiver_refusals_name_the_argument_and_change_nothing() -> None:
             rx.grant(1, [4 * DST_PAGES], page_bytes=UNIT)
         with pytest.raises(InvalidArgument, match="twice"):
             rx.grant(1, [5, 5], page_bytes=UNIT)
-        # One live grant's unit holds its whole page, on every layer.
+        # One live grant's unit holds its bytes, on every layer: the same unit and its
+        # whole page are busy; other units of the page are another grant's to take.
         held = rx.grant(1, [5], page_bytes=UNIT, first_layer=2)
         with pytest.raises(PddError) as busy:
-            rx.grant(2, [4], page_bytes=UNIT)
+            rx.grant(2, [5], page_bytes=UNIT)
         assert busy.value.reason == "pages_busy"
         with pytest.raises(PddError):
             rx.grant(2, [1])
-        rx.grant(2, [8, 2], page_bytes=UNIT)  # pages 2 and 0: free
+        rx.grant(2, [4, 8, 2], page_bytes=UNIT)  # unit 4 shares page 1 with unit 5
         assert held.layer_count == 1
     finally:
         tx.close()

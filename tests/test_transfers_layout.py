@@ -9,7 +9,6 @@ import time
 
 import numpy as np
 import pytest
-
 from pdd_transport import _native, local
 from pdd_transport.kv import pool_from_buffers
 from pdd_transport.layout import KvLayout
@@ -189,6 +188,7 @@ def test_a_mapped_claim_without_the_token_count_fails_with_the_reason() -> None:
     p = pusher(src, 1)
     try:
         p.sender_for(address)
+        rx.wait_peer(timeout=10)  # up, its layout known: the claim is decided at once
         pull = puller.claim("k", [0, 1], peer=1)
         assert pull.state == "failed" and pull.code == "invalid_argument" and "tokens" in (pull.reason or "")
     finally:
@@ -216,3 +216,15 @@ def test_identical_layouts_move_page_for_page_and_a_side_without_a_layout_too() 
     finally:
         p.close()
         puller.close()
+
+
+def test_bench_hetero_runs_every_case_verified_with_the_named_fields() -> None:
+    from pdd_transport.bench import hetero
+
+    out = hetero.run(hetero.HeteroConfig(layers=2, blocks=8, heads=4, head_size=32, repeat=2))
+    assert out["verified"] is True
+    assert set(out["cases"]) == {"identical", "block_16_to_32", "tp_2_to_1"}
+    for case in out["cases"].values():
+        assert case["verified"] is True and case["gbytes_per_s"] > 0 and case["bytes"] == out["cases"]["identical"]["bytes"]
+    mapped = [out["cases"][c]["ratio_vs_identical_layout"] for c in ("block_16_to_32", "tp_2_to_1")]
+    assert out["ratio_vs_identical_layout"] == min(mapped)

@@ -20,6 +20,7 @@ from pdd_transport.local import LOCAL_SCHEME
 from pdd_transport.security import AllowedDestinations, TlsConfig, split_address
 
 if TYPE_CHECKING:
+    from pdd_transport.layout import KvLayout
     from pdd_transport.transfers import Puller, Push, Pusher
 
 __all__ = ["LOOPBACK_DESTINATIONS", "Settings", "config_error", "list_option", "path_option", "secret_from"]
@@ -125,6 +126,9 @@ class Settings:
     connect: list[str] = field(default_factory=list)
     allow_debug: bool = False
     idle_wait_s: float = 0.02
+    #: The model's name in the KV layout's digest (both sides must agree); None: the
+    #: engine's own name for it (vLLM: its served model name).
+    model_id: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
@@ -190,46 +194,47 @@ class Settings:
             connect=[str(a) for a in connect],
             allow_debug=get("allow_debug", bool, d.allow_debug),
             idle_wait_s=get("idle_wait_s", float, d.idle_wait_s),
+            model_id=get("model_id", str, d.model_id),
         )
 
-    def decode_side(self, pool: Any, *, layout: bytes | None = None) -> Puller:
+    def decode_side(self, pool: Any, *, layout: KvLayout | None = None) -> Puller:
         """A decode instance's end: a receiver over ``pool`` listening on ``listen``
         (a :class:`~pdd_transport.kv.KvReceiver` on the WAN path, a
         :class:`~pdd_transport.local.LocalReceiver` where ``path`` is ``"local"``), its
         address published as a prefill side names it (``host:port``, or
         ``local://host:port``; see :func:`publish_address`), and a :class:`Puller` that
-        owns it. ``layout``: the pool's KV layout (1..256 opaque bytes), exchanged with
-        each prefill side that has one too (:meth:`Puller.peer_layout`)."""
+        owns it. ``layout``: the pool's KV layout, exchanged with each prefill side that
+        has one too, so that another layout is mapped or refused (docs/kv.md
+        "Heterogeneous layouts")."""
         from pdd_transport.transfers import Puller, publish_address
 
         receiver: Any
+        blob = layout.encode() if layout is not None else None
         if self.path == "local":
             from pdd_transport.local import LocalReceiver
 
             receiver = LocalReceiver(pool, self.listen, secret=self.secret, insecure=self.insecure,
                                      tls=self.receiver_tls(), heartbeat_s=self.heartbeat_s,
-                                     dead_after_s=self.dead_after_s, layout=layout)
+                                     dead_after_s=self.dead_after_s, layout=blob)
         else:
             receiver = _native.KvReceiver(pool, self.listen, secret=self.secret, insecure=self.insecure,
                                           tls=self.receiver_tls(), heartbeat_s=self.heartbeat_s,
-                                          dead_after_s=self.dead_after_s, layout=layout)
+                                          dead_after_s=self.dead_after_s, layout=blob)
         host, port = receiver.address
         publish_address(f"{LOCAL_SCHEME if self.path == 'local' else ''}{host}:{port}")
-        return Puller(receiver, grant_timeout_s=self.grant_timeout_s, deadline_s=self.deadline_s, owns_receiver=True)
+        return Puller(receiver, grant_timeout_s=self.grant_timeout_s, deadline_s=self.deadline_s, owns_receiver=True,
+                      layout=layout)
 
     def prefill_side(self, pool: Any, on_send: Callable[[Push, str, int, int, int], None] | None = None, *,
-                     layout: bytes | None = None) -> Pusher:
+                     layout: KvLayout | None = None) -> Pusher:
         """A prefill instance's end: a :class:`Pusher` over ``pool``, already
         connecting to each ``connect`` address (one that cannot be reached yet is
-        retried by the first push to it). ``layout``: the pool's KV layout (1..256
-        opaque bytes), exchanged with each decoder that has one too
-        (:meth:`Pusher.peer_layout`)."""
+        retried by the first push to it). ``layout``: the pool's KV layout, announced
+        to each decoder (:class:`Pusher`'s ``layout``)."""
         from pdd_transport.transfers import Pusher
 
-        with_layout = {"layout": layout} if layout is not None else {}
         pusher = Pusher(pool, grant_timeout_s=self.grant_timeout_s, deadline_s=self.deadline_s,
-                        wan_options={**self.wan_options(), **with_layout},
-                        local_options={**self.local_options(), **with_layout}, on_send=on_send,
+                        wan_options=self.wan_options(), local_options=self.local_options(), on_send=on_send, layout=layout,
                         allowed=self.allowed_destinations(), tls_for=self.sender_tls if self.tls_cert else None)
         for address in self.connect:
             try:

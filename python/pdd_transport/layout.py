@@ -48,7 +48,8 @@ __all__ = [
 #: The dtype names a :class:`KvLayout` takes, and their element sizes in bytes.
 DTYPES: dict[str, int] = {"f32": 4, "f16": 2, "bf16": 2, "f8_e4m3": 1, "f8_e5m2": 1}
 
-#: The arrangement names, outermost dimension first (``head_size`` is innermost).
+#: The arrangement names, outermost dimension first (``head_size`` innermost, but in
+#: ``head_kt_v``'s transposed keys).
 ARRANGEMENTS: tuple[str, ...] = (
     "kv_head_token",
     "kv_token_head",
@@ -56,4 +57,5 @@ ARRANGEMENTS: tuple[str, ...] = (
     "head_kv_token",
     "token_head_kv",
     "head_token_kv",
+    "head_kt_v",
 )

@@ -40,13 +40,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdd_transport import _native, local
+from pdd_transport import transfers_layout as lm
 from pdd_transport.connector_config import LOOPBACK_DESTINATIONS, Settings
 from pdd_transport.errors import InvalidArgument, LayoutMismatch, PddError
 from pdd_transport.kv import pool_from_block_tensors
 from pdd_transport.layout import KvLayout
 from pdd_transport.security import AllowedDestinations, TlsConfig
 from pdd_transport.transfer_stats import TransferStats
-from pdd_transport.transfers_layout import SendMap, grant_map, mismatch_reason, peer_layout, same_pages, send_map
 
 __all__ = [
     "LOCAL_SCHEME",
@@ -148,7 +148,7 @@ class PushLeg:
     code: str | None = None
     #: How the grant's units map onto the source's blocks, when the decoder's KV
     #: layout differs from this side's (None: page for page).
-    layout_map: SendMap | None = None
+    layout_map: lm.SendMap | None = None
 
     @property
     def pages(self) -> int:
@@ -201,8 +201,7 @@ class Push:
                 "invalid_argument",
             )
         self._block_ids = ids
-        # A decoder of another layout may need positions past block_count (its own
-        # blocks end elsewhere): a mapped destination reads these.
+        # A decoder of another layout may need positions past block_count.
         self._all_block_ids = every if len(every) > len(self._all_block_ids) else self._all_block_ids
         upto = max(0, int(ready))
         for layer, have in enumerate(self._ready):
@@ -309,10 +308,11 @@ class Push:
         count = int(out.page_count)
         pusher = self._pusher
         leg.out, leg.granted_at = out, now
-        peer = peer_layout(pusher._senders.get(leg.address)) if pusher.layout is not None else None
-        if peer is not None and count and not same_pages(pusher.layout, peer):
+        own = pusher.layout
+        peer = lm.peer_layout(pusher._senders.get(leg.address)) if own is not None else None
+        if own is not None and peer is not None and count and not lm.same_pages(own, peer):
             try:
-                leg.layout_map = send_map(pusher.layout, peer, self.tokens, count, int(out.layer_count),
+                leg.layout_map = lm.send_map(own, peer, self.tokens, count, int(out.layer_count),
                                           int(out.page_bytes))
             except (LayoutMismatch, InvalidArgument) as e:
                 self._fail(leg, f"{e.reason}: {e}", e.reason)
@@ -356,7 +356,7 @@ class Push:
                 self._pusher._on_send(self, leg.address, layer, leg.sent[layer], upto)
             leg.sent[layer] = upto
 
-    def _flush_mapped(self, leg: PushLeg, plan: SendMap, known: int) -> None:
+    def _flush_mapped(self, leg: PushLeg, plan: lm.SendMap, known: int) -> None:
         for wire_layer in range(plan.wire_layers):
             src_layer = plan.src_layer0 + wire_layer
             upto = plan.sendable(min(self._ready[src_layer], known))
@@ -474,6 +474,8 @@ class Pusher:
                                       "instances (pdd_allowed_decoders)", "destination_not_allowed")
             tls = self._tls_for(address) if self._tls_for is not None else None
             extra: dict[str, Any] = {"tls": tls} if tls is not None else {}
+            if self.layout is not None:  # announced to the decoder, which maps or refuses it
+                extra["layout"] = self.layout.encode()
             if self._connect is not None:
                 sender = self._connect(address)
             elif is_local_address(address):
@@ -489,14 +491,6 @@ class Pusher:
     def senders(self) -> dict[str, Any]:
         """Address -> sender, for those made so far."""
         return dict(self._senders)
-
-    def peer_layout(self, address: str) -> bytes | None:
-        """The KV layout the decoder at ``address`` sent (capability ``kv_layout``;
-        known once its sender connected, :meth:`sender_for`). None: no sender to it
-        yet, or it or this side has no layout (or predates layouts)."""
-        sender = self._senders.get(address)
-        layout: bytes | None = getattr(sender, "peer_layout", None) if sender is not None else None
-        return layout
 
     # -- pushes
 
@@ -874,15 +868,6 @@ class Puller:
     def get(self, key: str) -> Pull | None:
         return self._pulls.get(key)
 
-    def peer_layout(self, peer: int | None = None) -> bytes | None:
-        """The KV layout prefill instance ``peer`` (the only connected one with None)
-        sent (capability ``kv_layout``; known once the receiver's ``wait_peer``
-        returned for it). None: it or this side has no layout, or it predates
-        layouts. Raises as a grant would while no peer (or several) is connected."""
-        peer_layout = getattr(self.receiver, "peer_layout", None)
-        layout: bytes | None = peer_layout(peer) if peer_layout is not None else None
-        return layout
-
     def __len__(self) -> int:
         return len(self._pulls)
 
@@ -980,9 +965,11 @@ class Puller:
                                                                                           pull.peer):
                 pull.state, pull.refused, pull.granted_at = _COMPLETE, True, now
                 return
-            peer = peer_layout(self.receiver, pull.peer) if self.layout is not None and pull.block_ids else None
-            if peer is not None and not same_pages(self.layout, peer):
-                self._grant_mapped(pull, peer, now)
+            up, peer = lm.receiver_peer_layout(self.receiver, pull.peer) if self.layout and pull.block_ids else (1, None)
+            if not up and now - pull.claimed_at < self.grant_timeout_s:
+                return  # not connected (or its layout not come) yet: a later poll retries
+            if self.layout is not None and peer is not None and not lm.same_pages(self.layout, peer):
+                self._grant_mapped(pull, self.layout, peer, now)
                 return
             pull.transfer = self.receiver.grant(pull.key, pull.block_ids, peer=pull.peer, deadline_s=self.deadline_s)
         except PddError as e:
@@ -992,22 +979,18 @@ class Puller:
             return
         pull.state, pull.granted_at = _LOADING, now
 
-    def _grant_mapped(self, pull: Pull, peer: KvLayout, now: float) -> None:
-        """A grant of units that maps the prefill side's layout onto this one's, or a
-        refusal where the layouts cannot map (the prefill side frees its blocks)."""
+    def _grant_mapped(self, pull: Pull, own: KvLayout, peer: KvLayout, now: float) -> None:  # units, or a refusal
         try:
-            if pull.tokens is None:
-                raise InvalidArgument("the prefill side's KV layout differs from this decoder's: the claim needs the "
-                                      "loadable token count (Puller.claim(tokens=...)) to map its blocks",
-                                      "invalid_argument")
-            m = grant_map(self.layout, peer, pull.first_token, pull.tokens, pull.block_ids)
+            m = lm.grant_map(own, peer, pull.first_token, pull.tokens, pull.block_ids)
         except LayoutMismatch as e:
-            self._refuse(pull.key, mismatch_reason(e), pull.peer)
-            pull.state, pull.reason, pull.code = _FAILED, mismatch_reason(e), "layout_mismatch"
+            self._refuse(pull.key, lm.mismatch_reason(e), pull.peer)
+            pull.state, pull.reason, pull.code = _FAILED, lm.mismatch_reason(e), "layout_mismatch"
             return
-        pull.transfer = self.receiver.grant(pull.key, m.units, layers=m.layer_count, peer=pull.peer,
-                                            deadline_s=self.deadline_s, page_bytes=m.unit_bytes,
-                                            first_layer=m.first_layer)
+        held = own.layers[1] - own.layers[0]
+        # The local path grants every layer from first_layer (it has no layer count).
+        layers = {} if self.path == "local" and m.first_layer + m.layer_count == held else {"layers": m.layer_count}
+        pull.transfer = self.receiver.grant(pull.key, m.units, peer=pull.peer, deadline_s=self.deadline_s,
+                                            page_bytes=m.unit_bytes, first_layer=m.first_layer, **layers)
         pull.state, pull.granted_at = _LOADING, now
 
     def _refuse_notice(self, key: str, reason: str, peer: int | None) -> bool:

@@ -14,16 +14,16 @@ learns ``first_token`` from how many units the decoder granted.
 
 from __future__ import annotations
 
-import bisect
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from pdd_transport.errors import InvalidArgument, LayoutMismatch
 from pdd_transport.layout import KvLayout, first_token_for_units, layout_plan
 
-__all__ = ["SendMap", "GrantMap", "same_pages", "peer_layout", "plan_end", "send_map", "grant_map"]
+__all__ = ["GrantMap", "SendMap", "grant_map", "peer_layout", "plan_end", "receiver_peer_layout", "same_pages", "send_map"]
 
 
 def same_pages(own: KvLayout, peer: KvLayout) -> bool:
@@ -44,6 +44,16 @@ def peer_layout(endpoint: Any, peer: int | None = None) -> KvLayout | None:
     return KvLayout.decode(bytes(blob)) if blob else None
 
 
+def receiver_peer_layout(receiver: Any, peer: int | None) -> tuple[bool, KvLayout | None]:
+    """Whether prefill sender ``peer`` (None: the only one) is up on ``receiver``, and
+    its layout. A session counts as up only once the peer's layout came (where both
+    sides have one), so a layout read from a session that is up is final: reading it
+    before could take "not yet" for "none" and grant whole pages."""
+    ids = [p[0] if isinstance(p, tuple) else p for p in receiver.peers()]
+    up = (len(ids) == 1) if peer is None else (peer in ids)
+    return up, (peer_layout(receiver, peer) if up else None)
+
+
 def plan_end(dst: KvLayout, tokens: int) -> int:
     """Where a mapped transfer ends: a decoder loads whole blocks of its own, up to
     ``tokens`` (how many of the prompt's leading tokens it may load: vLLM's decoder
@@ -53,9 +63,12 @@ def plan_end(dst: KvLayout, tokens: int) -> int:
     return int(tokens) // tpb * tpb
 
 
-def _sorted_units(plan: Any) -> tuple[list[int], list[int]]:
-    pairs = sorted(zip((int(u) for u in plan.src_units), (int(u) for u in plan.dst_units)))
-    return [s for s, _ in pairs], [d for _, d in pairs]
+def _sorted_units(plan: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The plan's unit pairs in the order both ends agree on: by source unit (the plan
+    walks source memory order already; sorting keeps the contract explicit)."""
+    src, dst = np.asarray(plan.src_units, np.int64), np.asarray(plan.dst_units, np.int64)
+    order = np.argsort(src, kind="stable")
+    return src[order], dst[order]
 
 
 @dataclass(frozen=True)
@@ -69,21 +82,22 @@ class SendMap:
     wire_layers: int
     src_layer0: int
     first_token: int
-    block_of: list[int]
-    unit_in_block: list[int]
+    block_of: np.ndarray
+    unit_in_block: np.ndarray
 
     @property
     def first_block(self) -> int:
-        return self.block_of[0] if self.block_of else 0
+        return int(self.block_of[0]) if len(self.block_of) else 0
 
     def sendable(self, ready_blocks: int) -> int:
         """How many of the grant's units lie in block positions ``[0, ready_blocks)``."""
-        return bisect.bisect_left(self.block_of, ready_blocks)
+        return int(np.searchsorted(self.block_of, ready_blocks, side="left"))
 
     def src_units(self, block_ids: Sequence[int], start: int, end: int) -> list[int]:
         """The source pool's unit indices of grant pages ``[start, end)``."""
-        k = self.units_per_page
-        return [int(block_ids[b]) * k + j for b, j in zip(self.block_of[start:end], self.unit_in_block[start:end])]
+        ids = np.asarray(block_ids, np.int64)
+        units: list[int] = (ids[self.block_of[start:end]] * self.units_per_page + self.unit_in_block[start:end]).tolist()
+        return units
 
 
 def send_map(own: KvLayout, peer: KvLayout, tokens: int | None, unit_count: int, layer_count: int,
@@ -96,7 +110,7 @@ def send_map(own: KvLayout, peer: KvLayout, tokens: int | None, unit_count: int,
         raise InvalidArgument("the decoder's layout differs from this prefill side's: the push needs the "
                               "loadable token count (Pusher.start(tokens=...)) to map its blocks", "invalid_argument")
     end = plan_end(peer, tokens)
-    first = first_token_for_units(own, peer, end, unit_count)
+    first = first_token_for_units(own, peer, end, unit_count, unit_bytes=unit_bytes)
     if first is None:
         raise InvalidArgument(f"a grant of {unit_count} units of {unit_bytes} B matches no first token of a "
                               f"{tokens}-token prompt between these layouts", "invalid_argument")
@@ -106,10 +120,10 @@ def send_map(own: KvLayout, peer: KvLayout, tokens: int | None, unit_count: int,
     if len(src) != unit_count or int(plan.unit_bytes) != unit_bytes or hi - lo != layer_count:
         raise InvalidArgument(f"grant of {layer_count} layers x {unit_count} units x {unit_bytes} B; the plan says "
                               f"{hi - lo} x {len(src)} x {plan.unit_bytes} B", "invalid_argument")
-    k = int(own.page_bytes) // int(plan.unit_bytes)
+    k = int(plan.src_units_per_page)
     return SendMap(unit_bytes=int(plan.unit_bytes), units_per_page=k, wire_layers=hi - lo,
-                   src_layer0=lo - int(own.layers[0]), first_token=first,
-                   block_of=[u // k for u in src], unit_in_block=[u % k for u in src])
+                   src_layer0=int(plan.src_first_layer), first_token=first,
+                   block_of=src // k, unit_in_block=src % k)
 
 
 @dataclass(frozen=True)
@@ -124,28 +138,31 @@ class GrantMap:
     layer_count: int
 
 
-def grant_map(own: KvLayout, peer: KvLayout, first_token: int, tokens: int, block_ids: Sequence[int]) -> GrantMap:
+def grant_map(own: KvLayout, peer: KvLayout, first_token: int, tokens: int | None,
+              block_ids: Sequence[int]) -> GrantMap:
     """The decoder's grant for its blocks ``block_ids`` (the request's block positions
     from ``first_token // own.tokens_per_block`` on), loading tokens
     ``[first_token, plan_end(own, tokens))`` whose KV the prefill side (``peer``) holds in
     its own layout."""
+    if tokens is None:
+        raise InvalidArgument("the prefill side's KV layout differs from this decoder's: the claim needs the "
+                              "loadable token count (Puller.claim(tokens=...)) to map its blocks", "invalid_argument")
     tpb = int(own.tokens_per_block)
     if first_token % tpb:
         raise InvalidArgument(f"first_token {first_token} is not at a block boundary ({tpb} tokens per block)",
                               "invalid_argument")
     plan = layout_plan(peer, own, first_token, plan_end(own, tokens))
     _, dst = _sorted_units(plan)
-    k = int(own.page_bytes) // int(plan.unit_bytes)
+    k = int(plan.dst_units_per_page)
     first_block = first_token // tpb
-    units = []
-    for u in dst:
-        pos = u // k - first_block
-        if not 0 <= pos < len(block_ids):
-            raise InvalidArgument(f"the prompt's {tokens} tokens need block position {u // k}; the claim holds "
-                                  f"{len(block_ids)} blocks from position {first_block}", "invalid_argument")
-        units.append(int(block_ids[pos]) * k + u % k)
+    pos = dst // k - first_block
+    if len(pos) and (pos.min() < 0 or pos.max() >= len(block_ids)):
+        raise InvalidArgument(f"the prompt's {tokens} tokens need block positions {first_block + pos.min()}.."
+                              f"{first_block + pos.max()}; the claim holds {len(block_ids)} blocks from position "
+                              f"{first_block}", "invalid_argument")
+    units = (np.asarray(block_ids, np.int64)[pos] * k + dst % k).tolist()
     lo, hi = (int(x) for x in plan.layers)
-    return GrantMap(units=units, unit_bytes=int(plan.unit_bytes), first_layer=lo - int(own.layers[0]),
+    return GrantMap(units=units, unit_bytes=int(plan.unit_bytes), first_layer=int(plan.dst_first_layer),
                     layer_count=hi - lo)
 
 

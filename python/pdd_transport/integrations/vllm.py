@@ -27,6 +27,7 @@ from pdd_transport import kv
 from pdd_transport.errors import InvalidArgument, PddError
 from pdd_transport.integrations import vllm_params as kvp
 from pdd_transport.integrations import vllm_trace as tr
+from pdd_transport.integrations.vllm_layout import layout_of
 from pdd_transport.integrations.vllm_metrics import PddStatsMixin
 from pdd_transport.transfers import Pull, Puller, Push, Pusher, Settings, pool_from_block_tensors
 
@@ -248,13 +249,14 @@ class _WorkerSide:
         self._caches = [kv_caches[n] for n in names]
         self._layer_index = {n: i for i, n in enumerate(names)}
         pool = pool_from_block_tensors(self._caches, names)
-        logger.info("pdd: registered %d layers x %d blocks x %d B (%s)", pool.layers, pool.pages, pool.page_bytes,
-                    self._caches[0].dtype)
+        layout = layout_of(self._vllm_config, self._caches, self._cfg.model_id)  # type: ignore[attr-defined]
+        logger.info("pdd: registered %d layers x %d blocks x %d B (%s); layout %s", pool.layers, pool.pages,
+                    pool.page_bytes, self._caches[0].dtype, layout)
         if self._is_consumer:
-            self._puller = self._cfg.decode_side(pool)
+            self._puller = self._cfg.decode_side(pool, layout=layout)
             logger.info("pdd: KV receiver listening on %s:%d", *self._puller.receiver.address)
         if self._is_producer:
-            self._pusher = self._cfg.prefill_side(pool, on_send=tr.trace_send if tr.TRACE else None)
+            self._pusher = self._cfg.prefill_side(pool, on_send=tr.trace_send if tr.TRACE else None, layout=layout)
 
     # -- P: push each layer's newly computed blocks as the layer is computed
 

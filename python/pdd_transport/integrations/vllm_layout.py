@@ -5,14 +5,18 @@ parallel degrees or pipeline stages map their KV, and one with another model or 
 is refused before any byte moves.
 
 vLLM's CPU attention keeps each layer's cache as ``[num_blocks, kv_heads, block_size,
-2 * head_size]`` and reads it as ``[num_blocks, kv_heads, 2 * block_size, head_size]``
-(``cpu_attn.py``): inside a block, heads outermost, then the keys of every token, then
-the values (``head_kv_token``). Other shapes (another attention backend) get no
-layout: the connector then moves page for page, as between identical engines.
+2 * head_size]``, viewed as ``[num_blocks, kv_heads, 2 * block_size, head_size]``
+(``cpu_attn.py``): inside a block, heads outermost, then the keys, then the values. Its
+``vec`` kernels store the keys transposed (element ``e`` of every token's key together,
+``e * block_size + token``; the values as ``token * head_size + e``), measured by
+writing known keys through ``cpu_attn_reshape_and_cache``: ``head_kt_v``. Other shapes
+(another attention backend) get no layout: the connector then moves page for page, as
+between identical engines.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from pdd_transport.layout import KvLayout
@@ -20,15 +24,16 @@ from pdd_transport.layout import KvLayout
 __all__ = ["DTYPES", "layout_of"]
 
 #: torch dtype name -> the layout's dtype.
-DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "f8e4m3",
-          "float8_e5m2": "f8e5m2"}
+DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "f8_e4m3",
+          "float8_e5m2": "f8_e5m2"}
 
 
 def layout_of(vllm_config: Any, caches: list[Any], model_id: str | None = None) -> KvLayout | None:
     """This worker's layout, from its config and its registered per-layer caches (None
     where the caches are not the CPU backend's shape). ``model_id`` names the model in
-    the digest (``pdd_model_id``); default, vLLM's served model name, which the P and D
-    instances behind one router share."""
+    the digest (``pdd_model_id``); default, the last part of the model's path or hub id
+    (``/models/Llama-3.1-8B`` and ``meta-llama/Llama-3.1-8B`` agree; two checkpoints of
+    one architecture under other names do not, which is the point)."""
     if not caches or len(getattr(caches[0], "shape", ())) != 4:
         return None
     model = vllm_config.model_config
@@ -49,10 +54,9 @@ def layout_of(vllm_config: Any, caches: list[Any], model_id: str | None = None) 
     if end_layer - first_layer != len(caches):
         return None
     if model_id is None:
-        served = model.served_model_name
-        model_id = served[0] if isinstance(served, (list, tuple)) else str(served or model.model)
+        model_id = os.path.basename(str(model.model).rstrip("/")) or str(model.model)
     page_bytes = caches[0].numel() * caches[0].element_size() // blocks
     return KvLayout(model=str(model_id)[:128], dtype=dtype, total_layers=int(model.get_total_num_hidden_layers()),
                     layers=(first_layer, end_layer), tokens_per_block=block_size, total_kv_heads=total_heads,
                     heads=(first_head, first_head + heads_held), head_size=head_size,
-                    arrangement="head_kv_token", page_bytes=page_bytes)
+                    arrangement="head_kt_v", page_bytes=page_bytes)

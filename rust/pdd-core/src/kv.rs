@@ -233,8 +233,10 @@ pub struct ReceiverState {
     pool_layers: u16,
     pool_pages: u32,
     page_bytes: u32,
-    /// Transfer holding each pool page (0 = free).
+    /// Transfer holding each whole pool page (0 = free of whole-page grants).
     page_owner: Vec<u64>,
+    /// Pages that sub-page grants hold in part, with their byte ranges.
+    shared: units::SharedPages,
     /// Pool pages with an owner (kept so that reading it is O(1)).
     held: usize,
     live: HashMap<u64, Inbound>,
@@ -279,6 +281,7 @@ impl ReceiverState {
             pool_pages,
             page_bytes,
             page_owner: vec![0; pool_pages as usize],
+            shared: units::SharedPages::default(),
             held: 0,
             live: HashMap::new(),
             draining: HashMap::new(),
@@ -386,17 +389,37 @@ impl ReceiverState {
             dest_units,
             layer_count,
         )?;
+        let busy = |p: u32, owner: u64| Error::PagesBusy {
+            detail: format!("pool page {p} is held by live transfer {owner}"),
+        };
         for &p in &placed.pool_pages {
             let owner = self.page_owner[p as usize];
             if owner != 0 {
-                return Err(Error::PagesBusy {
-                    detail: format!("pool page {p} is held by live transfer {owner}"),
-                });
+                return Err(busy(p, owner));
             }
         }
-        for &p in &placed.pool_pages {
-            self.page_owner[p as usize] = transfer_id;
-            self.held += 1;
+        if placed.unit_bytes == self.page_bytes {
+            if let Some(&p) = placed.pool_pages.iter().find(|&&p| self.shared.holds(p)) {
+                return Err(busy(
+                    p,
+                    self.shared.overlap(p, 0, self.page_bytes).unwrap_or(0),
+                ));
+            }
+            for &p in &placed.pool_pages {
+                self.page_owner[p as usize] = transfer_id;
+                self.held += 1;
+            }
+        } else {
+            // Units of one pool page may belong to several live grants (the ranks of a
+            // tensor-parallel prefill each fill their heads), never the same bytes.
+            let wanted =
+                units::SharedPages::ranges_of(dest_units, placed.unit_bytes, self.page_bytes);
+            for &(p, start, end) in &wanted {
+                if let Some(owner) = self.shared.overlap(p, start, end) {
+                    return Err(busy(p, owner));
+                }
+            }
+            self.held += self.shared.take(transfer_id, &wanted);
         }
         let grant = KvGrant {
             transfer_id,
@@ -744,6 +767,8 @@ impl ReceiverState {
             if self.page_owner[p as usize] == transfer_id {
                 self.page_owner[p as usize] = 0;
                 self.held -= 1;
+            } else if self.shared.release(transfer_id, p) {
+                self.held -= 1;
             }
         }
     }
@@ -752,7 +777,7 @@ impl ReceiverState {
     pub fn pages_held(&self) -> usize {
         debug_assert_eq!(
             self.held,
-            self.page_owner.iter().filter(|&&o| o != 0).count()
+            self.page_owner.iter().filter(|&&o| o != 0).count() + self.shared.len()
         );
         self.held
     }

@@ -117,17 +117,24 @@ pub enum Arrangement {
     TokenHeadKv,
     /// `[heads][tokens][2][head_size]`.
     HeadTokenKv,
+    /// `[heads][K: head_size x tokens][V: tokens x head_size]`: per head, the keys
+    /// transposed (element `e` of every token's key together), then the values as
+    /// `HeadKvToken` keeps them. vLLM's CPU attention (its `vec` kernels) stores a
+    /// block so; a key's head vector is then not contiguous, so plans walk keys
+    /// element by element.
+    HeadKeysTransposed,
 }
 
 impl Arrangement {
     /// Every arrangement, in wire-code order (the code is the index).
-    pub const ALL: [Arrangement; 6] = [
+    pub const ALL: [Arrangement; 7] = [
         Arrangement::KvHeadToken,
         Arrangement::KvTokenHead,
         Arrangement::TokenKvHead,
         Arrangement::HeadKvToken,
         Arrangement::TokenHeadKv,
         Arrangement::HeadTokenKv,
+        Arrangement::HeadKeysTransposed,
     ];
 
     /// The three outer dimensions, outermost first.
@@ -140,6 +147,9 @@ impl Arrangement {
             Arrangement::HeadKvToken => [Head, Kv, Token],
             Arrangement::TokenHeadKv => [Token, Head, Kv],
             Arrangement::HeadTokenKv => [Head, Token, Kv],
+            // Each (head, K|V) region is as large as HeadKvToken's; only inside K do
+            // elements run otherwise (`element_offset`).
+            Arrangement::HeadKeysTransposed => [Head, Kv, Token],
         }
     }
 
@@ -152,6 +162,7 @@ impl Arrangement {
             Arrangement::HeadKvToken => "head_kv_token",
             Arrangement::TokenHeadKv => "token_head_kv",
             Arrangement::HeadTokenKv => "head_token_kv",
+            Arrangement::HeadKeysTransposed => "head_kt_v",
         }
     }
 
@@ -357,6 +368,21 @@ impl KvLayout {
         };
         let [a, b, c] = self.f.arrangement.dims();
         ((index(a) * extent(b) + index(b)) * extent(c) + index(c)) * u64::from(self.vector_bytes())
+    }
+
+    /// Whether a key's head vector is strided (its elements `tokens_per_block` apart).
+    pub(crate) fn keys_transposed(&self) -> bool {
+        self.f.arrangement == Arrangement::HeadKeysTransposed
+    }
+
+    /// Byte offset of element `e` of head vector (kv, held head index, token slot).
+    pub(crate) fn element_offset(&self, kv: u32, head: u32, token: u32, e: u32) -> u64 {
+        let eb = u64::from(self.f.dtype.bytes());
+        if kv == 0 && self.keys_transposed() {
+            let tpb = u64::from(self.f.tokens_per_block);
+            return self.vector_offset(0, head, 0) + (u64::from(e) * tpb + u64::from(token)) * eb;
+        }
+        self.vector_offset(kv, head, token) + u64::from(e) * eb
     }
 }
 

@@ -8,10 +8,12 @@
 //! other side, in the same order. The wire does not change: KV_GRANT's `page_bytes`
 //! is the unit, and its page indices count units. Unit `u` of a pool whose pages
 //! hold `k` units is byte offset `u * unit_bytes` in the layer's buffer (pool page
-//! `u / k`), so a unit never straddles two pool pages and ownership stays per pool
-//! page: the pages a grant's units touch are the grant's.
+//! `u / k`), so a unit never straddles two pool pages. A grant of whole pages holds
+//! them; grants of units may share a pool page where their units' byte ranges are
+//! disjoint ([`SharedPages`]): the ranks of a tensor-parallel prefill each fill their
+//! heads' slice of the same decoder pages, over their own sessions.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use crate::error::{Error, Result};
 
@@ -87,6 +89,88 @@ impl GrantUnits {
             unit_bytes,
             pool_pages: pool_pages_held,
         })
+    }
+}
+
+/// Pool pages held in part by live sub-page grants: per page, the byte ranges
+/// `[start, end)` each grant's units cover (on every layer). A page here is held by
+/// no whole-page grant; a range here overlaps no other.
+#[derive(Debug, Default)]
+pub(crate) struct SharedPages {
+    ranges: HashMap<u32, Vec<(u32, u32, u64)>>,
+}
+
+impl SharedPages {
+    /// The byte ranges of `units` (of `unit_bytes`, inside pages of `page_bytes`), by
+    /// pool page, adjacent units joined.
+    pub(crate) fn ranges_of(
+        units: &[u32],
+        unit_bytes: u32,
+        page_bytes: u32,
+    ) -> Vec<(u32, u32, u32)> {
+        let per_page = page_bytes / unit_bytes;
+        let mut r: Vec<(u32, u32, u32)> = units
+            .iter()
+            .map(|&u| {
+                let start = (u % per_page) * unit_bytes;
+                (u / per_page, start, start + unit_bytes)
+            })
+            .collect();
+        r.sort_unstable();
+        let mut out: Vec<(u32, u32, u32)> = Vec::with_capacity(r.len());
+        for (page, start, end) in r {
+            match out.last_mut() {
+                Some(last) if last.0 == page && last.2 == start => last.2 = end,
+                _ => out.push((page, start, end)),
+            }
+        }
+        out
+    }
+
+    /// Whether any sub-page grant holds part of `page`.
+    pub(crate) fn holds(&self, page: u32) -> bool {
+        self.ranges.contains_key(&page)
+    }
+
+    /// The live grant whose range on `page` overlaps `[start, end)`, if one does.
+    pub(crate) fn overlap(&self, page: u32, start: u32, end: u32) -> Option<u64> {
+        self.ranges
+            .get(&page)?
+            .iter()
+            .find(|&&(s, e, _)| s < end && start < e)
+            .map(|r| r.2)
+    }
+
+    /// Record `transfer_id`'s ranges (checked free); how many pages became held.
+    pub(crate) fn take(&mut self, transfer_id: u64, wanted: &[(u32, u32, u32)]) -> usize {
+        let mut newly = 0;
+        for &(page, start, end) in wanted {
+            let held = self.ranges.entry(page).or_default();
+            if held.is_empty() {
+                newly += 1;
+            }
+            held.push((start, end, transfer_id));
+        }
+        newly
+    }
+
+    /// Drop `transfer_id`'s ranges on `page`; whether the page is free now.
+    pub(crate) fn release(&mut self, transfer_id: u64, page: u32) -> bool {
+        let Some(held) = self.ranges.get_mut(&page) else {
+            return false;
+        };
+        let before = held.len();
+        held.retain(|r| r.2 != transfer_id);
+        if held.is_empty() {
+            self.ranges.remove(&page);
+            return before > 0;
+        }
+        false
+    }
+
+    /// Pages held in part.
+    pub(crate) fn len(&self) -> usize {
+        self.ranges.len()
     }
 }
 

@@ -117,31 +117,40 @@ fn units_outside_the_pool_or_listed_twice_are_refused_changing_nothing() {
 }
 
 #[test]
-fn a_page_touched_by_a_live_grant_is_that_grants() {
+fn unit_grants_share_a_page_only_where_their_bytes_differ() {
     let mut rx = ReceiverState::new(2, 4, 16).unwrap();
     grant(&mut rx, 1, &[1, 6], 1, units(0)).unwrap();
-    // Unit 2 is in page 0, unit 7 in page 1: both held by transfer 1, also on
-    // another layer.
-    for (dest, layer) in [(&[2][..], 0), (&[7][..], 1), (&[12, 5][..], 0)] {
+    // Units 1 (page 0, bytes 4..8) and 6 (page 1, bytes 8..12) are transfer 1's; the
+    // same units, also on another layer and mixed with free ones, are busy.
+    for (dest, layer) in [(&[1][..], 0), (&[6][..], 1), (&[12, 5, 6][..], 0)] {
         match grant(&mut rx, 2, dest, 1, units(layer)) {
             Err(Error::PagesBusy { detail }) => assert!(detail.contains("transfer 1"), "{detail}"),
             other => panic!("{other:?}"),
         }
     }
-    // Whole pages held by a unit grant are busy for a page grant too.
+    // A page of which a unit grant holds part is busy for a whole-page grant.
     assert!(matches!(
         rx.grant_to(0, 3, 3, &[1], 1, 0),
         Err(Error::PagesBusy { .. })
     ));
     assert_eq!(rx.pages_held(), 2);
-    // Pages 2 and 3 are free, in units or whole.
-    grant(&mut rx, 4, &[8, 9], 2, units(0)).unwrap();
+    // Other bytes of the same pages go to another grant (a second TP rank's heads);
+    // a whole-page grant holds a free page, which unit grants then cannot share.
+    grant(&mut rx, 4, &[0, 2, 3, 4, 5, 7], 1, units(0)).unwrap();
     rx.grant_to(0, 5, 5, &[3], 2, 0).unwrap();
-    assert_eq!(rx.pages_held(), 4);
-    // Its end frees both of its pages at once.
+    assert!(matches!(
+        grant(&mut rx, 6, &[13], 1, units(0)),
+        Err(Error::PagesBusy { .. })
+    ));
+    assert_eq!(rx.pages_held(), 3);
+    // A page is free once every grant holding part of it ended.
     rx.fail(1, Error::Cancelled { detail: "t".into() });
-    assert_eq!(rx.pages_held(), 2);
-    assert!(grant(&mut rx, 6, &[2, 7], 1, units(0)).is_ok());
+    assert_eq!(rx.pages_held(), 3);
+    assert!(grant(&mut rx, 7, &[1], 1, units(0)).is_ok());
+    rx.fail(4, Error::Cancelled { detail: "t".into() });
+    rx.fail(7, Error::Cancelled { detail: "t".into() });
+    assert_eq!(rx.pages_held(), 1);
+    assert!(rx.grant_to(0, 8, 8, &[0, 1], 2, 0).is_ok());
 }
 
 #[test]

@@ -277,6 +277,7 @@ impl<'a> Walk<'a> {
         }
         let (s, d) = (self.src.fields(), self.dst.fields());
         let v = u64::from(self.src.vector_bytes());
+        let eb = u64::from(s.dtype.bytes());
         let (s_tpb, d_tpb) = (s.tokens_per_block, d.tokens_per_block);
         let (s_page, d_page) = (u64::from(s.page_bytes), u64::from(d.page_bytes));
         let heads = (
@@ -309,20 +310,44 @@ impl<'a> Walk<'a> {
                             idx[dim as usize] = i;
                         }
                         let [kv, head, token] = idx;
-                        let so = u64::from(b) * s_page + self.src.vector_offset(kv, head, token);
                         let t = base + token;
-                        let dd = u64::from(t / d_tpb) * d_page
-                            + self.dst.vector_offset(kv, dst_head(head), t % d_tpb);
-                        run = match run {
-                            Some((rs, rd, len)) if rs + len == so && rd + len == dd => {
-                                Some((rs, rd, len + v))
-                            }
-                            Some((rs, rd, len)) => {
-                                f(rs, rd, len);
-                                Some((so, dd, v))
-                            }
-                            None => Some((so, dd, v)),
+                        let mut emit = |so: u64, dd: u64, n: u64| {
+                            run = match run {
+                                Some((rs, rd, len)) if rs + len == so && rd + len == dd => {
+                                    Some((rs, rd, len + n))
+                                }
+                                Some((rs, rd, len)) => {
+                                    f(rs, rd, len);
+                                    Some((so, dd, n))
+                                }
+                                None => Some((so, dd, n)),
+                            };
                         };
+                        let src_page = u64::from(b) * s_page;
+                        let dst_at = |t: u32, e: u32| {
+                            u64::from(t / d_tpb) * d_page
+                                + self.dst.element_offset(kv, dst_head(head), t % d_tpb, e)
+                        };
+                        if kv == 0 && self.src.keys_transposed() {
+                            // Source memory order inside a transposed key region is
+                            // element-major: walk it whole at its first token.
+                            if token == tokens.0 {
+                                for e in 0..s.head_size {
+                                    for tok in tokens.0..tokens.1 {
+                                        let so = src_page + self.src.element_offset(0, head, tok, e);
+                                        emit(so, dst_at(base + tok, e), eb);
+                                    }
+                                }
+                            }
+                        } else if kv == 0 && self.dst.keys_transposed() {
+                            let so = src_page + self.src.vector_offset(kv, head, token);
+                            for e in 0..s.head_size {
+                                emit(so + u64::from(e) * eb, dst_at(t, e), eb);
+                            }
+                        } else {
+                            let so = src_page + self.src.vector_offset(kv, head, token);
+                            emit(so, dst_at(t, 0), v);
+                        }
                     }
                 }
             }

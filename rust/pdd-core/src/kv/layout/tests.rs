@@ -77,7 +77,7 @@ fn names_and_codes_round_trip() {
         assert_eq!(dims, [0, 1, 2]);
     }
     assert_eq!(KvDtype::from_code(5), None);
-    assert_eq!(Arrangement::from_code(6), None);
+    assert_eq!(Arrangement::from_code(7), None);
 }
 
 #[test]
@@ -245,6 +245,11 @@ fn reference_offset(l: &LayoutFields, kv: u64, h: u64, t: u64, e: u64) -> u64 {
         Arrangement::HeadKvToken => h * 2 * nt + kv * nt + t,
         Arrangement::TokenHeadKv => t * nh * 2 + h * 2 + kv,
         Arrangement::HeadTokenKv => h * nt * 2 + t * 2 + kv,
+        // Keys as [head_size][tokens] in the head's first half, values as usual.
+        Arrangement::HeadKeysTransposed if kv == 0 => {
+            return (h * 2 * nt * hs + e * nt + t) * eb;
+        }
+        Arrangement::HeadKeysTransposed => h * 2 * nt + nt + t,
     };
     (vector * hs + e) * eb
 }
@@ -525,4 +530,25 @@ fn oversized_and_short_inputs_are_length_errors() {
         decode(&bad_utf8),
         Err(LayoutError::InvalidField { field: "model", .. })
     ));
+}
+
+#[test]
+fn transposed_keys_map_between_block_sizes_in_runs_of_one_key_element() {
+    // vLLM's CPU cache, 32-token blocks into 64-token ones: a key element's run of one
+    // source block (32 tokens x 2 bytes) is the unit; values move in those units too.
+    let src = layout(fields(32, (0, 8), Arrangement::HeadKeysTransposed));
+    let dst = layout(fields(64, (0, 8), Arrangement::HeadKeysTransposed));
+    let p = plan(&src, &dst, 64, 192).unwrap();
+    assert_eq!(p.unit_bytes, 32 * 2);
+    check_plan(&src, &dst, 64, 192).unwrap();
+    check_plan(&dst, &src, 64, 192).unwrap();
+    // Into or out of an arrangement whose keys are not transposed: element by element.
+    let plain = layout(fields(64, (0, 8), Arrangement::HeadKvToken));
+    check_plan(&src, &plain, 0, 128).unwrap();
+    check_plan(&plain, &src, 0, 128).unwrap();
+    // TP 2 -> 1 with transposed keys on both sides: whole halves of each page.
+    let rank = layout(fields(32, (4, 8), Arrangement::HeadKeysTransposed));
+    let all = layout(fields(32, (0, 8), Arrangement::HeadKeysTransposed));
+    assert_eq!(plan(&rank, &all, 0, 64).unwrap().unit_bytes, 4 * 2 * 32 * 4 * 2);
+    check_plan(&rank, &all, 0, 64).unwrap();
 }
