@@ -334,7 +334,8 @@ impl<'a> Walk<'a> {
                             if token == tokens.0 {
                                 for e in 0..s.head_size {
                                     for tok in tokens.0..tokens.1 {
-                                        let so = src_page + self.src.element_offset(0, head, tok, e);
+                                        let so =
+                                            src_page + self.src.element_offset(0, head, tok, e);
                                         emit(so, dst_at(base + tok, e), eb);
                                     }
                                 }

@@ -549,6 +549,9 @@ fn transposed_keys_map_between_block_sizes_in_runs_of_one_key_element() {
     // TP 2 -> 1 with transposed keys on both sides: whole halves of each page.
     let rank = layout(fields(32, (4, 8), Arrangement::HeadKeysTransposed));
     let all = layout(fields(32, (0, 8), Arrangement::HeadKeysTransposed));
-    assert_eq!(plan(&rank, &all, 0, 64).unwrap().unit_bytes, 4 * 2 * 32 * 4 * 2);
+    assert_eq!(
+        plan(&rank, &all, 0, 64).unwrap().unit_bytes,
+        4 * 2 * 32 * 4 * 2
+    );
     check_plan(&rank, &all, 0, 64).unwrap();
 }
