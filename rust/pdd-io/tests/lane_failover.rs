@@ -331,7 +331,14 @@ async fn without_failover_a_stalled_lane_still_ends_the_session() {
     )
     .await;
     let err = got.unwrap_err();
-    assert_eq!(err.reason(), "connection_lost", "{err:?}");
+    // Two bounds of dead_after race here: the stalled read inside a block ends the
+    // session (connection_lost), and the receiver's "no page moved for dead_after
+    // since the sender's KV_DONE" fails the transfer (deadline_exceeded). Which fires
+    // first is scheduling (a loaded CI host got the second); either ends it in time.
+    assert!(
+        matches!(err.reason(), "connection_lost" | "deadline_exceeded"),
+        "{err:?}"
+    );
     assert_eq!(metric(tx.metrics(), "lanes_revoked_total"), 0);
     wan.stall_connection(STALLED, Direction::ClientToUpstream, Duration::ZERO);
 }
