@@ -361,7 +361,10 @@ class World:
         self.wanem = N.Wanem("127.0.0.1:0", self.rx_addr)
         self.lrx = N.LocalReceiver(pool())
         self.lrx_addr = "%s:%d" % tuple(self.lrx.address)
-        self.ltx = N.LocalSender(pool(2), self.lrx_addr)
+        # A node id no draw picks: a LocalSender() example with the world's id would take
+        # its session over (a reconnect), and closing it would leave the world's
+        # transfers' peer gone ("peer 1 is not connected", now and then).
+        self.ltx = N.LocalSender(pool(2), self.lrx_addr, node_id=737373737373)
         self.lpeer = self.lrx.wait_peer(timeout=10)
         self.sockets = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.emulator = N.PacketEmulator(self.sockets[0].fileno(), self.sockets[1].fileno(), a_to_b={}, b_to_a={})
@@ -396,7 +399,18 @@ class World:
 
     def local_outbound(self) -> tuple[Any, Any]:
         rid = self.next_id()
-        inbound = self.lrx.grant(rid, next(WORLD_PAGES), peer=self.lpeer, timeout=10)
+        try:
+            inbound = self.lrx.grant(rid, next(WORLD_PAGES), peer=self.lpeer, timeout=10)
+        except PddError as e:
+            # Now and then (about 1 full run in 3 here, since the KV layout exchange) an
+            # earlier draw has ended the world's local session: connect it again rather
+            # than fail every later test of a fresh transfer. Cause not found yet.
+            if e.reason != "connection_lost":
+                raise
+            self.ltx.close()
+            self.ltx = N.LocalSender(pool(2), self.lrx_addr, node_id=737373737373)
+            self.lpeer = self.lrx.wait_peer(timeout=10)
+            inbound = self.lrx.grant(rid, next(WORLD_PAGES), peer=self.lpeer, timeout=10)
         return inbound, self.ltx.wait_grant(rid, timeout=10)
 
     def local_end(self, inbound: Any, outbound: Any | None = None) -> None:
@@ -1526,7 +1540,7 @@ LAYOUTS = st.deferred(lambda: st.sampled_from([
 FOREIGN_LAYOUTS = st.deferred(lambda: st.sampled_from([
     a_layout(model="other"), a_layout(heads=(3, 4), layers=(0, 1)), a_layout(dtype="f32"),
 ]))
-LAYOUT = obj(LAYOUTS, FOREIGN_LAYOUTS)
+KV_LAYOUT = obj(LAYOUTS, FOREIGN_LAYOUTS)
 TOKEN = P(st.integers(0, 200), INTS)
 
 
@@ -1552,18 +1566,18 @@ def _layout_codec(h: H, o: Outcome) -> None:
 
 @spec("layout_plan")
 def _layout_plan(h: H, o: Outcome) -> None:
-    call(h, o, N.layout_plan, LAYOUT, LAYOUT, TOKEN, TOKEN)
+    call(h, o, N.layout_plan, KV_LAYOUT, KV_LAYOUT, TOKEN, TOKEN)
 
 
 @spec("first_token_for_units")
 def _first_token_for_units(h: H, o: Outcome) -> None:
-    call(h, o, N.first_token_for_units, LAYOUT, LAYOUT, TOKEN, P(st.integers(0, 500), INTS),
+    call(h, o, N.first_token_for_units, KV_LAYOUT, KV_LAYOUT, TOKEN, P(st.integers(0, 500), INTS),
          unit_bytes=P(st.sampled_from([None, 256, 512, 4096]), INTS))
 
 
 @spec("check_layout_compatible")
 def _check_layout_compatible(h: H, o: Outcome) -> None:
-    call(h, o, N.check_layout_compatible, LAYOUT, LAYOUT)
+    call(h, o, N.check_layout_compatible, KV_LAYOUT, KV_LAYOUT)
 
 
 # ---- classes without a constructor: any arguments are a TypeError ----
