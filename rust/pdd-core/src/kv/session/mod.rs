@@ -34,6 +34,32 @@ use crate::wire::{Abort, AbortReason};
 mod receiver;
 mod sender;
 
+/// Why a peer's KV_LAYOUT breaks the protocol, the same on both ends (None: keep it):
+/// on a session that did not negotiate `kv_layout`, after one already came (`scope`
+/// names where), or empty or too long (the decoder refuses those first).
+fn layout_frame_refusal(
+    capabilities: u64,
+    has_one: bool,
+    layout: &[u8],
+    scope: &str,
+) -> Option<Error> {
+    let (field, detail) = if capabilities & crate::wire::capability::KV_LAYOUT == 0 {
+        (
+            "kind",
+            "capability kv_layout was not negotiated".to_string(),
+        )
+    } else if has_one {
+        ("kind", format!("a second KV_LAYOUT on one {scope}"))
+    } else {
+        ("layout", crate::wire::check_kv_layout(layout).err()?)
+    };
+    Some(Error::InvalidField {
+        kind: crate::wire::FrameKind::KvLayout,
+        field,
+        detail,
+    })
+}
+
 pub use receiver::{LaneHandle, LaneKey, ReceiverEndpoint, ReceiverEvent, SessionHandle};
 pub use sender::{check_cover, LaneSample, SenderEvent, SenderSession};
 

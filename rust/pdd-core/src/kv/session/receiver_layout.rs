@@ -70,22 +70,12 @@ impl ReceiverEndpoint {
         let Some(s) = self.sessions.get(&session.generation) else {
             return;
         };
-        let refused = if s.capabilities & capability::KV_LAYOUT == 0 {
-            Some((
-                "kind",
-                "capability kv_layout was not negotiated".to_string(),
-            ))
-        } else if s.peer_layout.is_some() {
-            Some(("kind", "a second KV_LAYOUT on one session".to_string()))
-        } else {
-            check_kv_layout(layout).err().map(|d| ("layout", d))
-        };
-        if let Some((field, detail)) = refused {
-            let e = Error::InvalidField {
-                kind: FrameKind::KvLayout,
-                field,
-                detail,
-            };
+        if let Some(e) = super::super::layout_frame_refusal(
+            s.capabilities,
+            s.peer_layout.is_some(),
+            layout,
+            "session",
+        ) {
             self.end_session(session, e, true, false);
             return;
         }

@@ -81,22 +81,12 @@ impl SenderSession {
         let Some(c) = &self.conn else {
             return;
         };
-        let refused = if c.capabilities & capability::KV_LAYOUT == 0 {
-            Some((
-                "kind",
-                "capability kv_layout was not negotiated".to_string(),
-            ))
-        } else if c.peer_layout.is_some() {
-            Some(("kind", "a second KV_LAYOUT on one connection".to_string()))
-        } else {
-            check_kv_layout(layout).err().map(|d| ("layout", d))
-        };
-        if let Some((field, detail)) = refused {
-            let e = Error::InvalidField {
-                kind: FrameKind::KvLayout,
-                field,
-                detail,
-            };
+        if let Some(e) = super::super::layout_frame_refusal(
+            c.capabilities,
+            c.peer_layout.is_some(),
+            layout,
+            "connection",
+        ) {
             self.end(e, true);
             return;
         }
