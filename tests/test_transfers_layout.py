@@ -164,11 +164,14 @@ def test_a_pipeline_stage_receives_only_the_layers_it_holds() -> None:
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize(("field", "other"), [("model", {"model": "another"}), ("dtype", {"dtype": "f16"})])
-def test_layouts_that_cannot_map_are_refused_before_any_byte_moves(path: str, field: str, other: dict) -> None:
+@pytest.mark.parametrize(("field", "other", "dst_tpb"), [("model", {"model": "another"}, 32),
+                                                        ("model", {"model": "another"}, 16),  # same pages otherwise
+                                                        ("dtype", {"dtype": "f16"}, 32)])
+def test_layouts_that_cannot_map_are_refused_before_any_byte_moves(path: str, field: str, other: dict,
+                                                                  dst_tpb: int) -> None:
     rng = np.random.default_rng(6)
     src = Side(layout(16), 4, rng)
-    dst = Side(layout(32, **other), 4, None)
+    dst = Side(layout(dst_tpb, **other), 4, None)
     before = dst.mem.copy()
     t0 = time.monotonic()
     over, settled = move([src], dst, path, tokens=64, dst_pages=[0, 1], src_pages=[0, 1, 2, 3])
