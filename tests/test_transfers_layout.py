@@ -179,7 +179,7 @@ def test_layouts_that_cannot_map_are_refused_before_any_byte_moves(path: str, fi
     assert field in settled[0].reason
     assert not over[0].ok
     assert "layout_mismatch" in over[0].legs[0].reason  # P heard why, and freed its blocks
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 2  # at once: the grant timeout (10 s) and deadline (30 s) are far
     assert np.array_equal(dst.mem, before)
 
 
