@@ -116,6 +116,48 @@ def test_another_block_size_lands_every_token_where_the_decoder_keeps_it(path: s
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("src_tpb", "dst_tpb"), [(16, 32), (32, 16), (48, 32)])
+def test_a_mapped_push_sends_only_units_of_blocks_already_computed(path: str, src_tpb: int, dst_tpb: int) -> None:
+    """A chunked prefill: each source block holds zeros until it is computed, and is
+    marked computed, layer by layer, only after its bytes are written. A unit sent
+    from a block not yet computed would land zeros (the wire order is the decoder's,
+    which mixes source blocks: a prefix of it may only read computed ones)."""
+    rng = np.random.default_rng(src_tpb * 7 + dst_tpb)
+    tokens = 192 - 1
+    src = Side(layout(src_tpb), 16, rng)
+    computed = src.mem.copy()
+    src.mem[:] = 0
+    dst = Side(layout(dst_tpb), 12, None)
+    end = tokens // dst_tpb * dst_tpb
+    src_pages = rng.permutation(16)[: -(-192 // src_tpb)].tolist()
+    dst_pages = rng.permutation(12)[: end // dst_tpb].tolist()
+    rx, address = receiver(dst, path)
+    puller = Puller(rx, layout=dst.layout, owns_receiver=True)
+    p = pusher(src, 1)
+    try:
+        p.sender_for(address)
+        puller.claim("k", dst_pages, peer=1, tokens=tokens)
+        push = p.start("k", [address], blocks=len(src_pages), tokens=tokens)
+        push.blocks(src_pages)
+        for b, page in enumerate(src_pages):
+            for layer in range(2):
+                src.mem[layer, page] = computed[layer, page]
+                push.computed(layer, b + 1)
+            deadline = time.monotonic() + 0.05  # the lanes write what was queued
+            while time.monotonic() < deadline:
+                p.poll()
+                time.sleep(0.005)
+        push.end()
+        over, settled = run_until([p], puller, 1)
+    finally:
+        p.close()
+        puller.close()
+    assert over[0].ok and settled[0].ok, (over[0].failures, settled[0].reason)
+    src.mem[:] = computed
+    assert np.array_equal(dst.tokens(dst_pages)[:, :end], src.tokens(src_pages)[:, :end])
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_a_decoder_holding_a_prefix_gets_only_the_rest_mapped(path: str) -> None:
     rng = np.random.default_rng(7)
     src = Side(layout(16), 8, rng)

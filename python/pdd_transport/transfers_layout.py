@@ -64,18 +64,23 @@ def plan_end(dst: KvLayout, tokens: int) -> int:
 
 
 def _sorted_units(plan: Any) -> tuple[np.ndarray, np.ndarray]:
-    """The plan's unit pairs in the order both ends agree on: by source unit (the plan
-    walks source memory order already; sorting keeps the contract explicit)."""
+    """The plan's unit pairs in the order both ends agree on: by destination unit.
+    The decoder's consecutive units then arrive one after the other and land with one
+    ``readv`` range and one CRC call per run (a decoder page whose units come from two
+    source blocks fills as one range); the source side reads its units where they are,
+    joined wherever they are adjacent in its own pool."""
     src, dst = np.asarray(plan.src_units, np.int64), np.asarray(plan.dst_units, np.int64)
-    order = np.argsort(src, kind="stable")
+    order = np.argsort(dst, kind="stable")
     return src[order], dst[order]
 
 
 @dataclass(frozen=True)
 class SendMap:
     """One destination's grant of units, seen from the source: grant page ``i`` is unit
-    ``unit_in_block[i]`` of the request's block position ``block_of[i]`` (non-decreasing),
-    on wire layers ``0..wire_layers`` = source pool layers ``src_layer0..``."""
+    ``unit_in_block[i]`` of the request's block position ``block_of[i]``, on wire layers
+    ``0..wire_layers`` = source pool layers ``src_layer0..``. ``needs[i]``: the highest
+    block position among grant pages ``0..=i`` (non-decreasing), so a prefix of the
+    grant is sent once every block it reads is ready."""
 
     unit_bytes: int
     units_per_page: int
@@ -84,14 +89,15 @@ class SendMap:
     first_token: int
     block_of: np.ndarray
     unit_in_block: np.ndarray
+    needs: np.ndarray
 
     @property
     def first_block(self) -> int:
-        return int(self.block_of[0]) if len(self.block_of) else 0
+        return int(self.block_of.min()) if len(self.block_of) else 0
 
     def sendable(self, ready_blocks: int) -> int:
-        """How many of the grant's units lie in block positions ``[0, ready_blocks)``."""
-        return int(np.searchsorted(self.block_of, ready_blocks, side="left"))
+        """How many leading grant pages read only block positions ``[0, ready_blocks)``."""
+        return int(np.searchsorted(self.needs, ready_blocks, side="left"))
 
     def src_units(self, block_ids: Sequence[int], start: int, end: int) -> list[int]:
         """The source pool's unit indices of grant pages ``[start, end)``."""
@@ -123,7 +129,7 @@ def send_map(own: KvLayout, peer: KvLayout, tokens: int | None, unit_count: int,
     k = int(plan.src_units_per_page)
     return SendMap(unit_bytes=int(plan.unit_bytes), units_per_page=k, wire_layers=hi - lo,
                    src_layer0=int(plan.src_first_layer), first_token=first,
-                   block_of=src // k, unit_in_block=src % k)
+                   block_of=src // k, unit_in_block=src % k, needs=np.maximum.accumulate(src // k))
 
 
 @dataclass(frozen=True)

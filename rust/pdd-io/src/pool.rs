@@ -340,6 +340,58 @@ impl PagePool {
         Ok(unsafe { std::slice::from_raw_parts(ptr, unit_bytes as usize) })
     }
 
+    /// Units `first..first + count` of `unit_bytes` on `layer` as one range (they are
+    /// adjacent in the layer's buffer): one iovec and one CRC call where a block's
+    /// consecutive grant pages are consecutive units here (a mapped transfer's source
+    /// side, whose units are often 1/16 of a page). `Err` if any is out of bounds or
+    /// `count` is 0. Access rules as for [`PagePool::page_raw`].
+    pub fn unit_run_raw(
+        &self,
+        layer: u16,
+        first: u32,
+        count: u32,
+        unit_bytes: u32,
+    ) -> Result<RawPage, Error> {
+        let last = count
+            .checked_sub(1)
+            .and_then(|c| first.checked_add(c))
+            .ok_or_else(|| Error::InvalidArgument(format!("unit run {first}+{count}")))?;
+        // Both ends in bounds of the same layer's region: the range between is too.
+        self.unit_ptr(layer, last, unit_bytes)?;
+        let ptr = self.unit_ptr(layer, first, unit_bytes)?;
+        Ok(RawPage {
+            ptr: NonNull::new(ptr).ok_or_else(|| Error::InvalidArgument("null page".into()))?,
+            len: count as usize * unit_bytes as usize,
+        })
+    }
+
+    /// The ranges of `units` (`(layer, unit)` of `unit_bytes`, in wire order), each
+    /// run of consecutive units on one layer joined into one range: the same bytes in
+    /// the same order, in as few iovecs as the memory allows. Access rules as for
+    /// [`PagePool::page_raw`].
+    pub fn unit_runs_raw(
+        &self,
+        units: &[(u16, u32)],
+        unit_bytes: u32,
+    ) -> Result<Vec<RawPage>, Error> {
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < units.len() {
+            let (layer, first) = units[i];
+            let mut n = 1;
+            while i + n < units.len()
+                && units[i + n].0 == layer
+                && u64::from(units[i + n].1) == u64::from(first) + n as u64
+            {
+                n += 1;
+            }
+            // n <= units.len(), and first + n - 1 is a u32 unit index: fits.
+            out.push(self.unit_run_raw(layer, first, n as u32, unit_bytes)?);
+            i += n;
+        }
+        Ok(out)
+    }
+
     /// A copy of one page (tests and verification; not the data path).
     pub fn copy_page(&self, layer: u16, page: u32) -> Result<Vec<u8>, Error> {
         // SAFETY: copied at once; a concurrent writer could only make the copy stale,
@@ -400,5 +452,46 @@ mod tests {
         assert!(p.unit_raw(0, 12, 2).is_err(), "past the layer");
         assert!(p.unit_raw(0, 0, 3).is_err(), "3 does not divide 8");
         assert!(p.unit_raw(0, 0, 16).is_err(), "larger than a page");
+    }
+
+    #[test]
+    fn unit_runs_join_consecutive_units_of_one_layer_only() {
+        let p = PagePool::new(
+            vec![
+                MemoryRegion::from_vec((0..24).collect()),
+                MemoryRegion::from_vec((100..124).collect()),
+            ],
+            8,
+        )
+        .unwrap();
+        let runs = p
+            .unit_runs_raw(
+                &[(0, 2), (0, 3), (0, 4), (0, 7), (1, 8), (1, 9), (0, 10)],
+                2,
+            )
+            .unwrap();
+        let bytes = |r: &RawPage| {
+            // SAFETY: the test is the pool's only user.
+            unsafe { std::slice::from_raw_parts(r.as_ptr(), r.len()) }.to_vec()
+        };
+        let got: Vec<Vec<u8>> = runs.iter().map(bytes).collect();
+        assert_eq!(
+            got,
+            vec![
+                (4..10).collect::<Vec<u8>>(),
+                vec![14, 15],
+                (116..120).collect(),
+                vec![20, 21],
+            ]
+        );
+        assert!(
+            p.unit_runs_raw(&[(0, 11), (0, 12)], 2).is_err(),
+            "a run past the layer"
+        );
+        assert!(p.unit_run_raw(0, 0, 0, 2).is_err(), "an empty run");
+        assert!(
+            p.unit_run_raw(0, u32::MAX, 2, 2).is_err(),
+            "an index past u32"
+        );
     }
 }

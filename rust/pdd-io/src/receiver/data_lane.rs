@@ -255,11 +255,20 @@ async fn read_block(
             // this lane alone, and the guard keeps them held until it finishes. A page
             // is a unit of the grant's size (a whole pool page, or a slice of one for a
             // sub-page grant): its bytes land at its own address, never staged.
-            let pages = target
-                .pages
-                .iter()
-                .map(|&(layer, unit)| shared.pool.unit_raw(layer, unit, target.page_bytes))
-                .collect::<Result<Vec<RawPage>, Error>>()?;
+            // Plain lanes read consecutive units of one layer as one range (fewer
+            // iovecs and CRC calls; the same bytes at the same addresses); sealed
+            // records and compressed pages are opened page by page.
+            let pages = if compressed || keys.is_some() {
+                target
+                    .pages
+                    .iter()
+                    .map(|&(layer, unit)| shared.pool.unit_raw(layer, unit, target.page_bytes))
+                    .collect::<Result<Vec<RawPage>, Error>>()?
+            } else {
+                shared
+                    .pool
+                    .unit_runs_raw(&target.pages, target.page_bytes)?
+            };
             if compressed {
                 return land_compressed(
                     shared, guard, stream, keys, aead, header.crc, crc, rest_len, &pages, z,

@@ -213,11 +213,22 @@ async fn write_block<W: tokio::io::AsyncWrite + Unpin>(
     };
     // The stored pages in wire order (the pages themselves for KV_PAGES), after the
     // KV_PAGES_Z fields where compressed.
+    let runs;
     let pieces: Vec<&[u8]> = match &z {
         Some((_, enc)) => std::iter::once(enc.head.as_slice())
             .chain(enc.pieces(&pages))
             .collect(),
-        None => pages.clone(),
+        // Consecutive units of one layer leave as one range: fewer iovecs and CRC
+        // calls for a mapped transfer's sub-page units (the bytes and order are the
+        // same). A sealed lane seals page by page and keeps `pages`.
+        None => {
+            runs = pool.unit_runs_raw(&job.src, job.block.page_bytes)?;
+            runs.iter()
+                // SAFETY: as for `pages` above: units of this block's source pages,
+                // only read by the transport while the transfer runs.
+                .map(|r| unsafe { std::slice::from_raw_parts(r.as_ptr().cast_const(), r.len()) })
+                .collect()
+        }
     };
     // What `FrameHeader::compute_crc` does, with the faster CRC32C over the pages;
     // inside TLS (AEAD negotiated) the CRC is 0 and nobody computes it.

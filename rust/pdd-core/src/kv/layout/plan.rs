@@ -271,7 +271,16 @@ impl<'a> Walk<'a> {
 
     /// Calls `f(src_offset, dst_offset, len)` for every maximal run of head vectors
     /// contiguous on both sides, offsets in block-list space.
-    fn runs(&self, mut f: impl FnMut(u64, u64, u64)) {
+    ///
+    /// Where the token slots are innermost on both sides (and neither side's keys are
+    /// transposed for the region walked), a source block's tokens of one head's K or V
+    /// are one contiguous stretch on the source side and on the destination side up to
+    /// its next block boundary: the walk emits such a segment at once instead of vector
+    /// by vector (the runs, and so the unit, come out the same: [`Runs`] coalesces
+    /// what touches either way). Transposed keys on both sides go element by element,
+    /// a segment of tokens per element likewise.
+    fn runs(&self, f: impl FnMut(u64, u64, u64)) {
+        let mut out = Runs { run: None, f };
         if self.first == self.end {
             return;
         }
@@ -286,7 +295,8 @@ impl<'a> Walk<'a> {
         );
         // A head held by both: its absolute number is at least dst's first head.
         let dst_head = |h: u32| h + u32::from(s.heads.0) - u32::from(d.heads.0);
-        let mut run: Option<(u64, u64, u64)> = None;
+        let dims = s.arrangement.dims();
+        let tokens_inner = dims[2] == Dim::Token && d.arrangement.dims()[2] == Dim::Token;
         for b in self.first / s_tpb..=(self.end - 1) / s_tpb {
             let base = b * s_tpb;
             let tokens = (
@@ -300,10 +310,51 @@ impl<'a> Walk<'a> {
                 Dim::Head => heads,
                 Dim::Token => tokens,
             };
-            let dims = s.arrangement.dims();
             let (r0, r1, r2) = (range(dims[0]), range(dims[1]), range(dims[2]));
+            let src_page = u64::from(b) * s_page;
+            let dst_at = |kv: u32, head: u32, t: u32, e: u32| {
+                u64::from(t / d_tpb) * d_page
+                    + self.dst.element_offset(kv, dst_head(head), t % d_tpb, e)
+            };
+            // The source block's token slots [tokens.0, tokens.1) cut where the
+            // destination's blocks end: (first slot, slot count) per piece.
+            let segments = || {
+                let mut tok = tokens.0;
+                std::iter::from_fn(move || {
+                    (tok < tokens.1).then(|| {
+                        let t = base + tok;
+                        let n = (d_tpb - t % d_tpb).min(tokens.1 - tok);
+                        tok += n;
+                        (tok - n, n)
+                    })
+                })
+            };
             for i0 in r0.0..r0.1 {
                 for i1 in r1.0..r1.1 {
+                    if tokens_inner {
+                        let mut idx = [0u32; 3];
+                        idx[dims[0] as usize] = i0;
+                        idx[dims[1] as usize] = i1;
+                        let [kv, head, _] = idx;
+                        let src_t = self.src.keys_transposed() && kv == 0;
+                        let dst_t = self.dst.keys_transposed() && kv == 0;
+                        if !src_t && !dst_t {
+                            for (tok, n) in segments() {
+                                let so = src_page + self.src.vector_offset(kv, head, tok);
+                                out.push(so, dst_at(kv, head, base + tok, 0), u64::from(n) * v);
+                            }
+                            continue;
+                        }
+                        if src_t && dst_t {
+                            for e in 0..s.head_size {
+                                for (tok, n) in segments() {
+                                    let so = src_page + self.src.element_offset(0, head, tok, e);
+                                    out.push(so, dst_at(0, head, base + tok, e), u64::from(n) * eb);
+                                }
+                            }
+                            continue;
+                        }
+                    }
                     for i2 in r2.0..r2.1 {
                         let mut idx = [0u32; 3];
                         for (dim, i) in dims.into_iter().zip([i0, i1, i2]) {
@@ -311,23 +362,6 @@ impl<'a> Walk<'a> {
                         }
                         let [kv, head, token] = idx;
                         let t = base + token;
-                        let mut emit = |so: u64, dd: u64, n: u64| {
-                            run = match run {
-                                Some((rs, rd, len)) if rs + len == so && rd + len == dd => {
-                                    Some((rs, rd, len + n))
-                                }
-                                Some((rs, rd, len)) => {
-                                    f(rs, rd, len);
-                                    Some((so, dd, n))
-                                }
-                                None => Some((so, dd, n)),
-                            };
-                        };
-                        let src_page = u64::from(b) * s_page;
-                        let dst_at = |t: u32, e: u32| {
-                            u64::from(t / d_tpb) * d_page
-                                + self.dst.element_offset(kv, dst_head(head), t % d_tpb, e)
-                        };
                         if kv == 0 && self.src.keys_transposed() {
                             // Source memory order inside a transposed key region is
                             // element-major: walk it whole at its first token.
@@ -336,25 +370,48 @@ impl<'a> Walk<'a> {
                                     for tok in tokens.0..tokens.1 {
                                         let so =
                                             src_page + self.src.element_offset(0, head, tok, e);
-                                        emit(so, dst_at(base + tok, e), eb);
+                                        out.push(so, dst_at(0, head, base + tok, e), eb);
                                     }
                                 }
                             }
                         } else if kv == 0 && self.dst.keys_transposed() {
                             let so = src_page + self.src.vector_offset(kv, head, token);
                             for e in 0..s.head_size {
-                                emit(so + u64::from(e) * eb, dst_at(t, e), eb);
+                                out.push(so + u64::from(e) * eb, dst_at(kv, head, t, e), eb);
                             }
                         } else {
                             let so = src_page + self.src.vector_offset(kv, head, token);
-                            emit(so, dst_at(t, 0), v);
+                            out.push(so, dst_at(kv, head, t, 0), v);
                         }
                     }
                 }
             }
         }
-        if let Some((rs, rd, len)) = run {
-            f(rs, rd, len);
+        out.flush();
+    }
+}
+
+/// Coalesces pieces contiguous on both sides into maximal runs for the callback.
+struct Runs<F: FnMut(u64, u64, u64)> {
+    run: Option<(u64, u64, u64)>,
+    f: F,
+}
+
+impl<F: FnMut(u64, u64, u64)> Runs<F> {
+    fn push(&mut self, so: u64, dd: u64, n: u64) {
+        self.run = match self.run {
+            Some((rs, rd, len)) if rs + len == so && rd + len == dd => Some((rs, rd, len + n)),
+            Some((rs, rd, len)) => {
+                (self.f)(rs, rd, len);
+                Some((so, dd, n))
+            }
+            None => Some((so, dd, n)),
+        };
+    }
+
+    fn flush(&mut self) {
+        if let Some((rs, rd, len)) = self.run.take() {
+            (self.f)(rs, rd, len);
         }
     }
 }
