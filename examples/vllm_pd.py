@@ -132,7 +132,7 @@ class Engine:
         if kv_config is not None:
             args += ["--kv-transfer-config", json.dumps(kv_config)]
         args += extra_args or []
-        full_env = dict(os.environ, **ENGINE_ENV, **(env or {}))
+        full_env = {**os.environ, **ENGINE_ENV, **(env or {})}
         if cores:
             # One OpenMP thread per listed core, bound there (vLLM's way to run several
             # CPU instances on one host without their threads meeting on a core).

@@ -49,6 +49,31 @@ def test_route_gives_decode_the_key_and_prefill_the_key_and_where_to_send() -> N
     assert body["max_tokens"] == 16 and "kv_transfer_params" not in body  # the caller's body is untouched
 
 
+def test_a_tensor_parallel_prefill_is_named_to_decode_by_its_first_node_and_rank_count() -> None:
+    from pdd_transport.errors import InvalidArgument
+    from pdd_transport.integrations import vllm_params as kvp
+
+    to_d, _ = route({"prompt": [1]}, "k2", "10.0.0.2:7100", prefill_node=70, prefill_ranks=2)
+    params = to_d["kv_transfer_params"]
+    assert params == {"do_remote_prefill": True, "pdd_key": "k2", "pdd_prefill_node": 70, "pdd_prefill_ranks": 2}
+    assert kvp.prefill_ranks(params) == 2
+    # One rank keeps the key unchanged (a prefill instance without tensor parallelism).
+    assert kvp.rank_key("k2", 0, 1) == "k2"
+    assert [kvp.rank_key("k2", r, 2) for r in range(2)] == ["k2#tp0/2", "k2#tp1/2"]
+    assert kvp.prefill_ranks({}) == 1
+    for bad in (0, -1, kvp.MAX_RANKS + 1, "2", 1.5, True, None):
+        with pytest.raises(InvalidArgument, match="pdd_prefill_ranks"):
+            kvp.prefill_ranks({"pdd_prefill_node": 70, "pdd_prefill_ranks": bad})
+    with pytest.raises(InvalidArgument, match="needs 'pdd_prefill_node'"):
+        kvp.prefill_ranks({"pdd_prefill_ranks": 2})
+    # A malformed node id is an error naming the key, never a crash of D's scheduler.
+    for bad in ("7", -1, 2**64, 1.0, True):
+        with pytest.raises(InvalidArgument, match="pdd_prefill_node"):
+            kvp.prefill_ranks({"pdd_prefill_node": bad})
+        with pytest.raises(InvalidArgument, match="pdd_prefill_node"):
+            kvp.prefill_node({"pdd_prefill_node": bad})
+
+
 class _Fake:
     """A fake P (JSON answer) and D (SSE stream of token ids) recording what they got."""
 

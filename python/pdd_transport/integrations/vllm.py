@@ -10,7 +10,7 @@ without a copy). This module imports vLLM and torch; ``import pdd_transport`` ne
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -64,6 +64,9 @@ class _RecvReq:
     #: KV layout maps its blocks onto D's from these).
     tokens: int = 0
     first_token: int = 0
+    #: P's tensor-parallel degree: one claim per rank (key ``rank_key(key, r, ranks)``,
+    #: peer ``peer + r``), the load done once all of them settled.
+    ranks: int = 1
 
 
 @dataclass
@@ -125,6 +128,8 @@ class _SchedulerSide:
             return 0, False
         try:
             key = kvp.key_of(request.kv_transfer_params, kvp.DO_REMOTE_PREFILL, strict=True)
+            if key is not None:
+                kvp.prefill_ranks(request.kv_transfer_params or {})
         except InvalidArgument as e:
             logger.warning("request %s: %s; computing it locally", request.request_id, e)
             return 0, False
@@ -142,19 +147,23 @@ class _SchedulerSide:
         if key is None or req_id in self._recv_started:
             return
         assert params is not None
-        peer = kvp.prefill_node(params)
+        try:
+            ranks, peer = kvp.prefill_ranks(params), kvp.prefill_node(params)
+        except InvalidArgument:
+            return  # said in get_num_new_matched_tokens: D computes the prompt itself
         self._recv_started.add(req_id)
         if num_external_tokens <= 0:
             # Nothing to load (D holds every block P could send, or the prompt is
             # shorter than one block plus a token): tell P so with an empty grant.
-            self._pending_recv.append(_RecvReq(req_id, key, [], peer, corrupt=False, notice=True))
+            self._pending_recv.append(_RecvReq(req_id, key, [], peer, corrupt=False, notice=True, ranks=ranks))
             return
         (block_ids,) = blocks.get_block_ids()
         end, count = self._wanted_tokens(request) // bs, num_external_tokens // bs
         assert num_external_tokens % bs == 0 and count <= end <= len(block_ids)
         corrupt = bool(params.get(kvp.DEBUG_CORRUPT))
         self._pending_recv.append(_RecvReq(req_id, key, list(block_ids[end - count : end]), peer, corrupt,
-                                           tokens=int(request.num_prompt_tokens) - 1, first_token=(end - count) * bs))
+                                           tokens=int(request.num_prompt_tokens) - 1, first_token=(end - count) * bs,
+                                           ranks=ranks))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta, self._pending_meta = self._pending_meta, PddConnectorMetadata()
@@ -190,7 +199,11 @@ class _SchedulerSide:
         if key is not None and req_id not in self._recv_started:
             # D: it ended (aborted) before its blocks were allocated: a refusal (an empty
             # grant to an older P) tells P now, so P frees its blocks at once.
-            self._pending_recv.append(_RecvReq(req_id, key, [], kvp.prefill_node(params), False, kvp.ENDED))
+            try:
+                self._pending_recv.append(_RecvReq(req_id, key, [], kvp.prefill_node(params), False, kvp.ENDED,
+                                                   ranks=kvp.prefill_ranks(params)))
+            except InvalidArgument:
+                pass  # D never claimed it (get_num_new_matched_tokens said why): nothing to tell P
         self._recv_started.discard(req_id)
         if self._send.pop(req_id, None) is None:
             return False, None
@@ -235,8 +248,10 @@ class _WorkerSide:
         self._puller: Puller | None = None
         self._push_of: dict[str, Push] = {}  # P: vLLM request id -> its push (tagged with the id)
         self._unpushed: set[str] = set()  # P: scheduled pushes that could not start
-        self._pulls: dict[str, _RecvReq] = {}  # D: transfer key -> the load it is for
-        self._refused: list[_RecvReq] = []  # D: loads that could not be claimed
+        self._pulls: dict[str, _RecvReq] = {}  # D: transfer key (one per P rank) -> the load it is for
+        self._loads: dict[str, list[Any]] = {}  # D: request id -> [P ranks not settled yet, any failed]
+        self._refused: list[_RecvReq] = []  # D: rank claims that could not be made
+        self._tp_rank, self._tp_size = 0, 1
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = list(kv_caches)
@@ -248,15 +263,29 @@ class _WorkerSide:
             pass
         self._caches = [kv_caches[n] for n in names]
         self._layer_index = {n: i for i, n in enumerate(names)}
+        parallel = self._vllm_config.parallel_config  # type: ignore[attr-defined]
+        self._tp_size = int(parallel.tensor_parallel_size)
+        self._tp_rank = int(parallel.rank) % self._tp_size
+        cfg = self._cfg
+        if self._tp_size > 1 and self._is_consumer:
+            raise InvalidArgument("PddConnector: a decode instance with tensor_parallel_size > 1 is not supported yet "
+                                  "(each rank would need its own published receiver address); a prefill instance "
+                                  "may use tensor parallelism", "invalid_argument")
+        if self._tp_size > 1:
+            if cfg.node_id is None:
+                raise InvalidArgument("PddConnector: a prefill instance with tensor_parallel_size > 1 needs "
+                                      "pdd_node_id (rank r sends as node pdd_node_id + r; decoders name it in "
+                                      "pdd_prefill_node and pdd_prefill_ranks)", "invalid_argument")
+            cfg = replace(cfg, node_id=cfg.node_id + self._tp_rank)
         pool = pool_from_block_tensors(self._caches, names)
         layout = layout_of(self._vllm_config, self._caches, self._cfg.model_id)  # type: ignore[attr-defined]
         logger.info("pdd: registered %d layers x %d blocks x %d B (%s); layout %s", pool.layers, pool.pages,
                     pool.page_bytes, self._caches[0].dtype, layout)
         if self._is_consumer:
-            self._puller = self._cfg.decode_side(pool, layout=layout)
+            self._puller = cfg.decode_side(pool, layout=layout)
             logger.info("pdd: KV receiver listening on %s:%d", *self._puller.receiver.address)
         if self._is_producer:
-            self._pusher = self._cfg.prefill_side(pool, on_send=tr.trace_send if tr.TRACE else None, layout=layout)
+            self._pusher = cfg.prefill_side(pool, on_send=tr.trace_send if tr.TRACE else None, layout=layout)
 
     # -- P: push each layer's newly computed blocks as the layer is computed
 
@@ -271,8 +300,8 @@ class _WorkerSide:
                 if req.req_id in self._unpushed:
                     continue
                 try:
-                    push = pusher.start(req.key, req.destinations, blocks=req.wanted_blocks, tag=req.req_id,
-                                        tokens=req.prompt_tokens - 1)
+                    push = pusher.start(kvp.rank_key(req.key, self._tp_rank, self._tp_size), req.destinations,
+                                        blocks=req.wanted_blocks, tag=req.req_id, tokens=req.prompt_tokens - 1)
                 except InvalidArgument as e:  # e.g. another live request with the same key
                     logger.warning("pdd: cannot push KV of %s: %s", req.req_id, e)
                     self._unpushed.add(req.req_id)  # reported as over once vLLM finishes it
@@ -303,14 +332,19 @@ class _WorkerSide:
         if meta is None or puller is None:
             return
         for req in meta.recv:
-            try:
-                puller.claim(req.key, req.block_ids, peer=req.peer, notice=req.notice, tokens=req.tokens,
-                             first_token=req.first_token)
-            except InvalidArgument as e:  # another live load with the same key
-                logger.warning("pdd: cannot load KV of %s: %s", req.req_id, e)
-                self._refused.append(req)
-                continue
-            self._pulls[req.key] = req
+            if not req.notice:
+                self._loads[req.req_id] = [req.ranks, False]
+            for rank in range(req.ranks):  # a tensor-parallel P: each rank sends its heads
+                key = kvp.rank_key(req.key, rank, req.ranks)
+                peer = None if req.peer is None else req.peer + rank
+                try:
+                    puller.claim(key, req.block_ids, peer=peer, notice=req.notice, tokens=req.tokens,
+                                 first_token=req.first_token)
+                except InvalidArgument as e:  # another live load with the same key
+                    logger.warning("pdd: cannot load KV of %s: %s", req.req_id, e)
+                    self._refused.append(req)
+                    continue
+                self._pulls[key] = req
             tr.trace("d_claimed", req.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -330,7 +364,7 @@ class _WorkerSide:
         meta, pusher, puller = self._connector_metadata, self._pusher, self._puller
         idle = bool(meta is not None and meta.idle)
         if meta is not None and pusher is not None:
-            pusher.give_up_all(meta.given_up)
+            pusher.give_up_all([(kvp.rank_key(k, self._tp_rank, self._tp_size), d) for k, d in meta.given_up])
         if pusher is not None and (self._push_of or self._unpushed):
             results.finished_sending |= finished & self._unpushed
             self._unpushed -= finished
@@ -346,7 +380,7 @@ class _WorkerSide:
                 pusher.wait(self._cfg.idle_wait_s)
                 self._collect_pushes(pusher, results)
         for req in self._refused:
-            if not req.notice:  # a failed load: vLLM recomputes or fails it, by its policy
+            if not req.notice and self._settle(req, ok=False):  # vLLM recomputes or fails it, by its policy
                 results.finished_recving.add(req.req_id)
                 results.failed_recving.add(req.req_id)
         self._refused = []
@@ -364,14 +398,28 @@ class _WorkerSide:
                 logger.info("pdd: telling the prefill side of %s there is nothing to send failed: %s",
                             req.req_id, pull.reason)
             return
+        if not pull.ok and not pull.cancelled:
+            logger.warning("pdd: loading KV of %s (%s) failed: %s", req.req_id, pull.key, pull.reason)
+        ok = pull.ok and not self._loads.get(req.req_id, [0, False])[1]
+        if not self._settle(req, pull.ok):
+            return  # another prefill rank's KV is still coming
         results.finished_recving.add(req.req_id)
-        if not pull.ok:
-            if not pull.cancelled:
-                logger.warning("pdd: loading KV of %s failed: %s", req.req_id, pull.reason)
+        if not ok:
             results.failed_recving.add(req.req_id)
         elif req.corrupt:
             self._corrupt(req)
-        tr.trace("d_loaded" if pull.ok else "d_failed", req.req_id)
+        tr.trace("d_loaded" if ok else "d_failed", req.req_id)
+
+    def _settle(self, req: _RecvReq, ok: bool) -> bool:
+        """One P rank's pull of ``req`` settled; True once every rank's has (the load's
+        outcome: failed if any rank's failed)."""
+        state = self._loads.setdefault(req.req_id, [1, False])
+        state[0] -= 1
+        state[1] = state[1] or not ok
+        if state[0] > 0:
+            return False
+        del self._loads[req.req_id]
+        return True
 
     def _corrupt(self, req: _RecvReq) -> None:
         """The negative control: zero the KV that just landed, so the test can prove D

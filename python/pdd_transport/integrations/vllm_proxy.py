@@ -43,15 +43,16 @@ from pdd_transport.integrations.vllm_params import decode_params, prefill_params
 __all__ = ["ORDERS", "PdProxy", "PdResult", "Stream", "post_json", "route", "serve", "stream_completion"]
 
 
-def route(body: dict[str, Any], key: str, decode_kv_address: str, prefill_node: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def route(body: dict[str, Any], key: str, decode_kv_address: str, prefill_node: int | None = None,
+          prefill_ranks: int = 1) -> tuple[dict[str, Any], dict[str, Any]]:
     """The two requests one client request becomes: ``(to_decode, to_prefill)``.
 
     D gets the request as sent plus ``kv_transfer_params`` naming the key (and the
-    prefill node to grant to, when known); P gets it with ``max_tokens=1`` (it only
+    prefill node to grant to, when known, and P's tensor-parallel degree); P gets it with ``max_tokens=1`` (it only
     prefills) plus the key and where D's receiver listens, as P reaches it.
     """
     to_decode = dict(body)
-    to_decode["kv_transfer_params"] = decode_params(key, prefill_node)
+    to_decode["kv_transfer_params"] = decode_params(key, prefill_node, prefill_ranks)
     to_prefill = dict(body)
     to_prefill.update(max_tokens=1, stream=False)
     to_prefill.pop("stream_options", None)
@@ -166,6 +167,7 @@ class PdProxy:
         *,
         model: str | None = None,
         prefill_node: int | None = None,
+        prefill_ranks: int = 1,
         timeout: float = 60.0,
         order: str = "decode_first",
     ):
@@ -176,6 +178,7 @@ class PdProxy:
         self.decode_kv_address = decode_kv_address
         self.model = model
         self.prefill_node = prefill_node
+        self.prefill_ranks = prefill_ranks
         self.timeout = timeout
 
     def complete(self, body: dict[str, Any], *, key: str | None = None, decode_extra: dict[str, Any] | None = None,
@@ -192,7 +195,7 @@ class PdProxy:
         key = key or uuid.uuid4().hex
         if self.model is not None:
             body = {"model": self.model, **body}
-        to_decode, to_prefill = route(body, key, self.decode_kv_address, self.prefill_node)
+        to_decode, to_prefill = route(body, key, self.decode_kv_address, self.prefill_node, self.prefill_ranks)
         if decode_extra:
             to_decode["kv_transfer_params"].update(decode_extra)
         result = PdResult(key=key, order=order)
@@ -278,12 +281,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decode", required=True, help="D's OpenAI server, http://host:port")
     ap.add_argument("--decode-kv-address", required=True, help="D's pdd_listen address as P reaches it")
     ap.add_argument("--prefill-node", type=int, default=None, help="P's pdd_node_id (D grants to it only)")
+    ap.add_argument("--prefill-ranks", type=int, default=1,
+                    help="P's tensor-parallel degree (rank r sends as node --prefill-node + r)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--order", choices=ORDERS, default="decode_first",
                     help="decode_first: D and P at once (default); prefill_first: P, then D")
     args = ap.parse_args(argv)
     proxy = PdProxy(args.prefill, args.decode, args.decode_kv_address, model=args.model, prefill_node=args.prefill_node,
-                    order=args.order)
+                    prefill_ranks=args.prefill_ranks, order=args.order)
     server = serve(proxy, args.host, args.port)
     print(f"proxy on http://{args.host}:{server.server_address[1]}", flush=True)
     server.serve_forever()
