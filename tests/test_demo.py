@@ -27,10 +27,12 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-4000:]
     summary = json.loads(out.stdout)
     assert summary["greedy_equal"] is True
+    assert summary["config"]["compress"] == "auto"  # the default: compressed where it pays
     for mode in ("baseline", "pdd"):
         run = summary[mode]
         assert (run["completed"], run["errors"]) == (12, 0), run["error_samples"]
         assert 0 < run["wan_bytes"] <= summary["full_kv_bytes"]
+        assert 0 < run["wan_wire_bytes"] <= run["wan_bytes"]
         assert 0 < run["ttft_p50_s"] <= run["ttft_p90_s"] <= run["ttft_p99_s"]
     assert summary["baseline"]["tokens_by_rld"] == 0
     assert set(summary["pdd"]["pipelines"]) <= {"p_md", "p_rld_md", "p_rld"}
@@ -65,20 +67,22 @@ def test_demo_over_the_packet_line(tmp_path: Path) -> None:
     exe = shutil.which("pdd-transport")
     cmd = [exe] if exe else [sys.executable, "-m", "pdd_transport.cli"]
     out = subprocess.run(
-        [*cmd, "demo", "--quick", "--requests", "6", "--packet", "--json", "--plot", str(tmp_path / "ttft.png")],
+        [*cmd, "demo", "--quick", "--requests", "6", "--packet", "--json", "--plot", str(tmp_path / "ttft.png"),
+         "--compress", "off"],
         capture_output=True, text=True, timeout=240, check=False,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     summary = json.loads(out.stdout)
     assert summary["emulation"] == "packet" and summary["config"]["packet"] is True
+    assert summary["config"]["compress"] == "off"
     assert summary["greedy_equal"] is True
     for mode in ("baseline", "pdd"):
         run = summary[mode]
         assert (run["completed"], run["errors"]) == (6, 0), run["error_samples"]
         assert 0 < run["wan_bytes"] <= summary["full_kv_bytes"]
         # The KV really crossed the emulated line (end A -> end B), headers included: as
-        # many bytes as it took on the wire (fewer than its pages where compressed).
-        assert 0 < run["wan_wire_bytes"] <= run["wan_bytes"]
+        # many bytes as it took on the wire, here (--compress off) exactly its pages.
+        assert 0 < run["wan_wire_bytes"] == run["wan_bytes"]
         assert run["packet_line"]["a_to_b"]["bytes_out"] >= run["wan_wire_bytes"], run["packet_line"]
 
 

@@ -152,7 +152,8 @@ def _demo(args: argparse.Namespace) -> dict[str, Any]:
     # --quick: a smaller, shorter replay: the same mix of hits, fewer and shorter answers.
     quick = {"requests": args.requests or 20, "output_tokens": (8, 40)} if args.quick else {"requests": args.requests or 120}
     workload = WorkloadConfig(seed=args.seed, **quick)
-    cfg = DemoConfig(workload=workload, wan=wan, plot=args.plot, figures=args.figures, packet=args.packet)
+    cfg = DemoConfig(workload=workload, wan=wan, plot=args.plot, figures=args.figures, packet=args.packet,
+                     compress=args.compress)
     summary = run(cfg, progress=True)
     if not args.json:
         print_table(summary)
@@ -199,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--plot", default="pdd-demo-ttft.png", help="where to write the TTFT plot (needs matplotlib)")
     demo.add_argument("--figures", metavar="JSON", help="also write the run's figures there (docs/demo.md)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--compress", choices=("auto", "on", "off"), default="auto",
+                      help="KV compression on P's WAN lanes to MD (default %(default)s)")
     demo.set_defaults(run=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks")

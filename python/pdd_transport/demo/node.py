@@ -66,7 +66,8 @@ def run_prefill(cfg: dict[str, Any]) -> None:
     engine = make_engine(cfg)
     pool = engine.kv_pool()
     secret = security(cfg).secret
-    to_md = kv.KvSender(pool, cfg["md_kv"], lanes=int(cfg["lanes"]), node_id=1, dead_after_s=10.0, secret=secret)
+    to_md = kv.KvSender(pool, cfg["md_kv"], lanes=int(cfg["lanes"]), node_id=1, dead_after_s=10.0, secret=secret,
+                        compress=str(cfg.get("compress", "auto")))
     to_rld: kv.KvSender | local.LocalSender | None = None
     if cfg.get("rld_kv") and cfg.get("local_path"):
         # RelayDecode is next to us: the local path (UCX), as in a PDD deployment.

@@ -59,6 +59,9 @@ class DemoConfig:
     plot: str | None = "pdd-demo-ttft.png"
     figures: str | None = None
     packet: bool = False
+    #: KV compression on P's WAN lanes to MD (``--compress``): ``auto`` (where the
+    #: sender's measurements say it pays), ``on`` or ``off`` (docs/kv.md "Compression").
+    compress: str = "auto"
 
 
 class Node:
@@ -196,6 +199,7 @@ def _run_mode(mode: str, cfg: DemoConfig, requests: list[Request], progress: boo
         "rld_kv": rld_ready["kv"] if rld else None,
         "local_path": local_path,
         "lanes": cfg.lanes,
+        "compress": cfg.compress,
         "ttft_budget_ms": cfg.ttft_budget_ms,
         "anomaly_min_input": 2048,
         "anomaly_max_hit": 0.2,
