@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -70,6 +71,10 @@ def test_pages_land_in_granted_slots(pair: tuple[kv.KvReceiver, kv.KvSender, np.
     assert out.status() == {"state": "complete", "bytes": LAYERS * 4 * PAGE}
     m = rx.metrics()
     assert m["bytes_received_total"] == LAYERS * 4 * PAGE and m["transfers_completed_total"] == 1
+    # The sender counts a block once its write returned: maybe a moment after the ack.
+    deadline = time.monotonic() + 5
+    while tx.metrics()["bytes_sent_total"] < LAYERS * 4 * PAGE and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert tx.metrics()["bytes_sent_total"] == LAYERS * 4 * PAGE
     text = rx.prometheus("md0")
     assert 'pdd_transport_bytes_received_total{endpoint="md0"} 49152' in text

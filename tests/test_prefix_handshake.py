@@ -4,6 +4,8 @@ only the missing pages; other namespaces never match."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from pdd_transport import InvalidArgument, kv
@@ -43,6 +45,12 @@ def test_only_the_missing_suffix_crosses() -> None:
     out.finish()
     assert inbound.wait(timeout=20) == LAYERS * 2 * PAGE
     assert np.array_equal(md_mem[:, 26:28], p_mem[:, 6:8])
+    # The sender counts a block once its write returned, which can be a moment after
+    # the receiver already holds it: wait for the sender's end, then for its counter.
+    assert out.wait(timeout=20) == LAYERS * 2 * PAGE
+    deadline = time.monotonic() + 5
+    while tx.metrics()["bytes_sent_total"] < LAYERS * 2 * PAGE and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert tx.metrics()["bytes_sent_total"] == LAYERS * 2 * PAGE  # 2 of 8 pages crossed
     assert rx.metrics()["prefix_queries_total"] == 1
     tx.close()
