@@ -762,6 +762,36 @@ impl ReceiverState {
         self.live.get(&transfer_id).map(|t| &t.grant)
     }
 
+    /// Session `from`'s transfers (live, draining, recently ended) belong to session
+    /// `to` from now on (a resumed session: transfer resume). Blocks of them from
+    /// `from` are refused as another session's from here.
+    pub fn reassign_owner(&mut self, from: u64, to: u64) {
+        for t in self.live.values_mut().filter(|t| t.owner == from) {
+            t.owner = to;
+        }
+        for d in self.draining.values_mut().filter(|d| d.2 == from) {
+            d.2 = to;
+        }
+        for (id, owner) in self.recently_ended.iter_mut().filter(|(_, o)| *o == from) {
+            *owner = to;
+            self.ended_owner.insert(*id, to);
+        }
+    }
+
+    /// What a live transfer holds, for a KV_HELD: whether the sender's KV_DONE came,
+    /// and one bit per (grant layer, grant page), layer-major, least significant bit
+    /// first, set where the page landed and was verified (a page in flight is not).
+    pub fn landed_bitmap(&self, transfer_id: u64) -> Option<(bool, Vec<u8>)> {
+        let t = self.live.get(&transfer_id)?;
+        let mut bits = vec![0u8; t.page_state.len().div_ceil(8)];
+        for (i, &state) in t.page_state.iter().enumerate() {
+            if state == PAGE_LANDED {
+                bits[i / 8] |= 1 << (i % 8);
+            }
+        }
+        Some((t.sender_done.is_some(), bits))
+    }
+
     fn release_pages(&mut self, transfer_id: u64, pages: &[u32]) {
         for &p in pages {
             if self.page_owner[p as usize] == transfer_id {

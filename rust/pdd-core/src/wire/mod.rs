@@ -23,11 +23,11 @@ pub mod tokens;
 pub use codec::{
     decode_frame, decode_frame_shared, encode_frame, encode_frame_to_vec, FrameDecoder,
 };
-pub use frame::{check_kv_layout, put_z_head, z_payload_bounds};
+pub use frame::{check_kv_layout, held_bitmap_len, put_z_head, z_payload_bounds};
 pub use frame::{
     Abort, Auth, CacheEvent, CacheEvents, Frame, Handoff, HandoffAck, Hello, KvDone, KvGrant,
-    KvLayout, KvPages, KvPagesZ, LaneDelivered, LaneRevoke, LocalAddr, LocalDone, LocalGrant,
-    LocalRegion, Ping, PrefixQuery, PrefixReply, Progress, ZRest, KV_PAGES_FIXED_LEN,
+    KvHeld, KvLayout, KvPages, KvPagesZ, LaneDelivered, LaneRevoke, LocalAddr, LocalDone,
+    LocalGrant, LocalRegion, Ping, PrefixQuery, PrefixReply, Progress, ZRest, KV_PAGES_FIXED_LEN,
     KV_PAGES_Z_FIXED_LEN, LOCAL_REGION_MIN_LEN, MAX_DELIVERED_LANES,
 };
 
@@ -182,6 +182,11 @@ frame_kinds! {
     /// first: the sending side's pool layout as an opaque blob, so that each side
     /// can map (or refuse) the other's before any grant or KV byte.
     KvLayout = 0x17, "KV_LAYOUT", flags = 0;
+    /// Transfer resume (capability `kv_resume`), on the control lane, receiver to
+    /// sender, after a session was resumed: what the receiver holds of one transfer
+    /// of the replaced instance (its grant, the pages that landed and were verified,
+    /// whether the sender's KV_DONE came); transfer id 0 ends the list.
+    KvHeld = 0x18, "KV_HELD", flags = 0;
 }
 
 impl fmt::Display for FrameKind {
@@ -391,6 +396,11 @@ pub mod capability {
     /// session as up only once the peer's KV_LAYOUT arrived. A side without a layout
     /// (or an older build) does not offer it: nothing is sent either way.
     pub const KV_LAYOUT: u64 = 1 << 12;
+    /// Transfer resume: a KV session whose connections drop keeps its transfers on
+    /// both ends for the resume window; a sender that resumes the session (HELLO
+    /// RESUME) is told by KV_HELD what landed of each, and sends only the rest.
+    /// Where either side did not offer it, a lost session fails its transfers.
+    pub const KV_RESUME: u64 = 1 << 13;
     /// Every bit defined by this build.
     pub const ALL_KNOWN: u64 = KV_STREAM
         | HANDOFF
@@ -404,7 +414,8 @@ pub mod capability {
         | LANE_DELIVERY
         | REFUSAL
         | KV_COMPRESS
-        | KV_LAYOUT;
+        | KV_LAYOUT
+        | KV_RESUME;
 }
 
 /// The fixed header in front of every payload.

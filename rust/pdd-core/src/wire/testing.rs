@@ -283,6 +283,56 @@ pub fn any_frame() -> impl Strategy<Value = Frame> {
                 layout: Bytes::from(layout),
             })
         }),
+        kv_held(),
+    ]
+}
+
+/// KV_HELD: the end marker, or a grant of at most 8 x 40 pages with any landed set.
+fn kv_held() -> impl Strategy<Value = Frame> {
+    prop_oneof![
+        Just(Frame::KvHeld(crate::wire::KvHeld::end())),
+        (
+            1u64..,
+            any::<u64>(),
+            1u16..8,
+            0u32..40,
+            1u32..,
+            any::<u32>(),
+            any::<bool>(),
+            any::<u64>(),
+        )
+            .prop_map(
+                |(
+                    transfer_id,
+                    request_id,
+                    layers,
+                    pages,
+                    page_bytes,
+                    deadline_ms,
+                    done_seen,
+                    seed,
+                )| {
+                    let bits = u64::from(layers) * u64::from(pages);
+                    let mut landed = vec![0u8; bits.div_ceil(8) as usize];
+                    for bit in 0..bits {
+                        if seed.rotate_left((bit % 64) as u32) & 1 == 1 {
+                            landed[(bit / 8) as usize] |= 1 << (bit % 8);
+                        }
+                    }
+                    Frame::KvHeld(crate::wire::KvHeld {
+                        grant: KvGrant {
+                            transfer_id,
+                            request_id,
+                            layer_count: layers,
+                            page_count: pages,
+                            page_bytes,
+                            deadline_ms,
+                        },
+                        done_seen,
+                        landed: Bytes::from(landed),
+                    })
+                }
+            ),
     ]
 }
 

@@ -146,6 +146,9 @@ pub struct Schedule {
     pub timers: SessionTimers,
     pub lanes: u16,
     pub failover: bool,
+    /// Both ends offer `kv_resume`: a lost session keeps its transfers, and the
+    /// sender resumes them.
+    pub resume: bool,
     pub senders: usize,
     pub link: Link,
     pub requests: Vec<Request>,
@@ -164,6 +167,7 @@ impl Schedule {
             timers: timers(),
             lanes,
             failover: true,
+            resume: false,
             senders: 1,
             link: Link {
                 control_ms: 5,
@@ -212,6 +216,7 @@ impl Schedule {
         let mut s = Schedule::quiet(seed, lanes);
         s.senders = rng.range(1, 4) as usize;
         s.failover = !chaos || rng.chance(75);
+        s.resume = rng.chance(50);
         s.link.control_ms = rng.range(1, 30);
         s.link.jitter_ms = rng.below(20);
         s.link.lane_ms = (0..lanes).map(|_| rng.range(1, 60)).collect();
@@ -446,6 +451,12 @@ pub struct Sim {
     /// Problems the harness saw on the way (a block on a dead lane, ...).
     pub problems: Vec<String>,
     pub steps: u64,
+    /// The sender I/O's log for transfer resume: every block planned, by transfer
+    /// (sent, or kept while its transfer was suspended).
+    resume_log: HashMap<u64, Vec<Job>>,
+    /// Blocks placed on a lane, resent ones included (what crossed the wire).
+    pub blocks_placed: u64,
+    pub blocks_resent: u64,
 }
 
 /// Simulated-time ceiling: a schedule still running past it hangs.
@@ -486,6 +497,9 @@ impl Sim {
             rx_sessions_ended: Vec::new(),
             problems: Vec::new(),
             steps: 0,
+            resume_log: HashMap::new(),
+            blocks_placed: 0,
+            blocks_resent: 0,
         };
         for tx in 0..sim.txs.len() {
             sim.at(Timestamp::ZERO, Action::Connect(tx));
@@ -798,9 +812,26 @@ impl Sim {
                     );
                 }
             }
+            ReceiverEvent::SessionSuspended { session, .. } => {
+                // pdd-io closes the instance's lanes, as for an end.
+                let Some(key) = self.conn_of_rx(session) else {
+                    return;
+                };
+                for lane in 0..self.conns[&key].lanes.len() {
+                    self.cut_reader(key, lane);
+                }
+                let c = self.conns.get_mut(&key).expect("conn");
+                c.rx_alive = false;
+                let (last, reset) = (c.to_tx_last, c.reset);
+                let at = self.path_delay(key.0, self.sched.link.control_ms);
+                if let (Some(at), false) = (at, reset) {
+                    self.at(at.max(last), Action::TxNotice { conn: key });
+                }
+            }
             ReceiverEvent::Transfer(_)
             | ReceiverEvent::Rtt { .. }
-            | ReceiverEvent::PeerLayout { .. } => {}
+            | ReceiverEvent::PeerLayout { .. }
+            | ReceiverEvent::SessionResumed { .. } => {}
             ReceiverEvent::PrefixQuery { .. } => {
                 self.problems.push("a prefix query nobody sent".into());
             }
@@ -877,6 +908,25 @@ impl Sim {
             SenderEvent::RegionsArrived { .. } => {
                 self.problems.push("regions on a WAN session".into());
             }
+            SenderEvent::TransferResumed { transfer_id, held } => {
+                let jobs = self
+                    .resume_log
+                    .get(&transfer_id)
+                    .cloned()
+                    .unwrap_or_default();
+                for mut j in jobs {
+                    let b = j.block;
+                    let all_held = (b.layer_start..b.layer_start + b.layer_count).all(|l| {
+                        (b.page_start..b.page_start + b.page_count).all(|p| held.has(l, p))
+                    });
+                    if !all_held {
+                        j.resent = true;
+                        j.corrupt = false;
+                        self.place(tx, j);
+                    }
+                }
+            }
+            SenderEvent::TransfersSuspended { .. } => {}
             SenderEvent::TransferComplete { .. }
             | SenderEvent::TransferFailed { .. }
             | SenderEvent::RequestAborted { .. }
@@ -902,6 +952,10 @@ impl Sim {
             return;
         };
         self.txs[tx].next_lane = idx + 1;
+        self.blocks_placed += 1;
+        if job.resent {
+            self.blocks_resent += 1;
+        }
         let nth = self.txs[tx].placed;
         self.txs[tx].placed += 1;
         if !job.resent
@@ -1033,15 +1087,20 @@ impl Sim {
                     .send_pages(tid, 0..r.layers, &r.chunks[chunk], max)
                 {
                     Ok(planned) => {
+                        let suspended = self.txs[r.tx].m.is_suspended(tid);
                         for p in planned {
-                            self.place(
-                                r.tx,
-                                Job {
-                                    block: p.block,
-                                    resent: false,
-                                    corrupt: false,
-                                },
-                            );
+                            let job = Job {
+                                block: p.block,
+                                resent: false,
+                                corrupt: false,
+                            };
+                            if self.sched.resume {
+                                self.resume_log.entry(tid).or_default().push(job.clone());
+                            }
+                            // A suspended transfer's blocks wait for its KV_HELD.
+                            if !suspended {
+                                self.place(r.tx, job);
+                            }
                         }
                     }
                     Err(e) => self.problems.push(format!("send_pages refused: {e}")),
@@ -1121,12 +1180,12 @@ impl Sim {
                     for lane in 0..c.lanes.len() {
                         self.cut_reader(conn, lane);
                     }
-                    self.rx.close_session(
+                    self.rx.control_lost(
                         h,
                         Error::ConnectionLost {
                             detail: format!("peer {} closed the control lane", h.id),
                         },
-                        false,
+                        now,
                     );
                 }
             }
@@ -1387,7 +1446,12 @@ impl Sim {
                 return;
             }
         };
-        let caps = caps(self.sched.failover);
+        let caps = caps(self.sched.failover)
+            | if self.sched.resume {
+                capability::KV_RESUME
+            } else {
+                0
+            };
         let h = match self.rx.open_session(id, resume, secret, None, caps, now) {
             Ok(h) => h,
             Err(e) => {
@@ -1433,10 +1497,17 @@ impl Sim {
                 to_tx_last: now,
             },
         );
-        self.txs[tx]
-            .m
-            .connected(caps, self.sched.lanes, now)
-            .expect("connected");
+        if resume {
+            self.txs[tx]
+                .m
+                .resumed(caps, self.sched.lanes, now)
+                .expect("resumed");
+        } else {
+            self.txs[tx]
+                .m
+                .connected(caps, self.sched.lanes, now)
+                .expect("connected");
+        }
         self.at(
             now.saturating_add(dur(LANE_STALL_MS / 4)),
             Action::Sample { conn: key },

@@ -143,17 +143,23 @@ pub struct SessionTimers {
     /// Sender: how long a failed data lane waits for the control lane to bring the
     /// receiver's reason before its own error ends the session.
     pub peer_reason_grace: Duration,
+    /// Transfer resume (`kv_resume`): how long a session whose connections dropped
+    /// keeps its transfers for the sender to resume it (the receiver keeps the
+    /// suspended session, the sender keeps reconnecting). The grants' own deadlines
+    /// run on meanwhile.
+    pub resume_window: Duration,
 }
 
 impl SessionTimers {
     /// `heartbeat` and `dead_after` as given; 1 s for a revoked lane to end, 250 ms
-    /// of grace for the receiver's reason.
+    /// of grace for the receiver's reason, 10 s to resume a session.
     pub fn new(heartbeat: Duration, dead_after: Duration) -> SessionTimers {
         SessionTimers {
             heartbeat,
             dead_after,
             lane_end_bound: Duration::from_secs(1),
             peer_reason_grace: Duration::from_millis(250),
+            resume_window: Duration::from_secs(10),
         }
     }
 
@@ -164,6 +170,7 @@ impl SessionTimers {
             ("dead_after", self.dead_after),
             ("lane_end_bound", self.lane_end_bound),
             ("peer_reason_grace", self.peer_reason_grace),
+            ("resume_window", self.resume_window),
         ] {
             if d.is_zero() {
                 return Err(Error::InvalidArgument(format!("{name} must be > 0")));

@@ -18,6 +18,10 @@ use crate::wire::{
     MAX_DELIVERED_LANES,
 };
 
+/// Confirmations (our KV_DONEs) one session keeps to send again after a resume: the
+/// old control lane may have lost them.
+const RECENT_CONFIRMATIONS: usize = 256;
+
 /// One instance of a session: the id its sender chose (stable across resumptions)
 /// and the generation this endpoint gave the instance (unique, never reused). The
 /// generation owns the instance's grants.
@@ -64,6 +68,23 @@ pub enum ReceiverEvent {
         error: Error,
         /// The peer broke a grant rule (a block, KV_DONE or LOCAL_DONE refused).
         violation: bool,
+    },
+    /// A session instance lost its control lane, and both sides offered `kv_resume`:
+    /// close its lanes (as for [`ReceiverEvent::SessionEnded`]), but its transfers
+    /// wait for the sender to resume the session within the resume window.
+    SessionSuspended {
+        /// The instance.
+        session: SessionHandle,
+        /// Why its control lane was lost.
+        error: Error,
+    },
+    /// A resumed session's sender was told what landed of every transfer it kept
+    /// (KV_HELD): `transfers` of them go on.
+    SessionResumed {
+        /// The new instance.
+        session: SessionHandle,
+        /// Transfers kept.
+        transfers: usize,
     },
     /// Stop this data lane's reader (revoked, or replaced by a newer lane of the
     /// same index); a block it is cut off in is abandoned, not failed
@@ -122,6 +143,17 @@ struct Session {
     live_lanes: HashMap<u64, LaneState>,
     /// The peer's KV_LAYOUT (`kv_layout`), once it came (`receiver_layout.rs`).
     peer_layout: Option<Vec<u8>>,
+    /// Transfer resume (`receiver_resume.rs`): the control lane is gone and the
+    /// session waits for its sender to resume it.
+    suspended: bool,
+    /// Replaced by a resumption into this generation: kept only until its lanes
+    /// have ended, then the new instance's KV_HELDs go.
+    retired_into: Option<u64>,
+    /// Transfers a resumption took over from the instance it replaced: each gets a
+    /// KV_HELD once no lane of the old instance can land anything more.
+    held_pending: Vec<u64>,
+    /// Our last KV_DONEs to this peer, sent again after a resume.
+    recent_done: VecDeque<KvDone>,
 }
 
 #[path = "receiver_lanes.rs"]
@@ -131,6 +163,8 @@ mod layout;
 
 #[path = "receiver_grants.rs"]
 mod grants;
+#[path = "receiver_resume.rs"]
+mod resume;
 
 impl Session {
     fn local(&self) -> bool {
@@ -157,6 +191,8 @@ enum Timer {
     Tail(u64),
     /// (generation, lane instance): a revoked lane must end by then.
     LaneEnd(u64, u64),
+    /// A suspended session must be resumed by then (`kv_resume`).
+    Resume(u64),
     /// The peer's KV_LAYOUT must have come by then (`kv_layout` negotiated).
     Layout(u64),
 }
@@ -194,6 +230,9 @@ pub struct ReceiverEndpoint {
     max_sessions: usize,
     /// Our pool's layout, sent to every peer that negotiated `kv_layout`.
     layout: Option<Vec<u8>>,
+    /// The latest time any call brought: where a call has no `now` of its own
+    /// (a lane's reader cut off), a suspension's window starts from it.
+    last_now: Timestamp,
 }
 
 /// Most random draws [`ReceiverEndpoint::grant`] makes for a transfer id not in use.
@@ -221,6 +260,7 @@ impl ReceiverEndpoint {
             next_generation: 1,
             next_lane: 1,
             closed: false,
+            last_now: Timestamp::ZERO,
             max_sessions: MAX_SESSIONS,
             layout: None,
         })
@@ -299,9 +339,9 @@ impl ReceiverEndpoint {
             .live
             .get(&id)
             .and_then(|g| self.sessions.get(g))
-            .map(|s| (s.secret, s.identity));
+            .map(|s| (s.secret, s.identity, s.suspended));
         match (resume, live) {
-            (_, Some((_, owner))) if owner != identity => Err(Error::AuthFailed {
+            (_, Some((_, owner, _))) if owner != identity => Err(Error::AuthFailed {
                 detail: "that session belongs to another TLS identity",
             }),
             (false, None) if self.live.len() >= self.max_sessions => Err(Error::LimitExceeded {
@@ -309,10 +349,14 @@ impl ReceiverEndpoint {
                 limit: self.max_sessions as u64,
             }),
             (false, None) => Ok(LaneKey::Root),
+            // A suspended session (its connections lost, kept for a resume) gives
+            // way to a new one of its id: a restarted peer no longer knows its
+            // secret. Its transfers then fail.
+            (false, Some((_, _, true))) if lane == 0 => Ok(LaneKey::Root),
             (false, Some(_)) => Err(Error::AuthFailed {
                 detail: "that session is live: a reconnect must resume it with its secret",
             }),
-            (true, Some((secret, _))) => Ok(LaneKey::Session(secret)),
+            (true, Some((secret, _, _))) => Ok(LaneKey::Session(secret)),
             (true, None) if lane == 0 => Err(Error::AuthFailed {
                 detail: "no live session to resume",
             }),
@@ -341,6 +385,7 @@ impl ReceiverEndpoint {
         capabilities: u64,
         now: Timestamp,
     ) -> Result<SessionHandle> {
+        self.last_now = self.last_now.max(now);
         if self.closed {
             return Err(Error::Cancelled {
                 detail: "receiver closed".into(),
@@ -349,7 +394,13 @@ impl ReceiverEndpoint {
         let current = self.session(id);
         let fits = match current {
             None => !resume,
-            Some(h) => resume && self.sessions.get(&h.generation).map(|s| s.secret) == Some(secret),
+            Some(h) => self.sessions.get(&h.generation).is_some_and(|s| {
+                if resume {
+                    s.secret == secret
+                } else {
+                    s.suspended
+                }
+            }),
         };
         if !fits {
             return Err(Error::AuthFailed {
@@ -362,9 +413,16 @@ impl ReceiverEndpoint {
                 limit: self.max_sessions as u64,
             });
         }
-        if let Some(old) = current {
+        let resumes = current.filter(|&old| {
+            resume && self.resumable(old) && capabilities & capability::KV_RESUME != 0
+        });
+        if let (Some(old), None) = (current, resumes) {
             let error = Error::ConnectionLost {
-                detail: format!("peer {id} reconnected"),
+                detail: if resume {
+                    format!("peer {id} reconnected")
+                } else {
+                    format!("peer {id} opened a new session instead of resuming")
+                },
             };
             self.end_session(old, error, false, false);
         }
@@ -382,12 +440,19 @@ impl ReceiverEndpoint {
                 lanes: HashMap::new(),
                 live_lanes: HashMap::new(),
                 peer_layout: None,
+                suspended: false,
+                retired_into: None,
+                held_pending: Vec::new(),
+                recent_done: VecDeque::new(),
             },
         );
         self.live.insert(id, generation);
         self.layout_opened(handle, now);
         self.queue.set(Timer::Ping(generation), now);
         self.arm_dead(generation, now);
+        if let Some(old) = resumes {
+            self.take_over(old, handle, now);
+        }
         Ok(handle)
     }
 
@@ -420,8 +485,16 @@ impl ReceiverEndpoint {
                 detail: format!("session {} ended", session.id),
             });
         };
-        if resent && s.capabilities & capability::LANE_FAILOVER == 0 {
-            // RESENT means something only where both sides offered lane failover.
+        if s.suspended {
+            // A lane of an instance that lost its control lane: it is being stopped,
+            // and nothing of it lands any more (what it carried is sent again).
+            return Err(Error::ConnectionLost {
+                detail: format!("session {} is suspended", session.id),
+            });
+        }
+        if resent && s.capabilities & (capability::LANE_FAILOVER | capability::KV_RESUME) == 0 {
+            // RESENT means something only where both sides offered lane failover or
+            // transfer resume.
             let e = Error::InvalidFlags {
                 kind: FrameKind::KvPages,
                 flags: FLAG_RESENT,
@@ -448,8 +521,9 @@ impl ReceiverEndpoint {
 
     /// A block begun with `Land` on `lane` will never finish (the lane's reader was
     /// cut off in it). On a revoked lane it is abandoned (its pages back to pending,
-    /// for the sender's RESENT copy; returns true); otherwise its transfer fails
-    /// (`connection_lost`).
+    /// for the sender's RESENT copy; returns true); in a session with transfer
+    /// resume it is abandoned too and the session is suspended (returns true);
+    /// otherwise its transfer fails (`connection_lost`).
     pub fn block_cut(&mut self, lane: &LaneHandle, block: &KvBlock) -> bool {
         let revoked = self
             .sessions
@@ -458,6 +532,18 @@ impl ReceiverEndpoint {
             .is_some_and(|st| st.revoked);
         if revoked {
             self.state.abandon_block(block);
+        } else if self.resumable(lane.session) {
+            // Without lane failover a lost lane breaks the session; with transfer
+            // resume the block's pages go back to pending, the session is suspended
+            // (its control lane closes, so the sender finds out even if it is not
+            // writing) and the sender resumes it.
+            self.state.abandon_block(block);
+            let e = Error::ConnectionLost {
+                detail: "data lane closed mid-block".into(),
+            };
+            let now = self.last_now;
+            self.suspend(lane.session, e, now);
+            return true;
         } else {
             let e = Error::ConnectionLost {
                 detail: "data lane closed mid-block".into(),
@@ -471,14 +557,23 @@ impl ReceiverEndpoint {
     /// frame that is not KV_PAGES, a bad header, a forged sealed record) is the
     /// peer breaking the protocol, and ends its session.
     pub fn lane_failed(&mut self, lane: &LaneHandle, error: Error) {
-        if !matches!(error, Error::ConnectionLost { .. }) {
+        let suspended = self
+            .sessions
+            .get(&lane.session.generation)
+            .is_some_and(|s| s.suspended);
+        if !suspended && !matches!(error, Error::ConnectionLost { .. }) {
             self.end_session(lane.session, error, true, true);
         }
     }
 
     /// A control frame from `session`'s peer. Any frame proves the peer alive.
     pub fn handle_frame(&mut self, session: SessionHandle, frame: Frame, now: Timestamp) {
-        let Some(s) = self.sessions.get_mut(&session.generation) else {
+        self.last_now = self.last_now.max(now);
+        let Some(s) = self
+            .sessions
+            .get_mut(&session.generation)
+            .filter(|s| !s.suspended)
+        else {
             return;
         };
         let (local, failover) = (s.local(), s.capabilities & capability::LANE_FAILOVER != 0);
@@ -637,6 +732,19 @@ impl ReceiverEndpoint {
         self.end_session(session, error, tell_peer, false);
     }
 
+    /// `session`'s control lane was lost (`error`, a lost connection): where both
+    /// sides offered `kv_resume` the session is suspended (its lanes close, its
+    /// transfers wait for a resume within the resume window); otherwise it ends as
+    /// [`close_session`](Self::close_session) ends it.
+    pub fn control_lost(&mut self, session: SessionHandle, error: Error, now: Timestamp) {
+        self.last_now = self.last_now.max(now);
+        if self.resumable(session) && matches!(error, Error::ConnectionLost { .. }) {
+            self.suspend(session, error, now);
+        } else {
+            self.end_session(session, error, false, false);
+        }
+    }
+
     /// The receiver closes: every session is told (ABORT `shutdown`) and ends, every
     /// transfer fails `cancelled`, and no session opens any more.
     pub fn close(&mut self) {
@@ -656,12 +764,18 @@ impl ReceiverEndpoint {
             ));
             self.end_session(session, error.clone(), false, false);
         }
+        // Instances replaced by a resumption whose lanes had not ended yet.
+        let retired: Vec<u64> = self.sessions.keys().copied().collect();
+        for generation in retired {
+            self.forget_instance(generation);
+        }
         let events = self.state.fail_all(&error);
         self.publish(events);
     }
 
     /// Fire every timer due at `now`.
     pub fn handle_timeout(&mut self, now: Timestamp) {
+        self.last_now = self.last_now.max(now);
         while let Some(timer) = self.queue.pop_due(now) {
             match timer {
                 Timer::Ping(generation) => {
@@ -687,7 +801,7 @@ impl ReceiverEndpoint {
                     let e = Error::ConnectionLost {
                         detail: format!("peer {} silent for {:?}", h.id, self.timers.dead_after),
                     };
-                    self.end_session(h, e, false, false);
+                    self.control_lost(h, e, now);
                 }
                 Timer::Deadline(id) => {
                     let Some(d) = self.transfers.get(&id).and_then(|m| m.deadline) else {
@@ -715,10 +829,17 @@ impl ReceiverEndpoint {
                     }
                 }
                 Timer::Layout(generation) => self.layout_overdue(generation),
+                Timer::Resume(generation) => self.resume_overdue(generation),
                 Timer::LaneEnd(generation, instance) => {
                     let Some(s) = self.sessions.get(&generation) else {
                         continue;
                     };
+                    if let Some(into) = s.retired_into {
+                        // A replaced instance's lane that does not end: the new one
+                        // cannot say what landed; it ends (its transfers fail).
+                        self.retired_lane_stuck(generation, into);
+                        continue;
+                    }
                     let lane = s.live_lanes.get(&instance).map_or(0, |st| st.lane);
                     let e = Error::ConnectionLost {
                         detail: format!(
@@ -787,14 +908,22 @@ impl ReceiverEndpoint {
                             ..
                         },
                         Some(owner),
-                    ) => self.transmit.push_back((
-                        owner,
-                        Frame::KvDone(KvDone {
+                    ) => {
+                        let done = KvDone {
                             transfer_id: *transfer_id,
                             chunk_count: *blocks,
                             byte_count: *bytes,
-                        }),
-                    )),
+                        };
+                        if let Some(s) = self.sessions.get_mut(&owner.generation) {
+                            if s.capabilities & capability::KV_RESUME != 0 {
+                                if s.recent_done.len() == RECENT_CONFIRMATIONS {
+                                    s.recent_done.pop_front();
+                                }
+                                s.recent_done.push_back(done.clone());
+                            }
+                        }
+                        self.transmit.push_back((owner, Frame::KvDone(done)));
+                    }
                     (
                         TransferEvent::Failed {
                             request_id, error, ..
@@ -827,7 +956,10 @@ impl ReceiverEndpoint {
         let Some(s) = self.sessions.remove(&session.generation) else {
             return;
         };
-        self.live.remove(&session.id);
+        if self.live.get(&session.id) == Some(&session.generation) {
+            self.live.remove(&session.id);
+        }
+        self.queue.clear(Timer::Resume(session.generation));
         if tell_peer {
             self.transmit.push_back((
                 session,

@@ -17,7 +17,7 @@ impl ReceiverEndpoint {
         let session = self
             .sessions
             .get_mut(&generation)
-            .filter(|s| s.secret == secret && !s.local())
+            .filter(|s| s.secret == secret && !s.local() && !s.suspended)
             .ok_or_else(no_session)?;
         if session.live_lanes.len() as u64 >= MAX_LANES_PER_SESSION {
             return Err(Error::LimitExceeded {
@@ -75,6 +75,7 @@ impl ReceiverEndpoint {
                 Frame::LaneRevoked(LaneRevoke { lane: st.lane }),
             ));
         }
+        self.retired_lane_down(lane.session.generation);
     }
 
     /// What LANE_DELIVERED tells `session`'s sender, where both offered

@@ -17,8 +17,8 @@ use crate::error::{Error, Result};
 use crate::kv::{PlannedBlock, SenderTransfer};
 use crate::time::Timestamp;
 use crate::wire::{
-    capability, AbortReason, Frame, FrameKind, KvDone, KvGrant, LaneRevoke, LocalDone, LocalGrant,
-    Ping, PrefixReply, MAX_ABORT_MESSAGE_LEN,
+    capability, AbortReason, Frame, FrameKind, KvDone, KvGrant, KvHeld, LaneRevoke, LocalDone,
+    LocalGrant, Ping, PrefixReply, MAX_ABORT_MESSAGE_LEN,
 };
 
 /// One data lane's state as the I/O layer measured it: how far its bytes got
@@ -111,6 +111,23 @@ pub enum SenderEvent {
     /// The receiver's KV_LAYOUT came (`kv_layout`): the connection is up now
     /// ([`SenderSession::is_up`]).
     PeerLayout,
+    /// Transfer resume (`kv_resume`): the connection was lost, and these transfers
+    /// wait for a resumed session (reconnect now, within the resume window). Their
+    /// blocks planned meanwhile must be kept, not sent
+    /// ([`SenderSession::is_suspended`]).
+    TransfersSuspended {
+        /// The transfers.
+        transfers: Vec<u64>,
+    },
+    /// The resumed session's receiver said what it holds of a suspended transfer:
+    /// send again every block of it (from before the resume, or kept meanwhile)
+    /// whose pages `held` does not all have, flagged RESENT. The transfer goes on.
+    TransferResumed {
+        /// The transfer.
+        transfer_id: u64,
+        /// What landed of it.
+        held: KvHeld,
+    },
 }
 
 #[derive(Debug)]
@@ -149,11 +166,15 @@ struct Outbound {
     announced: Vec<bool>,
     notices: u32,
     notice_bytes: u64,
+    /// Transfer resume: its connection was lost; it waits for the resumed
+    /// session's KV_HELD.
+    suspended: bool,
 }
 
 impl Outbound {
     fn new(grant: KvGrant) -> Outbound {
         Outbound {
+            suspended: false,
             announced: vec![false; usize::from(grant.layer_count)],
             transfer: SenderTransfer::new(grant),
             done: None,
@@ -165,8 +186,14 @@ impl Outbound {
 
 #[path = "sender_layout.rs"]
 mod layout;
+#[path = "sender_local.rs"]
+mod local;
 #[path = "sender_notices.rs"]
 mod notices;
+#[path = "sender_resume.rs"]
+mod resume;
+
+pub use local::check_cover;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 enum Timer {
@@ -174,6 +201,8 @@ enum Timer {
     Dead,
     RevokeBound,
     Grace,
+    /// Suspended transfers must be resumed by then (`kv_resume`).
+    ResumeBound,
 }
 
 /// The sender's side of a KV session.
@@ -212,6 +241,13 @@ pub struct SenderSession {
     closed: bool,
     /// Our pool's layout, sent on every connection that negotiated `kv_layout`.
     layout: Option<Vec<u8>>,
+    /// Transfers that failed here (an abort, a lost session...), with why: a
+    /// resumed session's KV_HELD of one (its ABORT may have been lost with the old
+    /// connection) is answered with an ABORT for its request. Bounded.
+    ended_here: Recent<u64>,
+    /// The latest time an input brought (the resume bound is armed from it when a
+    /// connection ends without one).
+    last_now: Timestamp,
 }
 
 impl SenderSession {
@@ -242,6 +278,8 @@ impl SenderSession {
             events: VecDeque::new(),
             closed: false,
             layout: None,
+            ended_here: Recent::default(),
+            last_now: Timestamp::ZERO,
         })
     }
 
@@ -265,6 +303,17 @@ impl SenderSession {
     /// resumed session keeps of the last instance: nothing but its id and secret
     /// (its grants and transfers ended with it).
     pub fn connected(&mut self, capabilities: u64, data_lanes: u16, now: Timestamp) -> Result<()> {
+        self.open(capabilities, data_lanes, false, now)
+    }
+
+    fn open(
+        &mut self,
+        capabilities: u64,
+        data_lanes: u16,
+        resumed: bool,
+        now: Timestamp,
+    ) -> Result<()> {
+        self.last_now = self.last_now.max(now);
         if self.closed {
             return Err(Error::Cancelled {
                 detail: "sender closed".into(),
@@ -294,6 +343,12 @@ impl SenderSession {
             failed: None,
             peer_layout: None,
         });
+        if !resumed || capabilities & capability::KV_RESUME == 0 {
+            let e = Error::ConnectionLost {
+                detail: "the receiver no longer holds the session: a new one was opened".into(),
+            };
+            self.fail_suspended(&e);
+        }
         self.layout_connected();
         self.queue.set(Timer::Ping, now);
         self.queue
@@ -303,9 +358,11 @@ impl SenderSession {
 
     /// A control frame from the receiver. Any frame proves it alive.
     pub fn handle_frame(&mut self, frame: Frame, now: Timestamp) {
+        self.last_now = self.last_now.max(now);
         let Some(conn) = &self.conn else {
             return;
         };
+        let resume = conn.capabilities & capability::KV_RESUME != 0;
         let failover = conn.capabilities & capability::LANE_FAILOVER != 0;
         let delivery = failover && conn.capabilities & capability::LANE_DELIVERY != 0;
         let local = conn.capabilities & capability::LOCAL_UCX != 0;
@@ -410,6 +467,7 @@ impl SenderSession {
             }
             Frame::PrefixReply(r) => self.events.push_back(SenderEvent::PrefixReply(r)),
             Frame::KvLayout(l) => self.peer_layout_frame(&l.layout),
+            Frame::KvHeld(h) if resume && !local => self.held(h, now),
             Frame::Abort(a) if a.request_id == 0 => self.end(peer_aborted(&a), false),
             Frame::Abort(a) => {
                 let mut error = peer_aborted(&a);
@@ -502,6 +560,7 @@ impl SenderSession {
     /// revoked, its error ends the session after the grace in which the control
     /// lane may still bring the receiver's own reason.
     pub fn data_lane_failed(&mut self, lane: u16, error: Error, now: Timestamp) {
+        self.last_now = self.last_now.max(now);
         let Some(conn) = self.conn.as_mut() else {
             return;
         };
@@ -533,6 +592,7 @@ impl SenderSession {
     /// but a middlebox drops stalls too. The reports come with each PING, so the
     /// bound is then at least two heartbeats.
     pub fn lane_samples(&mut self, samples: &[LaneSample], now: Timestamp) {
+        self.last_now = self.last_now.max(now);
         let Some(conn) = self.conn.as_mut() else {
             return;
         };
@@ -681,7 +741,10 @@ impl SenderSession {
         let done = o.transfer.finish()?;
         if !local {
             o.done = Some(done.clone());
-            self.transmit.push_back(Frame::KvDone(done.clone()));
+            // Suspended: it goes once the receiver's KV_HELD says it has not come.
+            if !o.suspended {
+                self.transmit.push_back(Frame::KvDone(done.clone()));
+            }
             return Ok(Some(done));
         }
         let g = o.transfer.grant().clone();
@@ -805,7 +868,18 @@ impl SenderSession {
 
     /// Fire every timer due at `now`.
     pub fn handle_timeout(&mut self, now: Timestamp) {
+        self.last_now = self.last_now.max(now);
         while let Some(timer) = self.queue.pop_due(now) {
+            if timer == Timer::ResumeBound {
+                let e = Error::ConnectionLost {
+                    detail: format!(
+                        "the session was not resumed within {:?}",
+                        self.timers.resume_window
+                    ),
+                };
+                self.fail_suspended(&e);
+                continue;
+            }
             let Some(conn) = self.conn.as_mut() else {
                 continue;
             };
@@ -842,6 +916,7 @@ impl SenderSession {
                     });
                     self.end(e, false);
                 }
+                Timer::ResumeBound => {}
             }
         }
     }
@@ -874,6 +949,7 @@ impl SenderSession {
 
     fn fail(&mut self, transfer_id: u64, error: Error) {
         if let Some(o) = self.transfers.remove(&transfer_id) {
+            self.ended_here.note(transfer_id, &error.to_string());
             self.events.push_back(SenderEvent::TransferFailed {
                 transfer_id,
                 request_id: o.transfer.grant().request_id,
@@ -885,9 +961,9 @@ impl SenderSession {
     /// End the live connection: (`tell_peer`) an ABORT saying why, its timers stop,
     /// its grants are void, its transfers fail with `error`.
     fn end(&mut self, error: Error, tell_peer: bool) {
-        if self.conn.take().is_none() {
+        let Some(conn) = self.conn.take() else {
             return;
-        }
+        };
         if tell_peer {
             self.transmit
                 .push_back(Frame::Abort(abort_for(0, &error, MAX_ABORT_MESSAGE_LEN)));
@@ -901,44 +977,11 @@ impl SenderSession {
         self.events.push_back(SenderEvent::SessionEnded {
             error: error.clone(),
         });
+        if self.suspend_for_resume(conn.capabilities, &error, tell_peer) {
+            return;
+        }
         for id in self.transfers_in_progress() {
             self.fail(id, error.clone());
         }
     }
-}
-
-/// Check that a LOCAL_GRANT covers every page of every layer of its grant exactly
-/// once, with no page outside it.
-pub fn check_cover(grant: &KvGrant, local: &LocalGrant) -> Result<()> {
-    let bad = |detail: String| Error::InvalidField {
-        kind: FrameKind::LocalGrant,
-        field: "regions",
-        detail,
-    };
-    let mut by_layer: Vec<Vec<(u32, u32)>> = vec![Vec::new(); usize::from(grant.layer_count)];
-    for r in &local.regions {
-        let slot = by_layer
-            .get_mut(usize::from(r.layer))
-            .ok_or_else(|| bad(format!("layer {} outside the grant", r.layer)))?;
-        slot.push((r.page_start, r.page_count));
-    }
-    for (layer, mut spans) in by_layer.into_iter().enumerate() {
-        spans.sort_unstable();
-        let mut next = 0u64;
-        for (start, count) in spans {
-            if u64::from(start) != next {
-                return Err(bad(format!(
-                    "layer {layer}: pages from {next} not covered exactly once"
-                )));
-            }
-            next += u64::from(count);
-        }
-        if next != u64::from(grant.page_count) {
-            return Err(bad(format!(
-                "layer {layer}: regions cover {next} pages, the grant has {}",
-                grant.page_count
-            )));
-        }
-    }
-    Ok(())
 }

@@ -299,6 +299,107 @@ pub struct KvLayout {
     pub layout: Bytes,
 }
 
+/// KV_HELD (receiver -> sender, on the control lane, capability `kv_resume`): after
+/// the sender resumed its session, one per transfer of the replaced instance that the
+/// receiver still holds, then one with transfer id 0 (every other field zero, no
+/// bitmap): the end of the list. The sender sends again only what `landed` lacks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvHeld {
+    /// The transfer's grant, as first sent (so that a grant whose KV_GRANT was lost
+    /// with the old control lane reaches the sender after all).
+    pub grant: KvGrant,
+    /// The sender's KV_DONE for it came.
+    pub done_seen: bool,
+    /// One bit per (grant layer, grant page), layer-major, least significant bit
+    /// first: the page landed and was verified. Exactly
+    /// [`held_bitmap_len`]`(layer_count, page_count)` bytes, unused bits zero.
+    pub landed: Bytes,
+}
+
+impl KvHeld {
+    /// The end of a KV_HELD list.
+    pub fn end() -> KvHeld {
+        KvHeld {
+            grant: KvGrant {
+                transfer_id: 0,
+                request_id: 0,
+                layer_count: 0,
+                page_count: 0,
+                page_bytes: 0,
+                deadline_ms: 0,
+            },
+            done_seen: false,
+            landed: Bytes::new(),
+        }
+    }
+
+    /// Whether this is the end of the list.
+    pub fn is_end(&self) -> bool {
+        self.grant.transfer_id == 0
+    }
+
+    /// Whether grant page `page` of grant layer `layer` landed (false outside the
+    /// grant).
+    pub fn has(&self, layer: u16, page: u32) -> bool {
+        if layer >= self.grant.layer_count || page >= self.grant.page_count {
+            return false;
+        }
+        let bit = u64::from(layer) * u64::from(self.grant.page_count) + u64::from(page);
+        let byte = usize::try_from(bit / 8).unwrap_or(usize::MAX);
+        self.landed
+            .get(byte)
+            .is_some_and(|b| b & (1 << (bit % 8)) != 0)
+    }
+}
+
+/// Bytes of a KV_HELD bitmap for a grant of `layers x pages` (None: more than a
+/// frame can carry).
+pub fn held_bitmap_len(layers: u16, pages: u32) -> Option<usize> {
+    let bits = u64::from(layers) * u64::from(pages);
+    let len = bits.div_ceil(8);
+    (len <= u64::from(HARD_MAX_PAYLOAD)).then_some(len as usize)
+}
+
+/// A KV_HELD is the end marker (all zero) or a grant of >= 1 layer and page byte
+/// whose bitmap has exactly its length and no bit past its pages.
+pub(crate) fn check_held(h: &KvHeld) -> std::result::Result<(), String> {
+    let g = &h.grant;
+    if h.is_end() {
+        if g.request_id != 0
+            || g.layer_count != 0
+            || g.page_count != 0
+            || g.page_bytes != 0
+            || g.deadline_ms != 0
+            || h.done_seen
+            || !h.landed.is_empty()
+        {
+            return Err("the end of the list (transfer 0) carries nothing else".into());
+        }
+        return Ok(());
+    }
+    if g.layer_count == 0 || g.page_bytes == 0 {
+        return Err("a held grant needs >= 1 layer and page byte".into());
+    }
+    let want = held_bitmap_len(g.layer_count, g.page_count)
+        .ok_or_else(|| "a bitmap larger than any frame".to_string())?;
+    if h.landed.len() != want {
+        return Err(format!(
+            "a bitmap of {} bytes for {} layers x {} pages (want {want})",
+            h.landed.len(),
+            g.layer_count,
+            g.page_count
+        ));
+    }
+    let bits = u64::from(g.layer_count) * u64::from(g.page_count);
+    if bits % 8 != 0 {
+        let last = h.landed[want - 1];
+        if last >> (bits % 8) != 0 {
+            return Err("bits set past the grant's last page".into());
+        }
+    }
+    Ok(())
+}
+
 /// A KV_LAYOUT blob's length is 1 ..= [`MAX_KV_LAYOUT_LEN`]: one rule for the
 /// encoder, the decoder and the sessions that keep it.
 pub fn check_kv_layout(layout: &[u8]) -> std::result::Result<(), String> {
@@ -387,6 +488,8 @@ pub enum Frame {
     KvPagesZ(KvPagesZ),
     /// KV_LAYOUT
     KvLayout(KvLayout),
+    /// KV_HELD
+    KvHeld(KvHeld),
 }
 
 impl Frame {
@@ -415,6 +518,7 @@ impl Frame {
             Frame::LaneDelivered(_) => FrameKind::LaneDelivered,
             Frame::KvPagesZ(_) => FrameKind::KvPagesZ,
             Frame::KvLayout(_) => FrameKind::KvLayout,
+            Frame::KvHeld(_) => FrameKind::KvHeld,
         }
     }
 
@@ -554,6 +658,9 @@ impl Frame {
                 check_kv_layout(&l.layout)
                     .map_err(|d| Error::InvalidArgument(format!("KV_LAYOUT: {d}")))?;
             }
+            Frame::KvHeld(h) => {
+                check_held(h).map_err(|d| Error::InvalidArgument(format!("KV_HELD: {d}")))?;
+            }
             Frame::KvDone(_)
             | Frame::HandoffAck(_)
             | Frame::Progress(_)
@@ -608,6 +715,7 @@ impl Frame {
             Frame::LaneDelivered(d) => 2 + 10 * d.lanes.len(),
             Frame::KvPagesZ(p) => KV_PAGES_Z_FIXED_LEN + 4 * p.lengths.len() + p.data.len(),
             Frame::KvLayout(l) => 2 + l.layout.len(),
+            Frame::KvHeld(h) => 8 + 8 + 2 + 4 + 4 + 4 + 1 + 4 + h.landed.len(),
         })
     }
 }

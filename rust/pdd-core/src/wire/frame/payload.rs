@@ -14,10 +14,10 @@ use crate::wire::{
 };
 
 use super::{
-    check_delivered, check_local_done, check_page_block, check_region, Abort, Auth, CacheEvent,
-    CacheEvents, Frame, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvLayout, KvPages, KvPagesZ,
-    LaneDelivered, LaneRevoke, LocalAddr, LocalDone, LocalGrant, LocalRegion, Ping, PrefixQuery,
-    PrefixReply, Progress, ZRest, LOCAL_REGION_MIN_LEN, MAX_DELIVERED_LANES,
+    check_delivered, check_held, check_local_done, check_page_block, check_region, Abort, Auth,
+    CacheEvent, CacheEvents, Frame, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvHeld, KvLayout,
+    KvPages, KvPagesZ, LaneDelivered, LaneRevoke, LocalAddr, LocalDone, LocalGrant, LocalRegion,
+    Ping, PrefixQuery, PrefixReply, Progress, ZRest, LOCAL_REGION_MIN_LEN, MAX_DELIVERED_LANES,
 };
 
 const EVENT_STORED: u8 = 1;
@@ -129,6 +129,18 @@ impl Frame {
             Frame::Auth(a) => {
                 out.put_slice(&a.nonce);
                 out.put_slice(&a.proof);
+            }
+            Frame::KvHeld(h) => {
+                let g = &h.grant;
+                out.put_u64_le(g.transfer_id);
+                out.put_u64_le(g.request_id);
+                out.put_u16_le(g.layer_count);
+                out.put_u32_le(g.page_count);
+                out.put_u32_le(g.page_bytes);
+                out.put_u32_le(g.deadline_ms);
+                out.put_u8(u8::from(h.done_seen));
+                out.put_u32_le(len_u32(h.landed.len(), "landed")?);
+                out.put_slice(&h.landed);
             }
             Frame::KvLayout(l) => {
                 // validate() bounds the length to MAX_KV_LAYOUT_LEN.
@@ -414,6 +426,46 @@ impl Frame {
                 a.nonce.copy_from_slice(&r.bytes(AUTH_LEN, "nonce")?);
                 a.proof.copy_from_slice(&r.bytes(AUTH_LEN, "proof")?);
                 Frame::Auth(a)
+            }
+            FrameKind::KvHeld => {
+                let grant = KvGrant {
+                    transfer_id: r.u64("transfer_id")?,
+                    request_id: r.u64("request_id")?,
+                    layer_count: r.u16("layer_count")?,
+                    page_count: r.u32("page_count")?,
+                    page_bytes: r.u32("page_bytes")?,
+                    deadline_ms: r.u32("deadline_ms")?,
+                };
+                let done_seen = match r.u8("held_flags")? {
+                    0 => false,
+                    1 => true,
+                    other => {
+                        return Err(r.invalid("held_flags", format!("unknown bits {other:#x}")))
+                    }
+                };
+                // The length is checked against the grant before a byte is taken.
+                let len = r.u32("landed_len")? as usize;
+                let want = if grant.transfer_id == 0 {
+                    Some(0)
+                } else {
+                    crate::wire::frame::held_bitmap_len(grant.layer_count, grant.page_count)
+                };
+                if want != Some(len) {
+                    return Err(r.invalid(
+                        "landed_len",
+                        format!(
+                            "{len} bytes for {} layers x {} pages",
+                            grant.layer_count, grant.page_count
+                        ),
+                    ));
+                }
+                let h = KvHeld {
+                    grant,
+                    done_seen,
+                    landed: r.bytes(len, "landed")?,
+                };
+                check_held(&h).map_err(|d| r.invalid("transfer_id", d))?;
+                Frame::KvHeld(h)
             }
             FrameKind::KvLayout => {
                 // The length is checked before a byte of the blob is taken.
