@@ -53,8 +53,9 @@ counters! {
     /// Sender: data lanes given up for a stall and revoked (their blocks moved to
     /// the other lanes; capability `lane_failover`).
     lanes_revoked_total: "counter", "data lanes revoked after a stall, their blocks moved";
-    /// Sender: blocks queued again, flagged RESENT, after their lane was revoked.
-    blocks_resent_total: "counter", "KV blocks sent again after their lane was revoked";
+    /// Sender: blocks queued again, flagged RESENT, after their lane was revoked or
+    /// their session resumed (only those whose pages had not all landed).
+    blocks_resent_total: "counter", "KV blocks sent again after a lane revocation or a resume";
     /// Receiver: RESENT blocks whose pages had all landed already, discarded.
     blocks_duplicate_total: "counter", "resent KV blocks that had landed already, discarded";
     /// Receiver: blocks being read from a lane when it was revoked; their pages went
@@ -64,6 +65,15 @@ counters! {
     reconnects_total: "counter", "sessions re-established after a loss";
     /// Sessions lost (peer dead, reset, protocol error).
     sessions_lost_total: "counter", "sessions lost";
+    /// Receiver: sessions whose connections dropped and whose transfers were kept
+    /// for a resume (capability `kv_resume`). Sender: losses it set out to resume.
+    sessions_suspended_total: "counter", "sessions whose connections dropped, kept for a resume";
+    /// Sessions resumed after a loss, their transfers taken over (`kv_resume`).
+    sessions_resumed_total: "counter", "sessions resumed after a loss";
+    /// Transfers that went on after a resume from the pages that had landed.
+    transfers_resumed_total: "counter", "transfers resumed from what had landed";
+    /// Sender: page bytes the receiver said it held at a resume (not sent again).
+    resume_held_bytes_total: "counter", "page bytes held by the receiver at a resume, not sent again";
     /// Connections refused before admission (version, authentication, role, no
     /// session to join).
     lanes_refused_total: "counter", "connections refused at HELLO or AUTH";

@@ -116,12 +116,22 @@ impl hkdf::KeyType for IvLen {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Forged;
 
+/// What a record that failed its AEAD check ends its lane with.
+pub const FORGED_DETAIL: &str =
+    "sealed data lane: a record failed its AEAD check (corrupted or forged)";
+
 impl From<Forged> for Error {
     fn from(_: Forged) -> Error {
         Error::ConnectionLost {
-            detail: "sealed data lane: a record failed its AEAD check (corrupted or forged)".into(),
+            detail: FORGED_DETAIL.into(),
         }
     }
+}
+
+/// Whether `e` is a sealed record's failed AEAD check (not a lost connection: its
+/// block's transfer fails, it is never resumed).
+pub fn is_forged(e: &Error) -> bool {
+    matches!(e, Error::ConnectionLost { detail } if detail == FORGED_DETAIL)
 }
 
 impl LaneKeys {

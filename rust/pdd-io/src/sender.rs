@@ -33,6 +33,7 @@ use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio_util::sync::CancellationToken;
 
 mod failover;
+mod resume;
 mod session;
 mod writer;
 
@@ -88,6 +89,12 @@ pub struct SenderConfig {
     /// Our pool's KV layout (1 ..= 256 opaque bytes), sent to a receiver that has
     /// one too (capability `kv_layout`, offered exactly when this is set).
     pub layout: Option<Vec<u8>>,
+    /// Transfer resume (capability `kv_resume`): when the session's connections
+    /// drop mid-transfer, its transfers are kept this long while the sender
+    /// reconnects and resumes the session; then only the blocks whose pages had
+    /// not landed go again. `None`: not offered, a lost session fails its
+    /// transfers. Default 10 s.
+    pub resume_window: Option<Duration>,
 }
 
 impl SenderConfig {
@@ -113,6 +120,7 @@ impl SenderConfig {
             lane_stall: None,
             compress: crate::compress::CompressMode::Auto,
             layout: None,
+            resume_window: Some(Duration::from_secs(10)),
         }
     }
 
@@ -151,6 +159,8 @@ struct Job {
 struct Conn {
     /// The machine's connection instance this is (`SenderSession::connects`).
     generation: u64,
+    /// Both sides offered `kv_resume`: every block planned is logged for a resume.
+    resume: bool,
     control: lane::ControlTx,
     lanes: Vec<mpsc::Sender<Job>>,
     next_lane: AtomicUsize,
@@ -218,6 +228,12 @@ struct Shared {
     next_query: std::sync::atomic::AtomicU64,
     /// The secret of our session, once one was opened: reconnects resume with it.
     session_secret: Mutex<Option<AuthBytes>>,
+    /// Every block planned per transfer in progress while `kv_resume` is
+    /// negotiated: what a resume sends again where the receiver does not hold it
+    /// (`resume.rs`). Dropped when the transfer ends.
+    resume_log: Mutex<HashMap<u64, Vec<Job>>>,
+    /// A reconnect loop for suspended transfers is running (`resume.rs`).
+    reconnecting: AtomicBool,
 }
 
 type PendingQuery = (u64, oneshot::Sender<Result<PrefixReply, Error>>);
@@ -269,7 +285,13 @@ impl KvSender {
             cfg.hello.capabilities |= pdd_core::wire::capability::KV_COMPRESS;
         }
         lane::offer_layout(&mut cfg.hello, cfg.layout.is_some());
-        let timers = SessionTimers::new(cfg.heartbeat, cfg.dead_after);
+        let mut timers = SessionTimers::new(cfg.heartbeat, cfg.dead_after);
+        if let Some(window) = cfg.resume_window {
+            cfg.hello.capabilities |= pdd_core::wire::capability::KV_RESUME;
+            timers.resume_window = window;
+        } else {
+            cfg.hello.capabilities &= !pdd_core::wire::capability::KV_RESUME;
+        }
         let machine =
             SenderSession::new(timers, cfg.lane_stall())?.with_layout(cfg.layout.clone())?;
         let shared = Arc::new(Shared {
@@ -289,6 +311,8 @@ impl KvSender {
             queries: Mutex::new(HashMap::new()),
             next_query: std::sync::atomic::AtomicU64::new(1),
             session_secret: Mutex::new(None),
+            resume_log: Mutex::new(HashMap::new()),
+            reconnecting: AtomicBool::new(false),
         });
         // The machine's timers, for the sender's whole life: sleep until its next
         // one, or until a call armed an earlier one.
@@ -335,24 +359,7 @@ impl KvSender {
     }
 
     async fn conn(&self) -> Result<Arc<Conn>, Error> {
-        let shared = &self.shared;
-        if shared.cancel.is_cancelled() {
-            return Err(Error::Cancelled {
-                detail: "sender closed".into(),
-            });
-        }
-        let mut slot = shared.conn.lock().await;
-        if let Some(c) = slot.as_ref() {
-            if !c.cancel.is_cancelled() {
-                return Ok(c.clone());
-            }
-        }
-        let conn = connect_session(shared).await?;
-        if shared.connected_before.swap(true, Ordering::Relaxed) {
-            Metrics::add(&shared.metrics.reconnects_total, 1);
-        }
-        *slot = Some(conn.clone());
-        Ok(conn)
+        conn_of(&self.shared).await
     }
 
     /// Wait for the receiver's grant for `request_id`.
@@ -540,6 +547,34 @@ impl Drop for KvSender {
     }
 }
 
+/// The connected session, connecting (or resuming) first if there is none.
+async fn conn_of(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
+    if shared.cancel.is_cancelled() {
+        return Err(Error::Cancelled {
+            detail: "sender closed".into(),
+        });
+    }
+    let mut slot = shared.conn.lock().await;
+    if let Some(c) = slot.as_ref() {
+        if !c.cancel.is_cancelled() {
+            return Ok(c.clone());
+        }
+    }
+    let conn = connect_session(shared).await?;
+    if shared.connected_before.swap(true, Ordering::Relaxed) {
+        Metrics::add(&shared.metrics.reconnects_total, 1);
+    }
+    *slot = Some(conn.clone());
+    Ok(conn)
+}
+
+/// Whether a connection is up (for the resume loop's last look).
+fn has_live_conn(shared: &Shared) -> bool {
+    lock(&shared.live)
+        .as_ref()
+        .is_some_and(|c| !c.cancel.is_cancelled())
+}
+
 async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
     let cfg = &shared.cfg;
     let open = |key: LaneKey, lane_no: u16| async move {
@@ -555,18 +590,19 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
         )
         .await
     };
-    // Resume our session if the receiver still holds it (its transfers are lost
-    // either way); if it already ended it, open a new one.
+    // Resume our session if the receiver still holds it (with `kv_resume` its
+    // transfers go on from what landed; without, they failed with the loss); if it
+    // already ended it, open a new one.
     let prior = *lock(&shared.session_secret);
-    let control = match prior {
+    let (control, resumed) = match prior {
         Some(secret) => match open(LaneKey::Session(secret), 0).await {
             Err(Error::PeerAborted {
                 reason: AbortReason::AuthFailed,
                 ..
-            }) => open(LaneKey::Root, 0).await?,
-            other => other?,
+            }) => (open(LaneKey::Root, 0).await?, false),
+            other => (other?, true),
         },
-        None => open(LaneKey::Root, 0).await?,
+        None => (open(LaneKey::Root, 0).await?, false),
     };
     *lock(&shared.session_secret) = Some(control.session_secret);
     let (control_stream, agreed) = (control.stream, control.agreed);
@@ -604,6 +640,7 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
     }
     let mut conn = Conn {
         generation: 0,
+        resume: agreed.capabilities & pdd_core::wire::capability::KV_RESUME != 0,
         control: control_tx,
         lanes,
         next_lane: AtomicUsize::new(0),
@@ -615,7 +652,12 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
     // The machine's new connection instance: its heartbeats and bounds start now.
     let conn = {
         let mut m = lock(&shared.machine);
-        m.connected(agreed.capabilities, cfg.lanes, clock::now())?;
+        if resumed {
+            // Suspended transfers stay, each until the receiver's KV_HELD for it.
+            m.resumed(agreed.capabilities, cfg.lanes, clock::now())?;
+        } else {
+            m.connected(agreed.capabilities, cfg.lanes, clock::now())?;
+        }
         conn.generation = m.connects();
         let conn = Arc::new(conn);
         *lock(&shared.live) = Some(conn.clone());
@@ -831,20 +873,59 @@ impl OutboundTransfer {
             .min(cap)
             .min(1000 * u64::from(self.grant.page_bytes));
         let tid = self.grant.transfer_id;
-        let planned = with_machine(&self.shared, |m| {
-            m.send_pages(tid, layers, grant_pages, max_block)
+        // Planned, and where it goes, under the machine's lock: the connection live
+        // now (a transfer goes on, on the connection that resumed its session), or
+        // none while the transfer is suspended (`kv_resume`: its blocks are only
+        // logged, and go after the receiver's KV_HELD says they did not land).
+        let (jobs, live, logging, mut suspended) = with_machine(&self.shared, |m| {
+            let planned = m.send_pages(tid, layers, grant_pages, max_block)?;
+            let live = lock(&self.shared.live).clone();
+            let suspended = m.is_suspended(tid);
+            let logging = suspended || live.as_ref().is_some_and(|c| c.resume);
+            let jobs: Vec<Job> = planned
+                .into_iter()
+                .map(|PlannedBlock { block, first }| {
+                    let from = src_layer.unwrap_or(block.layer_start);
+                    let src = src_pages[first..first + block.page_count as usize]
+                        .iter()
+                        .map(|&p| (from, p))
+                        .collect();
+                    Job {
+                        block,
+                        src,
+                        resent: false,
+                    }
+                })
+                .collect();
+            // Logged before the lock is released: a resume (its KV_HELD, handled
+            // under this lock) then finds every block planned before it.
+            if logging {
+                for job in &jobs {
+                    resume::log(&self.shared, job);
+                }
+            }
+            Ok::<_, Error>((jobs, live, logging, suspended))
         })
         .map_err(|e| self.ended_error().unwrap_or(e))?;
         self.started.store(true, Ordering::Relaxed);
-        for PlannedBlock { block, first } in planned {
-            let from = src_layer.unwrap_or(block.layer_start);
-            let src = src_pages[first..first + block.page_count as usize]
-                .iter()
-                .map(|&p| (from, p))
-                .collect();
-            tokio::select! {
-                _ = self.conn.cancel.cancelled() => return Err(self.conn.dead_error()),
-                r = queue_on_a_free_lane(&self.conn, Job { block, src, resent: false }) => r?,
+        for job in jobs {
+            let conn = match (&live, suspended) {
+                (Some(c), false) => c,
+                _ if logging => continue,
+                _ => return Err(self.ended_error().unwrap_or_else(|| self.conn.dead_error())),
+            };
+            let queued = tokio::select! {
+                _ = conn.cancel.cancelled() => Err(conn.dead_error()),
+                r = queue_on_a_free_lane(conn, job) => r,
+            };
+            if let Err(e) = queued {
+                // The connection died under us: with resume, the rest is logged and
+                // goes after the resume unless the transfer ended meanwhile.
+                if logging && lock(&self.shared.machine).in_progress(tid) {
+                    suspended = true;
+                    continue;
+                }
+                return Err(self.ended_error().unwrap_or(e));
             }
         }
         Ok(())
@@ -878,6 +959,12 @@ impl OutboundTransfer {
         match self.status() {
             OutboundStatus::Failed(e) => Some(e),
             OutboundStatus::Complete { .. } => None,
+            // Still the machine's (a suspended transfer waits for its resume).
+            OutboundStatus::InProgress
+                if lock(&self.shared.machine).in_progress(self.grant.transfer_id) =>
+            {
+                None
+            }
             OutboundStatus::InProgress => self
                 .conn
                 .cancel

@@ -97,6 +97,11 @@ fn sender_cfg(addr: SocketAddr, failover: bool) -> SenderConfig {
     cfg.lane_stall = Some(Duration::from_millis(600));
     cfg.tuning = tuning();
     cfg.lane_failover = failover;
+    if !failover {
+        // As a peer of an older build: no transfer resume either (with it, the
+        // lost session resumes on fresh connections: tests/kv_resume.rs).
+        cfg.resume_window = None;
+    }
     cfg
 }
 
@@ -239,12 +244,15 @@ async fn a_revoked_lanes_compressed_blocks_are_resent_and_land() {
     verify(&rx, &src_pool, 1);
     assert_eq!(metric(tx.metrics(), "lanes_revoked_total"), 1);
     assert!(metric(tx.metrics(), "blocks_resent_total") > 0);
-    // Every block went compressed, the resent ones included.
+    // Every block went compressed, the resent ones included. A resent block whose
+    // pages had landed already (a duplicate) may still be in its writer when the
+    // transfer completes: its count comes a write later.
     let blocks = u64::from(LAYERS) * u64::from(PAGES) / 2;
-    assert_eq!(
-        metric(tx.metrics(), "blocks_compressed_total"),
-        blocks + metric(tx.metrics(), "blocks_resent_total")
-    );
+    bounded(bounds::until(|| {
+        metric(tx.metrics(), "blocks_compressed_total")
+            == blocks + metric(tx.metrics(), "blocks_resent_total")
+    }))
+    .await;
     assert_eq!(metric(tx.metrics(), "sessions_lost_total"), 0);
     wan.stall_connection(STALLED, Direction::ClientToUpstream, Duration::ZERO);
 }

@@ -673,9 +673,12 @@ fn flush(shared: &Arc<Shared>, m: &mut ReceiverEndpoint) {
             core_session::ReceiverEvent::PeerLayout { .. } => {
                 shared.peers_changed.notify_waiters();
             }
-            // Not on a local session: the machine refuses them there.
+            // Not on a local session: the machine refuses them there (no data
+            // lanes to stop, no prefix queries, no transfer resume).
             core_session::ReceiverEvent::StopLane { .. }
-            | core_session::ReceiverEvent::PrefixQuery { .. } => {}
+            | core_session::ReceiverEvent::PrefixQuery { .. }
+            | core_session::ReceiverEvent::SessionSuspended { .. }
+            | core_session::ReceiverEvent::SessionResumed { .. } => {}
         }
     }
     drop(q);

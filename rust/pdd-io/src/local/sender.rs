@@ -523,7 +523,10 @@ fn flush(shared: &Arc<Shared>, m: &mut SenderSession) -> Vec<(KvGrant, LocalGran
                 SenderEvent::PeerLayout
                 | SenderEvent::StopLane { .. }
                 | SenderEvent::LaneReleased { .. }
-                | SenderEvent::PrefixReply(_) => {}
+                | SenderEvent::PrefixReply(_)
+                // Transfer resume is a WAN capability: never negotiated here.
+                | SenderEvent::TransfersSuspended { .. }
+                | SenderEvent::TransferResumed { .. } => {}
             }
         }
         if !moved {

@@ -38,6 +38,17 @@ impl BlockGuard<'_> {
         self.finished = true;
         with_machine(self.shared, |m| m.finish_block(&self.block, outcome));
     }
+
+    /// The block's bytes stopped coming with `error`: a lost connection cuts the
+    /// block off (the machine abandons it on a revoked lane or a session it
+    /// suspends for a resume, and fails its transfer otherwise); anything else (a
+    /// forged sealed record) fails its transfer.
+    fn failed(self, error: Error) {
+        if !matches!(error, Error::ConnectionLost { .. }) || sealed::is_forged(&error) {
+            self.finish(Err(error));
+        }
+        // Dropped unfinished: `block_cut`.
+    }
 }
 
 impl Drop for BlockGuard<'_> {
@@ -280,7 +291,7 @@ async fn read_block(
                 None => read_into_pages(stream, &pages, stall).await.map_err(lost),
             };
             if let Err(e) = landed {
-                guard.finish(Err(e));
+                guard.failed(e);
                 return Err(Error::ConnectionLost {
                     detail: "data lane failed mid-block".into(),
                 });
@@ -333,7 +344,7 @@ async fn land_compressed(
         usize::try_from(rest_len).map_err(|_| Error::InvalidArgument("block too large".into()))?;
     let stall = shared.cfg.dead_after;
     if let Err(e) = compressed::read_rest(stream, keys, len, z, stall, &shared.metrics).await {
-        guard.finish(Err(e.clone()));
+        guard.failed(e.clone());
         return Err(e);
     }
     if !aead {

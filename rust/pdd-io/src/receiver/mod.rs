@@ -77,6 +77,11 @@ pub struct ReceiverConfig {
     /// Our pool's KV layout (1 ..= 256 opaque bytes), sent to every sender that
     /// has one too (capability `kv_layout`, offered exactly when this is set).
     pub layout: Option<Vec<u8>>,
+    /// Transfer resume (capability `kv_resume`): a session whose connections drop
+    /// keeps its transfers (and their pages) this long for its sender to resume it;
+    /// then only what had not landed crosses again. `None`: not offered, a lost
+    /// session fails its transfers at once. Default 10 s.
+    pub resume_window: Option<Duration>,
 }
 
 impl ReceiverConfig {
@@ -94,6 +99,7 @@ impl ReceiverConfig {
             tls: None,
             sealed_lanes: true,
             layout: None,
+            resume_window: Some(Duration::from_secs(10)),
         }
     }
 }
@@ -263,6 +269,12 @@ impl KvReceiver {
             pdd_core::wire::capability::EMPTY_GRANT | pdd_core::wire::capability::REFUSAL;
         // It decodes KV_PAGES_Z (compressed pages) from a sender that offers it too.
         cfg.hello.capabilities |= pdd_core::wire::capability::KV_COMPRESS;
+        // It keeps a lost session's transfers for a resume, where configured.
+        if cfg.resume_window.is_some() {
+            cfg.hello.capabilities |= pdd_core::wire::capability::KV_RESUME;
+        } else {
+            cfg.hello.capabilities &= !pdd_core::wire::capability::KV_RESUME;
+        }
         crate::lane::offer_layout(&mut cfg.hello, cfg.layout.is_some());
         if cfg.sealed_lanes {
             cfg.hello.capabilities |= pdd_core::wire::capability::SEALED_LANES;
@@ -286,7 +298,10 @@ impl KvReceiver {
         let local_addr = listener.local_addr().map_err(|e| Error::ConnectionLost {
             detail: format!("local_addr: {e}"),
         })?;
-        let timers = SessionTimers::new(cfg.heartbeat, cfg.dead_after);
+        let mut timers = SessionTimers::new(cfg.heartbeat, cfg.dead_after);
+        if let Some(window) = cfg.resume_window {
+            timers.resume_window = window;
+        }
         let machine =
             ReceiverEndpoint::new(pool.layers(), pool.pages(), pool.page_bytes(), timers)?
                 .with_layout(cfg.layout.clone())?;
@@ -657,6 +672,16 @@ fn flush(shared: &Shared, m: &mut ReceiverEndpoint) -> Vec<(SessionHandle, Prefi
             core_session::ReceiverEvent::SessionEnded {
                 session, violation, ..
             } => session_ended(shared, session, violation),
+            // Its connections close as for an end; its transfers stay with the
+            // machine until a resume takes them or the window runs out.
+            core_session::ReceiverEvent::SessionSuspended { session, .. } => {
+                Metrics::add(&shared.metrics.sessions_suspended_total, 1);
+                instance_closed(shared, session);
+            }
+            core_session::ReceiverEvent::SessionResumed { transfers, .. } => {
+                Metrics::add(&shared.metrics.sessions_resumed_total, 1);
+                Metrics::add(&shared.metrics.transfers_resumed_total, transfers as u64);
+            }
             core_session::ReceiverEvent::StopLane { lane } => {
                 if let Some(s) = lock(&shared.sessions).get(&lane.session.generation) {
                     if let Some(token) = lock(&s.lanes).get(&lane.instance) {
@@ -694,13 +719,7 @@ fn flush(shared: &Shared, m: &mut ReceiverEndpoint) -> Vec<(SessionHandle, Prefi
 /// A session instance ended (the machine failed its transfers): close its lanes,
 /// forget it, release its leases.
 fn session_ended(shared: &Shared, session: SessionHandle, violation: bool) {
-    {
-        let mut sessions = lock(&shared.sessions);
-        if let Some(s) = sessions.remove(&session.generation) {
-            s.cancel.cancel();
-        }
-        Metrics::set(&shared.metrics.sessions, sessions.len() as u64);
-    }
+    instance_closed(shared, session);
     if violation {
         Metrics::add(&shared.metrics.violations_total, 1);
     }
@@ -710,6 +729,16 @@ fn session_ended(shared: &Shared, session: SessionHandle, violation: bool) {
     shared.sessions_changed.send_modify(|n| *n += 1);
     // Leases pinned for a peer that is gone would only delay eviction.
     release_leases(shared, |_, owner| owner == (session.id, session.generation));
+}
+
+/// Close a session instance's connections (its control lane and data lanes) and
+/// forget them: it ended, or it was suspended for a resume (`kv_resume`).
+fn instance_closed(shared: &Shared, session: SessionHandle) {
+    let mut sessions = lock(&shared.sessions);
+    if let Some(s) = sessions.remove(&session.generation) {
+        s.cancel.cancel();
+    }
+    Metrics::set(&shared.metrics.sessions, sessions.len() as u64);
 }
 
 /// Answer prefix queries, each on its session's control lane.

@@ -298,7 +298,7 @@ async fn control_session(
             // The write can fail (a reset) before the reader sees it: say why, or the
             // session's transfers would fail as if the receiver had cancelled them.
             let e = Error::ConnectionLost { detail };
-            with_machine(&writer_shared, |m| m.close_session(h, e, false));
+            with_machine(&writer_shared, |m| m.control_lost(h, e, clock::now()));
         }
     });
 
@@ -315,14 +315,15 @@ async fn control_session(
                 let e = Error::ConnectionLost {
                     detail: format!("peer {session_id} closed the control lane"),
                 };
-                with_machine(&shared, |m| m.close_session(h, e, false));
+                // Suspended for a resume where both offered `kv_resume`, else ended.
+                with_machine(&shared, |m| m.control_lost(h, e, clock::now()));
                 break;
             }
             Some(Err(CodecError::Io(e))) => {
                 let e = Error::ConnectionLost {
                     detail: format!("control lane: {e}"),
                 };
-                with_machine(&shared, |m| m.close_session(h, e, false));
+                with_machine(&shared, |m| m.control_lost(h, e, clock::now()));
                 break;
             }
             // A frame that cannot be decoded: the peer is told why.
@@ -344,7 +345,13 @@ async fn control_session(
             detail: "session closed".into(),
         }
     };
-    with_machine(&shared, |m| m.close_session(h, why, false));
+    // A suspended instance (lost, or replaced by a resumption) is the machine's
+    // to end: its transfers wait for the resume.
+    with_machine(&shared, |m| {
+        if !m.is_suspended(h) {
+            m.close_session(h, why, false);
+        }
+    });
     cancel.cancel();
     let _ = writer_task.await;
 }

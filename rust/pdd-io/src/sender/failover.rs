@@ -157,6 +157,13 @@ pub(super) fn release(shared: &Arc<Shared>, conn: &Arc<Conn>, idx: usize, resend
         }
         moved
     };
+    resend_jobs(shared, conn, jobs);
+}
+
+/// Queue `jobs` again on `conn`, flagged RESENT (in a task: queueing waits for
+/// room), counting each; stops if the connection dies (the blocks stay logged for
+/// a resume where it was negotiated).
+pub(super) fn resend_jobs(shared: &Arc<Shared>, conn: &Arc<Conn>, jobs: Vec<Job>) {
     let (shared, conn) = (shared.clone(), conn.clone());
     tokio::spawn(async move {
         for mut job in jobs {

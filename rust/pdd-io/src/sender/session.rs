@@ -11,7 +11,7 @@ use pdd_core::kv::session::{SenderEvent, SenderSession};
 use pdd_core::Error;
 use tokio_util::codec::{FramedRead, FramedWrite};
 
-use super::{failover, lock, now_ns, Conn, OutboundStatus, Shared};
+use super::{failover, lock, now_ns, resume, Conn, OutboundStatus, Shared};
 use crate::clock;
 use crate::codec::{CodecError, WireCodec};
 use crate::lane::{self, LaneStream};
@@ -107,6 +107,11 @@ pub(super) fn flush(shared: &Arc<Shared>, m: &mut SenderSession) {
             SenderEvent::PeerLayout => {
                 shared.grants_changed.send_modify(|n| *n += 1);
             }
+            // Transfer resume: reconnect (resuming the session) while they wait.
+            SenderEvent::TransfersSuspended { .. } => resume::reconnect_while_suspended(shared),
+            SenderEvent::TransferResumed { transfer_id, held } => {
+                resume::resend_unheld(shared, transfer_id, &held);
+            }
             SenderEvent::PrefixReply(r) => {
                 // A reply after its query timed out has nobody waiting: dropped.
                 if let Some((_, waiter)) = lock(&shared.queries).remove(&r.query_id) {
@@ -141,6 +146,7 @@ fn settle(shared: &Shared, transfer_id: u64, status: OutboundStatus) {
     }
     Metrics::set(&shared.metrics.transfers_in_flight, outbound.len() as u64);
     drop(outbound);
+    resume::forget(shared, transfer_id);
     if let Some(c) = lock(&shared.live).as_ref() {
         c.lanes_ctl.forget(transfer_id);
     }
