@@ -133,6 +133,9 @@ class Rig:
             heartbeat_s=HEARTBEAT,
             dead_after_s=DEAD_AFTER,
             connect_timeout_s=2.0,
+            # These faults are about a lost session failing its transfers, typed and
+            # bounded: without transfer resume (tests/test_kv_resume.py has it).
+            resume_window_s=None,
             **tx_security,
         )
         self.rx.wait_peer(42, timeout=10)
@@ -142,7 +145,8 @@ class Rig:
 
     def _receiver(self, listen: str) -> kv.KvReceiver:
         return kv.KvReceiver(
-            self.rx_pool, listen, heartbeat_s=HEARTBEAT, dead_after_s=self.rx_dead_after, **self.rx_security
+            self.rx_pool, listen, heartbeat_s=HEARTBEAT, dead_after_s=self.rx_dead_after, resume_window_s=None,
+            **self.rx_security
         )
 
     def restart_receiver(self) -> None:
@@ -631,9 +635,13 @@ def test_sender_process_killed_mid_transfer_then_restarted() -> None:
         first.proc.kill()
         first.proc.wait(10)
         wan.stall(0)
-        # The receiver ends the transfer within its bound: failed, typed, or (if every
-        # byte had left the process before it died: the kernel still delivers what
-        # was in its socket buffers) complete with every page intact.
+        # A new process with the same node id takes over: it cannot resume the lost
+        # session (it never knew its secret), so it opens a new one, and the
+        # receiver, which kept the old one suspended for a resume (kv_resume), ends
+        # the transfer then: failed, typed, or (if every byte had left the process
+        # before it died: the kernel still delivers what was in its socket buffers)
+        # complete with every page intact.
+        second = _SenderProcess(wan.address_str)
         wait_until(lambda: inbound.status()["state"] != "in_progress", DEAD_AFTER + 5, "the receiver ends it")
         status = inbound.status()
         if status["state"] == "complete":
@@ -641,8 +649,7 @@ def test_sender_process_killed_mid_transfer_then_restarted() -> None:
                 assert np.array_equal(rx_mem[:, d], src_mem[:, s])
         else:
             assert status["reason"] in FAULT_REASONS, status
-        # A new process with the same node id takes over; the pages carry its transfer.
-        second = _SenderProcess(wan.address_str)
+        # The pages carry the new process's transfer.
         rx.wait_peer(42, timeout=10)
         deadline = time.monotonic() + 10
         while True:

@@ -117,6 +117,9 @@ SAMPLES: dict[str, dict[str, Any]] = {
                    "page_start": 40, "page_count": 2, "page_bytes": 8, "codec": 1, "raw_crc32c": 0xDEADBEEF,
                    "lengths": [8, 3], "data": bytes(range(11))},
     "KV_LAYOUT": {"kind": "KV_LAYOUT", "layout": bytes(range(1, 12))},
+    "KV_HELD": {"kind": "KV_HELD", "transfer_id": 11, "request_id": 12, "layer_count": 3,
+                "page_count": 5, "page_bytes": 4096, "deadline_ms": 30000, "done_seen": True,
+                "landed": bytes([0b1011_0111, 0b0110_1001])},
 }
 
 

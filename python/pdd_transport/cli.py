@@ -289,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pdd_transport.bench import hetero as hetero_bench
 
     hetero_bench.add_parser(bench_sub, _progress)
+    from pdd_transport.bench import resume as resume_bench
+
+    resume_bench.add_parser(bench_sub, _progress)
 
     stream = bench_sub.add_parser(
         "stream",

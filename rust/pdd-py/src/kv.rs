@@ -203,7 +203,7 @@ pub struct KvReceiver {
 #[pymethods]
 impl KvReceiver {
     #[new]
-    #[pyo3(signature = (pool, listen = "127.0.0.1:0", *, role = "main_decode", secret = None, insecure = false, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, hello_timeout_s = 5.0, socket_buffer = 8388608, congestion = None, max_payload = 16777216, prefix_cache = None, sealed_lanes = true, layout = None))]
+    #[pyo3(signature = (pool, listen = "127.0.0.1:0", *, role = "main_decode", secret = None, insecure = false, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, hello_timeout_s = 5.0, socket_buffer = 8388608, congestion = None, max_payload = 16777216, prefix_cache = None, sealed_lanes = true, layout = None, resume_window_s = Some(10.0)))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -222,6 +222,7 @@ impl KvReceiver {
         prefix_cache: Option<PyRef<'_, RadixCache>>,
         sealed_lanes: bool,
         layout: Option<PyBackedBytes>,
+        resume_window_s: Option<f64>,
     ) -> PyResult<Self> {
         let caps = if prefix_cache.is_some() {
             capability::KV_STREAM | capability::PREFIX_CACHE
@@ -239,6 +240,9 @@ impl KvReceiver {
         cfg.heartbeat = seconds(heartbeat_s, "heartbeat_s")?;
         cfg.dead_after = seconds(dead_after_s, "dead_after_s")?;
         cfg.hello_timeout = seconds(hello_timeout_s, "hello_timeout_s")?;
+        cfg.resume_window = resume_window_s
+            .map(|s| seconds(s, "resume_window_s"))
+            .transpose()?;
         cfg.tuning = tuning(socket_buffer, congestion);
         cfg.prefix_cache = prefix_cache.map(|c| c.shared());
         let pool = pool.pool.clone();
@@ -528,7 +532,7 @@ pub struct KvSender {
 #[pymethods]
 impl KvSender {
     #[new]
-    #[pyo3(signature = (pool, connect, *, lanes = 4, node_id = None, role = "prefill", secret = None, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, block_bytes = 1048576, socket_buffer = 8388608, congestion = None, max_payload = 16777216, lane_stall_s = None, lane_failover = true, sealed_lanes = true, unsent_limit = 1048576, compress = "auto", layout = None))]
+    #[pyo3(signature = (pool, connect, *, lanes = 4, node_id = None, role = "prefill", secret = None, tls = None, heartbeat_s = 1.0, dead_after_s = 5.0, connect_timeout_s = 5.0, block_bytes = 1048576, socket_buffer = 8388608, congestion = None, max_payload = 16777216, lane_stall_s = None, lane_failover = true, sealed_lanes = true, unsent_limit = 1048576, compress = "auto", layout = None, resume_window_s = Some(10.0)))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -552,6 +556,7 @@ impl KvSender {
         unsent_limit: usize,
         compress: &str,
         layout: Option<PyBackedBytes>,
+        resume_window_s: Option<f64>,
     ) -> PyResult<Self> {
         let mut hello = LocalHello::new(self::role(role)?, capability::KV_STREAM);
         hello.secret = secret.map(|c| bytes::Bytes::copy_from_slice(&c));
@@ -570,6 +575,9 @@ impl KvSender {
         cfg.heartbeat = seconds(heartbeat_s, "heartbeat_s")?;
         cfg.dead_after = seconds(dead_after_s, "dead_after_s")?;
         cfg.connect_timeout = seconds(connect_timeout_s, "connect_timeout_s")?;
+        cfg.resume_window = resume_window_s
+            .map(|s| seconds(s, "resume_window_s"))
+            .transpose()?;
         cfg.max_block_bytes = block_bytes;
         cfg.tuning = tuning(socket_buffer, congestion);
         cfg.tuning.unsent_limit = (unsent_limit > 0).then_some(unsent_limit);

@@ -9,7 +9,7 @@ use pdd_core::wire::handshake::{negotiate, LocalHello};
 use pdd_core::wire::{
     self, capability, decode_frame as core_decode, decode_frame_shared,
     encode_frame as core_encode, Abort, AbortReason, Auth, CacheEvent, CacheEvents, Frame,
-    FrameKind, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvLayout, KvPages, KvPagesZ,
+    FrameKind, Handoff, HandoffAck, Hello, KvDone, KvGrant, KvHeld, KvLayout, KvPages, KvPagesZ,
     LaneDelivered, LaneRevoke, LocalAddr, LocalDone, LocalGrant, LocalRegion, Ping, PrefixQuery,
     PrefixReply, Progress, Role, AUTH_LEN,
 };
@@ -71,6 +71,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         ("refusal", capability::REFUSAL),
         ("kv_compress", capability::KV_COMPRESS),
         ("kv_layout", capability::KV_LAYOUT),
+        ("kv_resume", capability::KV_RESUME),
     ] {
         caps.set_item(name, bit)?;
     }
@@ -377,6 +378,18 @@ fn frame_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Frame> {
         }),
         FrameKind::KvLayout => Frame::KvLayout(KvLayout {
             layout: bytes_field(&mut f, "layout")?,
+        }),
+        FrameKind::KvHeld => Frame::KvHeld(KvHeld {
+            grant: KvGrant {
+                transfer_id: get!(f, "transfer_id"),
+                request_id: get!(f, "request_id"),
+                layer_count: get!(f, "layer_count"),
+                page_count: get!(f, "page_count"),
+                page_bytes: get!(f, "page_bytes"),
+                deadline_ms: get!(f, "deadline_ms"),
+            },
+            done_seen: get!(f, "done_seen"),
+            landed: bytes_field(&mut f, "landed")?,
         }),
         FrameKind::KvDone => Frame::KvDone(KvDone {
             transfer_id: get!(f, "transfer_id"),
@@ -726,6 +739,17 @@ fn frame_to_dict<'py>(py: Python<'py>, frame: &Frame) -> PyResult<Bound<'py, PyD
         }
         Frame::KvLayout(l) => {
             d.set_item("layout", PyBytes::new(py, &l.layout))?;
+        }
+        Frame::KvHeld(h) => {
+            let g = &h.grant;
+            d.set_item("transfer_id", g.transfer_id)?;
+            d.set_item("request_id", g.request_id)?;
+            d.set_item("layer_count", g.layer_count)?;
+            d.set_item("page_count", g.page_count)?;
+            d.set_item("page_bytes", g.page_bytes)?;
+            d.set_item("deadline_ms", g.deadline_ms)?;
+            d.set_item("done_seen", h.done_seen)?;
+            d.set_item("landed", PyBytes::new(py, &h.landed))?;
         }
         Frame::LocalDone(l) => {
             d.set_item("transfer_id", l.transfer_id)?;
