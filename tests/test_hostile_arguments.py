@@ -677,6 +677,9 @@ BUFFER = P(st.sampled_from([0, 1 << 16, 8 << 20]), INTS)
 CONGESTION = P(st.sampled_from([None, "cubic", "reno"]), TEXT)
 COMPRESS = P(st.sampled_from(["auto", "on", "off"]), TEXT)
 RADIX = obj(st.one_of(st.none(), st.builds(N.RadixCache)))
+# Transfer resume's window: None (off) or seconds (a zero, negative or NaN one refused).
+RESUME_WINDOW = P(st.one_of(st.none(), st.floats(0.001, 30.0)), FLOATS)
+
 # A KV layout: opaque bytes, 1..256 of them (an empty or longer one is refused).
 LAYOUT = P(st.one_of(st.none(), st.binary(min_size=1, max_size=256)),
            st.one_of(BYTES, st.sampled_from([b"", b"x" * 256, b"x" * 257])))
@@ -687,7 +690,7 @@ def _receiver_new(h: H, o: Outcome) -> None:
     closing(call(h, o, N.KvReceiver, POOL, listen=LISTEN, role=P(st.just("main_decode"), TEXT), secret=SECRET,
                  insecure=BOOL, tls=TLS, heartbeat_s=HEARTBEAT, dead_after_s=DEAD_AFTER, hello_timeout_s=SECONDS,
                  socket_buffer=BUFFER, congestion=CONGESTION, max_payload=MAX_PAYLOAD, prefix_cache=RADIX,
-                 sealed_lanes=BOOL, layout=LAYOUT))
+                 sealed_lanes=BOOL, layout=LAYOUT, resume_window_s=RESUME_WINDOW))
 
 
 def connect_to(live: Callable[[], str]) -> P:
@@ -704,7 +707,8 @@ def _sender_new(h: H, o: Outcome) -> None:
                  block_bytes=P(st.sampled_from([PAGE, 1 << 20]), INTS), socket_buffer=BUFFER,
                  congestion=CONGESTION, max_payload=MAX_PAYLOAD,
                  lane_stall_s=P(st.one_of(st.none(), st.floats(0.01, 1.0)), FLOATS),
-                 lane_failover=BOOL, sealed_lanes=BOOL, unsent_limit=BUFFER, compress=COMPRESS, layout=LAYOUT))
+                 lane_failover=BOOL, sealed_lanes=BOOL, unsent_limit=BUFFER, compress=COMPRESS, layout=LAYOUT,
+                 resume_window_s=RESUME_WINDOW))
 
 
 @spec("KvReceiver.wait_peer")

@@ -5,6 +5,8 @@ without resume on either side, or past the window, it fails on both ends."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 import time
 
@@ -133,3 +135,22 @@ def test_bench_resume_reports_the_wire_bytes_of_a_cut_transfer() -> None:
     assert 0 < cut["blocks_resent"]
     # Resent is what had not landed, never all of it again.
     assert out["wire_bytes_over_payload"] < 1.5
+
+
+def test_bench_resume_through_the_packet_level_line() -> None:
+    """The same through the packet-level line: the cut is the kernel's abort of every
+    connection in end A, its RSTs crossing the emulated line (root: CI runs as root;
+    elsewhere it skips, as the other packet-level tests do)."""
+    if os.geteuid() != 0 or shutil.which("ss") is None:
+        msg = "the packet-level line needs root and ss"
+        if os.environ.get("CI"):
+            pytest.fail(msg + ": CI must provide them")
+        pytest.skip(msg)
+    cfg = resume_bench.ResumeConfig(mib=16, page_kib=256, lanes=2, rtt_ms=4, rate_gbit=0.5, packet=True)
+    out = resume_bench.run(cfg)
+    assert out["config"]["line"].startswith("packet")
+    assert out["verified"] and out["resumed"]
+    cut = next(r for r in out["runs"] if r["cut"])
+    assert cut["held_at_resume_bytes"] > 0 and cut["blocks_resent"] > 0
+    # Headers (~4 %) and what was in flight at the cut, never the transfer twice.
+    assert 1.0 < out["uncut_wire_bytes_over_payload"] < out["wire_bytes_over_payload"] < 1.5

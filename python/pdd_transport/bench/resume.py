@@ -15,6 +15,10 @@ the receiver says what landed (KV_HELD), and only the rest crosses again.
 for the cut transfer (control lanes, HELLOs and frame headers included) over its
 payload; ``uncut_wire_bytes_over_payload`` the same for the uncut one. Every
 destination byte is compared with its source after each transfer (``verified``).
+
+With ``--packet`` (root): through the packet-level line instead
+(:mod:`pdd_transport.bench.resume_packet`: the cut is a kernel abort of every
+connection, whose RSTs cross the emulated line).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class ResumeConfig:
     repeat: int = 1
     seed: int = 0
     timeout_s: float = 120.0
+    packet: bool = False
 
     def check(self) -> None:
         if not 0.0 < self.cut_at < 1.0:
@@ -130,6 +135,10 @@ def _transfer(
 def run(cfg: ResumeConfig, progress: Any = None) -> dict[str, Any]:
     """Run the benchmark; its JSON result."""
     cfg.check()
+    if cfg.packet:
+        from pdd_transport.bench.resume_packet import run_packet
+
+        return run_packet(cfg, progress)
     page = cfg.page_kib * 1024
     pages = cfg.mib * MiB // (cfg.layers * page)
     src = np.random.default_rng(cfg.seed).integers(0, 256, (cfg.layers, pages, page), dtype=np.uint8)
@@ -167,6 +176,11 @@ def run(cfg: ResumeConfig, progress: Any = None) -> dict[str, Any]:
                 tx.close()
     finally:
         rx.close()
+    return report(cfg, runs, "wanem (user-space TCP proxy; the cut: reset_all)")
+
+
+def report(cfg: ResumeConfig, runs: list[dict[str, Any]], line: str) -> dict[str, Any]:
+    """The JSON result of ``runs`` (each a transfer's figures) on ``line``."""
     cut_runs = [x for x in runs if x["cut"]]
     uncut_runs = [x for x in runs if not x["cut"]]
     return {
@@ -180,7 +194,7 @@ def run(cfg: ResumeConfig, progress: Any = None) -> dict[str, Any]:
             "rate_gbit": cfg.rate_gbit,
             "cut_at": cfg.cut_at,
             "repeat": cfg.repeat,
-            "line": "wanem (user-space TCP proxy; the cut: reset_all)",
+            "line": line,
             "data": "random",
             "compress": "off",
         },
@@ -189,6 +203,13 @@ def run(cfg: ResumeConfig, progress: Any = None) -> dict[str, Any]:
         "resumed": all(x["resumed"] == 1 for x in cut_runs),
         "wire_bytes_over_payload": max(x["wire_bytes_over_payload"] for x in cut_runs),
         "uncut_wire_bytes_over_payload": max(x["wire_bytes_over_payload"] for x in uncut_runs),
+        # What the cut itself cost on the line: the cut transfers' wire bytes over the
+        # uncut ones' (medians), which takes the line's own overheads out.
+        "cut_wire_over_uncut_wire": round(
+            statistics.median(x["wire_bytes"] for x in cut_runs)
+            / statistics.median(x["wire_bytes"] for x in uncut_runs),
+            4,
+        ),
         "seconds_cut_over_uncut": round(
             statistics.median(x["seconds"] for x in cut_runs) / statistics.median(x["seconds"] for x in uncut_runs), 3
         ),
@@ -208,6 +229,7 @@ def run_args(args: Any, progress: Any = None) -> dict[str, Any]:
         repeat=args.repeat,
         seed=args.seed,
         timeout_s=args.timeout,
+        packet=args.packet,
     )
     return run(cfg, progress)
 
@@ -238,4 +260,5 @@ def add_parser(bench_sub: Any, progress: Any = None) -> None:
         ("--timeout", d.timeout_s, "bound per transfer, s"),
     ):
         b.add_argument(flag, type=float, default=fdefault, help=f"{helptext} (default %(default)s)")
+    b.add_argument("--packet", action="store_true", help="through the packet-level line (root; docs/wanem.md)")
     b.set_defaults(run=lambda args: run_args(args, progress))
