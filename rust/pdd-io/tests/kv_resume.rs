@@ -214,3 +214,38 @@ async fn a_session_not_resumed_within_the_window_fails_on_both_ends() {
     }))
     .await;
 }
+
+/// One data lane reset mid-transfer (the control lane and the other lane stay up):
+/// without a stall to revoke it for, the sender ends the connection after the
+/// receiver's grace, suspends the transfer and resumes the session; it completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_data_lane_reset_mid_transfer_resumes_too() {
+    let s = setup(Some(Duration::from_secs(10)), Some(Duration::from_secs(10))).await;
+    let pages: Vec<u32> = (0..PAGES).collect();
+    let inbound = s.rx.grant(1, &pages, None, Some(77), None).unwrap();
+    let out = bounded(s.tx.wait_grant(1)).await.unwrap();
+    let sending = async {
+        send_all(&out).await.unwrap();
+    };
+    let cut = async {
+        until_received(&s.rx, payload() / 3).await;
+        // Connections in accept order: the control lane, then data lanes 1 and 2.
+        let conns = s.wan.connections();
+        assert_eq!(conns.len(), 3, "{conns:?}");
+        assert!(s.wan.reset_connection(conns[2]));
+    };
+    bounded(async { tokio::join!(sending, cut) }).await;
+    let got = bounded(inbound.wait())
+        .await
+        .expect("completes after the resume");
+    assert_eq!(got, payload());
+    assert_eq!(bounded(out.wait()).await.unwrap(), payload());
+    assert!(same_bytes(&s.src, &s.dst), "a page landed wrong");
+    assert_eq!(
+        s.rx.metrics()
+            .sessions_resumed_total
+            .load(Ordering::Relaxed),
+        1
+    );
+    assert_eq!(s.rx.metrics().pool_pages_held.load(Ordering::Relaxed), 0);
+}
