@@ -154,3 +154,29 @@ def test_bench_resume_through_the_packet_level_line() -> None:
     assert cut["held_at_resume_bytes"] > 0 and cut["blocks_resent"] > 0
     # Headers (~4 %) and what was in flight at the cut, never the transfer twice.
     assert 1.0 < out["uncut_wire_bytes_over_payload"] < out["wire_bytes_over_payload"] < 1.5
+
+
+def test_the_connector_setting_reaches_both_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdd_transport import connector_config
+    from pdd_transport.connector_config import Settings
+    from pdd_transport.errors import InvalidArgument
+
+    assert Settings.from_config({}).wan_options()["resume_window_s"] == 10.0
+    assert Settings.from_config({"pdd_resume_window_s": 2.5}).resume_window_s == 2.5
+    assert Settings.from_config({"pdd_resume_window_s": 0}).wan_options()["resume_window_s"] is None
+    for bad in (-1, "soon", float("nan"), float("inf")):
+        with pytest.raises(InvalidArgument, match="pdd_resume_window_s"):
+            Settings.from_config({"pdd_resume_window_s": bad})
+    # The decode side's receiver is built with it.
+    seen: list[object] = []
+    real = connector_config._native.KvReceiver
+
+    def recording(*args: object, **kwargs: object) -> object:
+        seen.append(kwargs.get("resume_window_s", "absent"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(connector_config._native, "KvReceiver", recording)
+    pool = kv.pool_from_buffers(np.zeros((1, 4, 64), np.uint8), 64, num_layers=1)
+    for window in (None, 1.0):
+        Settings(resume_window_s=window).decode_side(pool).close()
+    assert seen == [None, 1.0]

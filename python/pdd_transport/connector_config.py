@@ -144,6 +144,10 @@ class Settings:
     #: KV compression on the WAN data lanes (``pdd_compress``): ``"auto"`` (compress
     #: where the sender's measurements say it pays), ``"on"`` or ``"off"``.
     compress: str = "auto"
+    #: Transfer resume on the WAN path (``pdd_resume_window_s``): how long a session
+    #: whose connections dropped keeps its transfers for a resume, both sides; None
+    #: (the key set to 0): not offered.
+    resume_window_s: float | None = 10.0
 
     @classmethod
     def from_config(cls, extra: Mapping[str, Any]) -> Settings:
@@ -172,12 +176,17 @@ class Settings:
         compress = get("compress", str, d.compress)
         if compress not in ("auto", "on", "off"):
             raise InvalidArgument(f"pdd_compress={compress!r}: expected 'auto', 'on' or 'off'", "invalid_argument")
+        resume_window_s = get("resume_window_s", float, d.resume_window_s)
+        if resume_window_s is not None and not (resume_window_s >= 0 and resume_window_s != float("inf")):
+            raise InvalidArgument(f"pdd_resume_window_s={resume_window_s!r}: expected seconds >= 0 (0: off)",
+                                  "invalid_argument")
         allowed = list_option(extra, "allowed_decoders")
         if allowed is not None:
             AllowedDestinations(allowed)  # a malformed entry fails here, naming itself
         return cls(
             path=path,
             compress=compress,
+            resume_window_s=resume_window_s or None,
             listen=get("listen", str, d.listen),
             node_id=get("node_id", int, None),
             lanes=get("lanes", int, d.lanes),
@@ -219,7 +228,8 @@ class Settings:
         else:
             receiver = _native.KvReceiver(pool, self.listen, secret=self.secret, insecure=self.insecure,
                                           tls=self.receiver_tls(), heartbeat_s=self.heartbeat_s,
-                                          dead_after_s=self.dead_after_s, layout=blob)
+                                          dead_after_s=self.dead_after_s, layout=blob,
+                                          resume_window_s=self.resume_window_s)
         host, port = receiver.address
         publish_address(f"{LOCAL_SCHEME if self.path == 'local' else ''}{host}:{port}")
         return Puller(receiver, grant_timeout_s=self.grant_timeout_s, deadline_s=self.deadline_s, owns_receiver=True,
@@ -269,7 +279,8 @@ class Settings:
     def wan_options(self) -> dict[str, Any]:
         """What each WAN :class:`~pdd_transport.kv.KvSender` of a :class:`Pusher` gets."""
         return {"lanes": self.lanes, "node_id": self.node_id, "secret": self.secret,
-                "heartbeat_s": self.heartbeat_s, "dead_after_s": self.dead_after_s, "compress": self.compress}
+                "heartbeat_s": self.heartbeat_s, "dead_after_s": self.dead_after_s, "compress": self.compress,
+                "resume_window_s": self.resume_window_s}
 
     def local_options(self) -> dict[str, Any]:
         """What each :class:`~pdd_transport.local.LocalSender` of a :class:`Pusher` gets."""
