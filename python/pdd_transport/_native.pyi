@@ -286,11 +286,11 @@ class KvReceiver:
         prefix_cache: RadixCache | None = None,
         sealed_lanes: bool = True,
         layout: bytes | None = None,
-        resume_window_s: float | None = 10.0,
+        resume_window_s: float | None = ...,
     ) -> KvReceiver:
-        """``resume_window_s``: transfer resume (capability ``kv_resume``): a
-        session whose connections drop keeps its transfers, and their pages, this
-        long for its sender to resume it; then only what had not landed crosses
+        """``resume_window_s`` (default 10.0): transfer resume (capability
+        ``kv_resume``): a session whose connections drop keeps its transfers, and
+        their pages, this long for its sender to resume it; then only what had not landed crosses
         again. ``None``: not offered (a lost session fails its transfers at once)."""
     @property
     def address(self) -> tuple[str, int]: ...
@@ -372,7 +372,7 @@ class KvSender:
         unsent_limit: int = 1048576,
         compress: str = "auto",
         layout: bytes | None = None,
-        resume_window_s: float | None = 10.0,
+        resume_window_s: float | None = ...,
     ) -> KvSender:
         """``lane_stall_s``: a data lane whose bytes stop being acknowledged this
         long is revoked and its blocks move to the other lanes (default: 2 s, or half
@@ -384,8 +384,8 @@ class KvSender:
         ``compress``: KV compression on the data lanes (capability ``kv_compress``):
         ``"auto"`` where the sender's measurements say it pays, ``"on"`` every block,
         ``"off"`` never.
-        ``resume_window_s``: transfer resume (capability ``kv_resume``): when the
-        session's connections drop mid-transfer, its transfers wait this long while
+        ``resume_window_s`` (default 10.0): transfer resume (capability
+        ``kv_resume``): when the session's connections drop mid-transfer, its transfers wait this long while
         the sender reconnects and resumes the session, then go on from the pages the
         receiver holds (only the rest is sent again). ``None``: not offered."""
     @property
