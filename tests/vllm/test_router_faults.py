@@ -126,40 +126,68 @@ def test_handoff_link_reset_mid_handoff_resumes_and_the_stream_stays_whole(clust
         assert wait_usage_zero(engine, 20.0) == 0.0, engine.name
 
 
-def test_kv_wan_reset_while_md_loads_md_recomputes_and_the_handoff_goes_on(cluster: vllm_pd.PdCluster) -> None:
-    """The other WAN line, P's KV to MD, reset while MD's load waits for its pages: MD's
-    transfer fails, MD computes the prompt itself (``kv_load_failure_policy:
-    recompute``), its load answers and the handoff goes on; RLD streams throughout."""
+def _kv_wan_fault_while_md_loads(cluster: vllm_pd.PdCluster, seed: int, down_s: float) -> tuple[dict, float, int, int]:
+    """P's KV to MD held on the WAN while MD's load waits for its pages, then every
+    connection of that line reset, the line kept down (nothing passes, reconnects
+    hang) for ``down_s``, then let back. The answer's info, the seconds it took, and
+    how many loads MD finished and failed meanwhile."""
     assert cluster.wan is not None and cluster.relay is not None
     tokens = 300
-    prompt = prompt_ids(700, 831)
+    prompt = prompt_ids(700, seed)
     want = cluster.plain_complete(prompt, tokens)["choices"][0]["token_ids"]
-    failed_before = cluster.decode.log_path.read_text(errors="replace").count(" d_failed ")
+    log = cluster.decode.log_path
+    loaded_before, failed_before = (log.read_text(errors="replace").count(f" {w} ") for w in ("d_loaded", "d_failed"))
     r = relay_router(cluster)
     try:
         cluster.wan.stall(30.0, direction="client_to_upstream")  # P's pages to MD wait...
         t0 = time.monotonic()
         client = StreamClient(r.url, body(prompt, tokens))
         client.wait_tokens(20)
+        if down_s > 0:
+            cluster.wan.blackhole(True)
         cluster.wan.reset_all()  # ...and are dropped with the connection
         # The resets land on the proxy's tasks asynchronously: lifting the stall at once
         # once let the held pages out first (MD loaded them whole: the fault missed).
-        time.sleep(1.0)
+        time.sleep(max(1.0, down_s))
+        cluster.wan.blackhole(False)
         cluster.wan.stall(0.0)
         info = client.finish()
         took = time.monotonic() - t0
     finally:
+        cluster.wan.blackhole(False)
         cluster.wan.stall(0.0)
         r.close()
     assert client.tokens == want, info
-    assert took < 60, took
-    # MD's transfer failed (the reset reached it) and MD answered its load anyway.
-    assert cluster.decode.log_path.read_text(errors="replace").count(" d_failed ") == failed_before + 1
     assert info["prefill_error"] is None and not info["notes"], info
     n = info["tokens_decoded"]["rld"]
     assert n >= 20 and info["decoded_by_runs"] in ([["rld", tokens]], [["rld", n], ["md", tokens - n]]), info
     for engine in (cluster.prefill, cluster.decode, cluster.relay):
         assert wait_usage_zero(engine, 20.0) == 0.0, engine.name
+    text = log.read_text(errors="replace")
+    return info, took, text.count(" d_loaded ") - loaded_before, text.count(" d_failed ") - failed_before
+
+
+def test_kv_wan_reset_while_md_loads_the_transfer_resumes_and_the_handoff_goes_on(
+    cluster: vllm_pd.PdCluster,
+) -> None:
+    """The other WAN line, P's KV to MD, reset while MD's load waits for its pages: P's
+    sender resumes the session (``kv_resume``, on by default), MD's receiver says what
+    landed, the rest crosses, and MD loads the KV without computing the prompt; RLD
+    streams throughout and the handoff goes on."""
+    info, took, loaded, failed = _kv_wan_fault_while_md_loads(cluster, 831, 0.0)
+    assert took < 60, took
+    assert (loaded, failed) == (1, 0), info
+
+
+def test_kv_wan_down_past_the_resume_window_md_recomputes_and_the_handoff_goes_on(
+    cluster: vllm_pd.PdCluster,
+) -> None:
+    """The same line reset and kept down past the resume window (10 s): MD's transfer
+    fails, MD computes the prompt itself (``kv_load_failure_policy: recompute``), its
+    load answers and the handoff goes on; RLD streams throughout."""
+    info, took, loaded, failed = _kv_wan_fault_while_md_loads(cluster, 832, 12.0)
+    assert took < 60, took
+    assert failed == 1, info
 
 
 def test_md_killed_after_one_handoff_and_before_another_rld_finishes_both(cluster: vllm_pd.PdCluster) -> None:
