@@ -477,3 +477,23 @@ fn a_restarted_peer_opens_a_new_session_over_a_suspended_one_whose_transfers_fai
         "the new session is live"
     );
 }
+
+#[test]
+fn only_a_session_with_transfers_waits_and_a_waiting_one_is_not_a_connected_peer() {
+    let mut rx = receiver();
+    let idle = open(&mut rx, 1, RESUMING, ms(0));
+    let busy = open(&mut rx, 2, RESUMING, ms(0));
+    rx.grant(2, 70, &[3, 4], 1, None, ms(1), || 77).unwrap();
+    let lost = || Error::ConnectionLost {
+        detail: "reset".into(),
+    };
+    // Nothing to resume: it ends, as without the capability.
+    rx.control_lost(idle, lost(), ms(10));
+    assert!(!rx.is_suspended(idle));
+    assert!(!rx.sessions().contains(&idle));
+    // A transfer to resume: it waits, still a session, no longer a connected peer.
+    rx.control_lost(busy, lost(), ms(10));
+    assert!(rx.is_suspended(busy));
+    assert_eq!(rx.sessions(), vec![busy]);
+    assert!(rx.connected_sessions().is_empty());
+}

@@ -637,7 +637,8 @@ fn the_peer(m: &ReceiverEndpoint, peer: Option<u64>) -> Result<u64, Error> {
     if let Some(p) = peer {
         return Ok(p);
     }
-    let live = m.sessions();
+    // A session suspended for a resume (its peer away) is not a peer to name.
+    let live = m.connected_sessions();
     match live[..] {
         [one] => Ok(one.id),
         [] => Err(Error::ConnectionLost {
@@ -677,6 +678,7 @@ fn flush(shared: &Shared, m: &mut ReceiverEndpoint) -> Vec<(SessionHandle, Prefi
             core_session::ReceiverEvent::SessionSuspended { session, .. } => {
                 Metrics::add(&shared.metrics.sessions_suspended_total, 1);
                 instance_closed(shared, session);
+                shared.sessions_changed.send_modify(|n| *n += 1);
             }
             core_session::ReceiverEvent::SessionResumed { transfers, .. } => {
                 Metrics::add(&shared.metrics.sessions_resumed_total, 1);
