@@ -244,15 +244,19 @@ async fn a_revoked_lanes_compressed_blocks_are_resent_and_land() {
     verify(&rx, &src_pool, 1);
     assert_eq!(metric(tx.metrics(), "lanes_revoked_total"), 1);
     assert!(metric(tx.metrics(), "blocks_resent_total") > 0);
-    // Every block went compressed, the resent ones included. A resent block whose
-    // pages had landed already (a duplicate) may still be in its writer when the
-    // transfer completes: its count comes a write later.
+    // Every block went compressed, the resent ones included: each block was built
+    // (and counted) as KV_PAGES_Z at least once, every copy written was compressed,
+    // and no more copies were built than the blocks and their resends (a first copy
+    // queued on the stalled lane may never have been built; one built may never have
+    // been written: the count is taken when the frame is built).
     let blocks = u64::from(LAYERS) * u64::from(PAGES) / 2;
-    bounded(bounds::until(|| {
-        metric(tx.metrics(), "blocks_compressed_total")
-            == blocks + metric(tx.metrics(), "blocks_resent_total")
-    }))
-    .await;
+    let compressed = metric(tx.metrics(), "blocks_compressed_total");
+    let resent = metric(tx.metrics(), "blocks_resent_total");
+    assert!(
+        (blocks..=blocks + resent).contains(&compressed),
+        "{compressed} compressed for {blocks} blocks and {resent} resent"
+    );
+    assert!(metric(tx.metrics(), "blocks_sent_total") <= compressed);
     assert_eq!(metric(tx.metrics(), "sessions_lost_total"), 0);
     wan.stall_connection(STALLED, Direction::ClientToUpstream, Duration::ZERO);
 }
