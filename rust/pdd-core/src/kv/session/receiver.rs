@@ -306,14 +306,6 @@ impl ReceiverEndpoint {
         v
     }
 
-    /// The live instances that are connected: [`sessions`](Self::sessions) less
-    /// those suspended for a resume (`kv_resume`), whose peer is away.
-    pub fn connected_sessions(&self) -> Vec<SessionHandle> {
-        let mut v = self.sessions();
-        v.retain(|h| !self.is_suspended(*h));
-        v
-    }
-
     /// The capabilities a live instance negotiated.
     pub fn capabilities(&self, session: SessionHandle) -> Option<u64> {
         self.sessions
@@ -738,24 +730,6 @@ impl ReceiverEndpoint {
     /// ABORT saying why is queued before the end). Its transfers fail with `error`.
     pub fn close_session(&mut self, session: SessionHandle, error: Error, tell_peer: bool) {
         self.end_session(session, error, tell_peer, false);
-    }
-
-    /// `session`'s control lane was lost (`error`, a lost connection): where both
-    /// sides offered `kv_resume` and it has transfers in progress the session is
-    /// suspended (its lanes close, its transfers wait for a resume within the resume
-    /// window); otherwise it ends as
-    /// [`close_session`](Self::close_session) ends it.
-    pub fn control_lost(&mut self, session: SessionHandle, error: Error, now: Timestamp) {
-        self.last_now = self.last_now.max(now);
-        // Only a session with transfers to resume waits for its peer: one without
-        // ends at once, as without the capability (a peer that went away for good,
-        // a restarted one, does not linger as connected).
-        let waiting = !self.transfers_of(session).is_empty();
-        if waiting && self.resumable(session) && matches!(error, Error::ConnectionLost { .. }) {
-            self.suspend(session, error, now);
-        } else {
-            self.end_session(session, error, false, false);
-        }
     }
 
     /// The receiver closes: every session is told (ABORT `shutdown`) and ends, every

@@ -14,6 +14,32 @@ use crate::wire::{KvHeld, MIN_MAX_PAYLOAD};
 const MAX_HELD_BITMAP: usize = MIN_MAX_PAYLOAD as usize - 64;
 
 impl ReceiverEndpoint {
+    /// The live instances that are connected: [`sessions`](Self::sessions) less
+    /// those suspended for a resume (`kv_resume`), whose peer is away.
+    pub fn connected_sessions(&self) -> Vec<SessionHandle> {
+        let mut v = self.sessions();
+        v.retain(|h| !self.is_suspended(*h));
+        v
+    }
+
+    /// `session`'s control lane was lost (`error`, a lost connection): where both
+    /// sides offered `kv_resume` and it has transfers in progress the session is
+    /// suspended (its lanes close, its transfers wait for a resume within the resume
+    /// window); otherwise it ends as
+    /// [`close_session`](Self::close_session) ends it.
+    pub fn control_lost(&mut self, session: SessionHandle, error: Error, now: Timestamp) {
+        self.last_now = self.last_now.max(now);
+        // Only a session with transfers to resume waits for its peer: one without
+        // ends at once, as without the capability (a peer that went away for good,
+        // a restarted one, does not linger as connected).
+        let waiting = !self.transfers_of(session).is_empty();
+        if waiting && self.resumable(session) && matches!(error, Error::ConnectionLost { .. }) {
+            self.suspend(session, error, now);
+        } else {
+            self.end_session(session, error, false, false);
+        }
+    }
+
     /// Whether `session` is a live instance whose peer and we both offered
     /// `kv_resume` (never on the local path).
     pub(super) fn resumable(&self, session: SessionHandle) -> bool {
