@@ -297,6 +297,27 @@ fn bytes_field(f: &mut Fields<'_, '_>, name: &'static str) -> PyResult<Bytes> {
     Ok(Bytes::copy_from_slice(&b))
 }
 
+/// A grant's six fields (KV_GRANT's, and KV_HELD's first ones).
+fn grant_from(f: &mut Fields<'_, '_>) -> PyResult<KvGrant> {
+    Ok(KvGrant {
+        transfer_id: get!(f, "transfer_id"),
+        request_id: get!(f, "request_id"),
+        layer_count: get!(f, "layer_count"),
+        page_count: get!(f, "page_count"),
+        page_bytes: get!(f, "page_bytes"),
+        deadline_ms: get!(f, "deadline_ms"),
+    })
+}
+
+fn grant_into(d: &Bound<'_, PyDict>, g: &KvGrant) -> PyResult<()> {
+    d.set_item("transfer_id", g.transfer_id)?;
+    d.set_item("request_id", g.request_id)?;
+    d.set_item("layer_count", g.layer_count)?;
+    d.set_item("page_count", g.page_count)?;
+    d.set_item("page_bytes", g.page_bytes)?;
+    d.set_item("deadline_ms", g.deadline_ms)
+}
+
 fn frame_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Frame> {
     let kind_name: String = d
         .get_item("kind")?
@@ -327,14 +348,7 @@ fn frame_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Frame> {
                 resume: get!(f, "resume"),
             })
         }
-        FrameKind::KvGrant => Frame::KvGrant(KvGrant {
-            transfer_id: get!(f, "transfer_id"),
-            request_id: get!(f, "request_id"),
-            layer_count: get!(f, "layer_count"),
-            page_count: get!(f, "page_count"),
-            page_bytes: get!(f, "page_bytes"),
-            deadline_ms: get!(f, "deadline_ms"),
-        }),
+        FrameKind::KvGrant => Frame::KvGrant(grant_from(&mut f)?),
         FrameKind::KvPages => Frame::KvPages(KvPages {
             transfer_id: get!(f, "transfer_id"),
             layer_start: get!(f, "layer_start"),
@@ -380,14 +394,7 @@ fn frame_from_dict(d: &Bound<'_, PyDict>) -> PyResult<Frame> {
             layout: bytes_field(&mut f, "layout")?,
         }),
         FrameKind::KvHeld => Frame::KvHeld(KvHeld {
-            grant: KvGrant {
-                transfer_id: get!(f, "transfer_id"),
-                request_id: get!(f, "request_id"),
-                layer_count: get!(f, "layer_count"),
-                page_count: get!(f, "page_count"),
-                page_bytes: get!(f, "page_bytes"),
-                deadline_ms: get!(f, "deadline_ms"),
-            },
+            grant: grant_from(&mut f)?,
             done_seen: get!(f, "done_seen"),
             landed: bytes_field(&mut f, "landed")?,
         }),
@@ -599,14 +606,7 @@ fn frame_to_dict<'py>(py: Python<'py>, frame: &Frame) -> PyResult<Bound<'py, PyD
             d.set_item("auth", PyBytes::new(py, &h.auth))?;
             d.set_item("resume", h.resume)?;
         }
-        Frame::KvGrant(g) => {
-            d.set_item("transfer_id", g.transfer_id)?;
-            d.set_item("request_id", g.request_id)?;
-            d.set_item("layer_count", g.layer_count)?;
-            d.set_item("page_count", g.page_count)?;
-            d.set_item("page_bytes", g.page_bytes)?;
-            d.set_item("deadline_ms", g.deadline_ms)?;
-        }
+        Frame::KvGrant(g) => grant_into(&d, g)?,
         Frame::KvPages(p) => {
             d.set_item("transfer_id", p.transfer_id)?;
             d.set_item("layer_start", p.layer_start)?;
@@ -741,13 +741,7 @@ fn frame_to_dict<'py>(py: Python<'py>, frame: &Frame) -> PyResult<Bound<'py, PyD
             d.set_item("layout", PyBytes::new(py, &l.layout))?;
         }
         Frame::KvHeld(h) => {
-            let g = &h.grant;
-            d.set_item("transfer_id", g.transfer_id)?;
-            d.set_item("request_id", g.request_id)?;
-            d.set_item("layer_count", g.layer_count)?;
-            d.set_item("page_count", g.page_count)?;
-            d.set_item("page_bytes", g.page_bytes)?;
-            d.set_item("deadline_ms", g.deadline_ms)?;
+            grant_into(&d, &h.grant)?;
             d.set_item("done_seen", h.done_seen)?;
             d.set_item("landed", PyBytes::new(py, &h.landed))?;
         }

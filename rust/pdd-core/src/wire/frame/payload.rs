@@ -39,14 +39,7 @@ impl Frame {
                 out.put_u16_le(h.auth.len() as u16);
                 out.put_slice(&h.auth);
             }
-            Frame::KvGrant(g) => {
-                out.put_u64_le(g.transfer_id);
-                out.put_u64_le(g.request_id);
-                out.put_u16_le(g.layer_count);
-                out.put_u32_le(g.page_count);
-                out.put_u32_le(g.page_bytes);
-                out.put_u32_le(g.deadline_ms);
-            }
+            Frame::KvGrant(g) => put_grant(out, g),
             Frame::KvPages(p) => {
                 out.put_slice(&crate::kv::KvBlock::of(p).to_fixed());
                 out.put_slice(&p.data);
@@ -131,13 +124,8 @@ impl Frame {
                 out.put_slice(&a.proof);
             }
             Frame::KvHeld(h) => {
-                let g = &h.grant;
-                out.put_u64_le(g.transfer_id);
-                out.put_u64_le(g.request_id);
-                out.put_u16_le(g.layer_count);
-                out.put_u32_le(g.page_count);
-                out.put_u32_le(g.page_bytes);
-                out.put_u32_le(g.deadline_ms);
+                // KV_GRANT's fields first, as the grant was sent.
+                put_grant(out, &h.grant);
                 out.put_u8(u8::from(h.done_seen));
                 out.put_u32_le(len_u32(h.landed.len(), "landed")?);
                 out.put_slice(&h.landed);
@@ -235,14 +223,7 @@ impl Frame {
                 })
             }
             FrameKind::KvGrant => {
-                let g = KvGrant {
-                    transfer_id: r.u64("transfer_id")?,
-                    request_id: r.u64("request_id")?,
-                    layer_count: r.u16("layer_count")?,
-                    page_count: r.u32("page_count")?,
-                    page_bytes: r.u32("page_bytes")?,
-                    deadline_ms: r.u32("deadline_ms")?,
-                };
+                let g = read_grant(&mut r)?;
                 // page_count may be 0 (an empty grant, capability EMPTY_GRANT).
                 for (field, v) in [
                     ("layer_count", u32::from(g.layer_count)),
@@ -428,19 +409,12 @@ impl Frame {
                 Frame::Auth(a)
             }
             FrameKind::KvHeld => {
-                let grant = KvGrant {
-                    transfer_id: r.u64("transfer_id")?,
-                    request_id: r.u64("request_id")?,
-                    layer_count: r.u16("layer_count")?,
-                    page_count: r.u32("page_count")?,
-                    page_bytes: r.u32("page_bytes")?,
-                    deadline_ms: r.u32("deadline_ms")?,
-                };
-                let done_seen = match r.u8("held_flags")? {
+                let grant = read_grant(&mut r)?;
+                let done_seen = match r.u8("done_seen")? {
                     0 => false,
                     1 => true,
                     other => {
-                        return Err(r.invalid("held_flags", format!("unknown bits {other:#x}")))
+                        return Err(r.invalid("done_seen", format!("{other} is neither 0 nor 1")))
                     }
                 };
                 // The length is checked against the grant before a byte is taken.
@@ -617,6 +591,27 @@ impl Frame {
 
 fn len_u32(n: usize, what: &str) -> Result<u32> {
     u32::try_from(n).map_err(|_| Error::InvalidArgument(format!("too many {what}: {n}")))
+}
+
+/// A grant's six fields, in KV_GRANT's order (KV_HELD repeats them).
+fn put_grant(out: &mut impl BufMut, g: &KvGrant) {
+    out.put_u64_le(g.transfer_id);
+    out.put_u64_le(g.request_id);
+    out.put_u16_le(g.layer_count);
+    out.put_u32_le(g.page_count);
+    out.put_u32_le(g.page_bytes);
+    out.put_u32_le(g.deadline_ms);
+}
+
+fn read_grant(r: &mut PayloadReader) -> Result<KvGrant> {
+    Ok(KvGrant {
+        transfer_id: r.u64("transfer_id")?,
+        request_id: r.u64("request_id")?,
+        layer_count: r.u16("layer_count")?,
+        page_count: r.u32("page_count")?,
+        page_bytes: r.u32("page_bytes")?,
+        deadline_ms: r.u32("deadline_ms")?,
+    })
 }
 
 fn put_hashes(out: &mut impl BufMut, hashes: &[u64]) -> Result<()> {
