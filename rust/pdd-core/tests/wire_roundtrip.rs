@@ -193,3 +193,64 @@ fn lane_failover_frames_and_the_resent_flag() {
         "invalid_field"
     );
 }
+
+#[test]
+fn kv_held_refuses_a_bitmap_that_does_not_fit_its_grant() {
+    use pdd_core::wire::{KvGrant, KvHeld};
+    let grant = KvGrant {
+        transfer_id: 9,
+        request_id: 3,
+        layer_count: 3,
+        page_count: 5,
+        page_bytes: 64,
+        deadline_ms: 0,
+    };
+    let held = |landed: &'static [u8], done_seen: bool| {
+        Frame::KvHeld(KvHeld {
+            grant: grant.clone(),
+            done_seen,
+            landed: bytes::Bytes::from_static(landed),
+        })
+    };
+    // 3 x 5 pages: 15 bits in 2 bytes, bit 15 clear.
+    let good = held(&[0xff, 0x7f], true);
+    assert_eq!(decode_frame(&encode(&good), MAX).unwrap().unwrap().0, good);
+    // Refused before a byte goes out: a bitmap of another length, a bit past the
+    // grant's pages, an end marker that carries anything.
+    for bad in [
+        held(&[0xff], false),
+        held(&[0xff, 0x7f, 0], false),
+        held(&[0xff, 0xff], false),
+    ] {
+        let e = encode_frame_to_vec(&bad, MAX).unwrap_err();
+        assert_eq!(e.reason(), "invalid_argument", "{bad:?}");
+    }
+    let mut end = KvHeld::end();
+    end.done_seen = true;
+    assert_eq!(
+        encode_frame_to_vec(&Frame::KvHeld(end), MAX)
+            .unwrap_err()
+            .reason(),
+        "invalid_argument"
+    );
+    // On the wire: done_seen other than 0/1, and a landed_len that does not match the
+    // grant, are refused by the decoder (CRC made right).
+    let recrc = |b: &mut Vec<u8>| {
+        let mut head = [0u8; HEADER_LEN];
+        head.copy_from_slice(&b[..HEADER_LEN]);
+        let header = FrameHeader::parse(&head, MAX).unwrap();
+        let crc = header.compute_crc([&b[HEADER_LEN..]]);
+        b[12..16].copy_from_slice(&crc.to_le_bytes());
+    };
+    let mut two = encode(&good);
+    two[HEADER_LEN + 30] = 2;
+    recrc(&mut two);
+    let e = decode_frame(&two, MAX).unwrap_err();
+    assert_eq!(e.reason(), "invalid_field");
+    assert!(e.to_string().contains("done_seen"), "{e}");
+    let mut long = encode(&good);
+    long[HEADER_LEN + 31] = 3;
+    recrc(&mut long);
+    let e = decode_frame(&long, MAX).unwrap_err();
+    assert!(e.to_string().contains("landed_len"), "{e}");
+}
