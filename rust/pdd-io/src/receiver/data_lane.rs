@@ -1,5 +1,7 @@
-//! Data lanes: each KV_PAGES block's header, then its page bytes read straight into
-//! the granted pool pages (vectored reads), checked before the block counts. Where a
+//! Data lanes: each KV_PAGES block's header, then its page bytes landed in the
+//! granted pool pages (plain lanes through a 64 KiB stage, `landing.rs`; sealed lanes
+//! with vectored reads straight into the pages; TLS lanes from rustls's records),
+//! checked before the block counts. Where a
 //! block may go, and what its end (landed, failed, cut off by a revocation) means,
 //! is the session machine's decision (`ReceiverEndpoint::begin_block`,
 //! `finish_block`, `block_cut`); this file moves the bytes, and bounds each read
@@ -21,6 +23,7 @@ use crate::pool::RawPage;
 use crate::sealed::{self, LaneKeys};
 
 use super::compressed::{self, Refused, ZLane};
+use super::landing;
 use super::{lock, with_machine, Shared};
 
 /// Reports a block begun on a data lane exactly once, also when the lane's future
@@ -139,7 +142,8 @@ pub(super) async fn data_lane(
         (stream, None)
     };
     let max_payload = shared.cfg.hello.max_payload;
-    let mut scratch = vec![0u8; 64 << 10];
+    // Drained blocks are read into it; plain lanes stage their blocks in it.
+    let mut scratch = vec![0u8; landing::STAGE_BYTES];
     let mut z = ZLane::new(agreed.capabilities & pdd_core::wire::capability::KV_COMPRESS != 0);
     loop {
         let r = tokio::select! {
@@ -286,25 +290,35 @@ async fn read_block(
                 )
                 .await;
             }
-            let landed = match keys {
-                Some(keys) => read_sealed_pages(stream, keys, &pages, stall, &shared.metrics).await,
-                None => read_into_pages(stream, &pages, stall).await.map_err(lost),
+            // Plain lanes check the CRC32C as the bytes pass through the stage; the
+            // other lane kinds are AEAD-protected (TLS records, sealed lanes).
+            let landed = match (keys, &mut *stream) {
+                (Some(keys), _) => {
+                    read_sealed_pages(stream, keys, &pages, stall, &shared.metrics).await
+                }
+                (None, LaneStream::Plain(tcp)) => {
+                    // SAFETY: every page is in flight for this lane alone until the
+                    // guard finishes the block, after this returns.
+                    unsafe { landing::land_plain(tcp, scratch, &pages, stall, crc).await }
+                        .map(|c| crc = c)
+                        .map_err(lost)
+                }
+                // SAFETY: as above.
+                (None, tls) => unsafe { tls.read_tls_into_pages(&pages, stall) }
+                    .await
+                    .map(|()| {
+                        // TLS with a peer that did not offer AEAD: CRC32C as on plain TCP.
+                        if !aead {
+                            crc = pages_crc(crc, &pages);
+                        }
+                    })
+                    .map_err(lost),
             };
             if let Err(e) = landed {
                 guard.failed(e);
                 return Err(Error::ConnectionLost {
                     detail: "data lane failed mid-block".into(),
                 });
-            }
-            if !aead {
-                for p in &pages {
-                    // SAFETY: the page is in flight for this lane alone (nothing in the
-                    // transport writes it now) and the engine does not write granted
-                    // pages (its documented obligation), so a shared view of the bytes
-                    // that landed is sound for the length of this call.
-                    let landed = unsafe { std::slice::from_raw_parts(p.as_ptr(), p.len()) };
-                    crc = lane::crc32c_append(crc, landed);
-                }
             }
             drop(pages);
             if !aead && crc != header.crc {
@@ -548,8 +562,21 @@ async fn readv_once(
     }
 }
 
+/// `crc` extended over the bytes of `pages` (landed, in flight for this lane alone).
+fn pages_crc(mut crc: u32, pages: &[RawPage]) -> u32 {
+    for p in pages {
+        // SAFETY: the page is in flight for this lane alone (nothing in the transport
+        // writes it now) and the engine does not write granted pages (its documented
+        // obligation), so a shared view of the bytes that landed is sound for the
+        // length of this call.
+        let landed = unsafe { std::slice::from_raw_parts(p.as_ptr(), p.len()) };
+        crc = lane::crc32c_append(crc, landed);
+    }
+    crc
+}
+
 /// One read inside a block, which must bring bytes within `stall`.
-async fn within_stall<T>(
+pub(super) async fn within_stall<T>(
     stall: Duration,
     step: impl std::future::Future<Output = std::io::Result<T>>,
 ) -> std::io::Result<T> {
@@ -603,40 +630,4 @@ impl Iovecs {
             }
         }
     }
-}
-
-/// Fill every page completely. Plain TCP: `readv` straight into the pages through
-/// raw iovecs (no Rust reference to pool memory is formed while it is written). TLS:
-/// copied once from rustls's decrypted records into the pages
-/// ([`LaneStream::read_tls_into_pages`]).
-async fn read_into_pages(
-    stream: &mut LaneStream,
-    pages: &[RawPage],
-    stall: Duration,
-) -> std::io::Result<()> {
-    let stream = match stream {
-        LaneStream::Plain(s) => s,
-        // SAFETY: every page is in flight for this lane alone until the block finishes
-        // (see `read_block`), and the caller awaits this before finishing it.
-        tls => return unsafe { tls.read_tls_into_pages(pages, stall) }.await,
-    };
-    // At most this many iovecs per readv (IOV_MAX is 1024 on Linux).
-    const BATCH: usize = 256;
-    let fd = std::os::fd::AsRawFd::as_raw_fd(stream);
-    for batch in pages.chunks(BATCH) {
-        let mut iov = Iovecs(
-            batch
-                .iter()
-                .map(|p| libc::iovec {
-                    iov_base: p.as_ptr().cast(),
-                    iov_len: p.len(),
-                })
-                .collect(),
-            0,
-        );
-        while !iov.done() {
-            readv_once(stream, fd, &mut iov, stall).await?;
-        }
-    }
-    Ok(())
 }

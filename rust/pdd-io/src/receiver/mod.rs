@@ -43,6 +43,7 @@ use crate::metrics::Metrics;
 use crate::pool::PagePool;
 
 mod data_lane;
+mod landing;
 mod session;
 
 use session::handle_connection;
