@@ -7,10 +7,12 @@
 //! this sender sees it), `codec` the encoder's seconds per page byte and `ratio` the
 //! page bytes per wire byte compression got so far, a compressed byte costs
 //! `codec + pace / ratio` against `pace` sent as it is. Blocks that are sent raw
-//! keep the pace fresh; every `probe` blocks one block's first page is encoded on the
+//! keep the pace fresh; now and then (a gap that doubles while the decision stays,
+//! and soon after the pace moved) part of one block's first page is encoded on the
 //! side (and dropped) to keep `codec` and `ratio` fresh, so a sender that stopped
 //! compressing (random bytes, a fast line) starts again when it would pay, at a cost
-//! of a fraction of a page per `probe` blocks.
+//! of a fraction of a page per probe. `codec` keeps the fastest recent figure: noise
+//! (busy cores, first use) only ever makes an encode slower.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -59,6 +61,16 @@ impl CompressMode {
 /// `PROBE_MOST` (a fast line then pays a 64 KiB encode per 1024 blocks).
 const PROBE_FIRST: u64 = 32;
 const PROBE_MOST: u64 = 1024;
+/// Blocks between two probes at least, when the line's pace slowed by more than
+/// [`PACE_MOVED`] times since the last probe and compressing would pay with a codec
+/// up to [`PLAUSIBLE`] times faster than its figure says (the figure was taken under
+/// other conditions: at a transfer's start the lanes fill their socket buffers at
+/// memory speed, the cores are busy and a probe is slow; once the line paces them, a
+/// new probe finds the codec's real speed). A fast line whose pace jitters is not
+/// probed more for it.
+const PROBE_LEAST: u64 = 4;
+const PACE_MOVED: f64 = 2.0;
+const PLAUSIBLE: f64 = 4.0;
 /// Bytes of a page encoded by a side probe.
 const PROBE_BYTES: usize = 64 << 10;
 /// Weight of a new measurement in the running averages.
@@ -78,12 +90,27 @@ struct Figures {
     /// Blocks sent raw since the last probe, and the gap before the next.
     since_probe: u64,
     probe_gap: u64,
+    /// `pace` when the last probe was planned.
+    pace_at_probe: Option<f64>,
 }
 
 fn ewma(slot: &mut Option<f64>, x: f64) {
     *slot = Some(match *slot {
         None => x,
         Some(v) => v + ALPHA * (x - v),
+    });
+}
+
+/// A running estimate of a time that noise only lengthens (preemption, a cold cache,
+/// the first use of a buffer): a faster measurement is taken at once, a slower one
+/// only in part. The encoder's time per byte is such a time: on this project's host a
+/// lane's first probes took 2-9x as long as the next ones, and averaged in (EWMA),
+/// one such sample kept `auto` from compressing for tens of blocks of a line-bound
+/// transfer, or for all of it.
+fn fastest_recent(slot: &mut Option<f64>, x: f64) {
+    *slot = Some(match *slot {
+        Some(v) if x >= v => v + ALPHA * (x - v),
+        _ => x,
     });
 }
 
@@ -130,6 +157,7 @@ impl Adaptive {
                     return if f.pace.is_none() {
                         Plan::Raw
                     } else {
+                        f.pace_at_probe = f.pace;
                         Plan::RawProbe
                     };
                 };
@@ -140,9 +168,18 @@ impl Adaptive {
                     return Plan::Compress;
                 }
                 f.since_probe += 1;
-                if f.since_probe >= f.probe_gap.max(PROBE_FIRST) {
+                // The share of the raw time compressing would save with a free codec.
+                let gain = 1.0 - MARGIN - 1.0 / ratio;
+                let moved = codec < PLAUSIBLE * pace * gain
+                    && f.pace_at_probe.is_some_and(|p0| pace > p0 * PACE_MOVED);
+                if moved && f.since_probe >= PROBE_LEAST {
+                    f.since_probe = 0;
+                    f.pace_at_probe = Some(pace);
+                    Plan::RawProbe
+                } else if f.since_probe >= f.probe_gap.max(PROBE_FIRST) {
                     f.since_probe = 0;
                     f.probe_gap = (f.probe_gap.max(PROBE_FIRST) * 2).min(PROBE_MOST);
+                    f.pace_at_probe = Some(pace);
                     Plan::RawProbe
                 } else {
                     Plan::Raw
@@ -162,7 +199,7 @@ impl Adaptive {
     pub(crate) fn encoded(&self, raw: u64, stored: u64, took: Duration) {
         if raw > 0 && stored > 0 {
             let mut f = self.lock();
-            ewma(&mut f.codec, took.as_secs_f64() / raw as f64);
+            fastest_recent(&mut f.codec, took.as_secs_f64() / raw as f64);
             ewma(&mut f.ratio, raw as f64 / stored as f64);
         }
     }
@@ -308,6 +345,91 @@ mod tests {
         random.wrote(1 << 20, Duration::from_nanos(32 << 20));
         random.encoded(1 << 20, 1 << 20, Duration::from_nanos(2 << 20));
         assert_ne!(random.plan(), Plan::Compress);
+    }
+
+    /// A slow sample of the codec (a cold first use, a preempted probe) holds
+    /// compression back only until the next faster one; a faster one counts at once,
+    /// a slower one only in part.
+    #[test]
+    fn the_codec_estimate_takes_a_faster_sample_at_once_and_a_slower_one_in_part() {
+        let a = Adaptive::new(CompressMode::Auto);
+        a.plan();
+        a.wrote(1 << 20, Duration::from_nanos(32 << 20)); // 32 ns per byte per lane
+        a.encoded(1 << 16, (1 << 16) * 10 / 14, Duration::from_nanos(30 << 16));
+        assert_ne!(a.plan(), Plan::Compress, "30 ns per byte: not worth it");
+        a.encoded(1 << 16, (1 << 16) * 10 / 14, Duration::from_nanos(3 << 16));
+        assert_eq!(
+            a.plan(),
+            Plan::Compress,
+            "the next probe, warm, is taken at once"
+        );
+        // One slow block (preempted) does not stop it.
+        a.encoded(1 << 20, (1 << 20) * 10 / 14, Duration::from_nanos(30 << 20));
+        assert_eq!(a.plan(), Plan::Compress);
+        // A codec slow for good is followed: 30 ns per byte, block after block.
+        let mut plans = Vec::new();
+        for _ in 0..40 {
+            a.encoded(1 << 20, (1 << 20) * 10 / 14, Duration::from_nanos(30 << 20));
+            plans.push(a.plan());
+        }
+        assert_eq!(plans.last(), Some(&Plan::Raw));
+    }
+
+    /// At a transfer's start the lanes fill their socket buffers fast and the first
+    /// probe is slow; once the line paces the writes, a new probe comes within
+    /// `PROBE_LEAST` blocks (not `PROBE_FIRST`), and compression starts.
+    #[test]
+    fn a_line_that_starts_pacing_the_lanes_is_probed_again_soon() {
+        let a = Adaptive::new(CompressMode::Auto);
+        assert_eq!(a.plan(), Plan::Raw);
+        a.wrote(1 << 20, Duration::from_nanos(1 << 18)); // 0.25 ns per byte: buffers filling
+        assert_eq!(a.plan(), Plan::RawProbe);
+        a.encoded(1 << 16, (1 << 16) * 10 / 14, Duration::from_nanos(14 << 16)); // busy cores
+                                                                                 // The line paces the lanes: 32 ns per byte, and the pace estimate catches up.
+        let mut plans = Vec::new();
+        for _ in 0..12 {
+            a.wrote(1 << 20, Duration::from_nanos(32 << 20));
+            let plan = a.plan();
+            plans.push(plan);
+            if plan == Plan::RawProbe {
+                a.encoded(1 << 16, (1 << 16) * 10 / 14, Duration::from_nanos(3 << 16));
+            }
+        }
+        let probe = plans.iter().position(|p| *p == Plan::RawProbe);
+        assert!(matches!(probe, Some(i) if i < 8), "{plans:?}");
+        assert_eq!(plans.last(), Some(&Plan::Compress), "{plans:?}");
+    }
+
+    /// A fast line (loopback) whose pace jitters 6x either way is probed on the
+    /// doubling schedule only, bf16 or random: a codec 4x faster would not pay there.
+    #[test]
+    fn a_jittery_fast_line_is_not_probed_more() {
+        for ratio_x10 in [14, 10] {
+            let a = Adaptive::new(CompressMode::Auto);
+            assert_eq!(a.plan(), Plan::Raw);
+            a.wrote(1 << 20, Duration::from_nanos(1 << 18));
+            assert_eq!(a.plan(), Plan::RawProbe);
+            a.encoded(
+                1 << 16,
+                (1 << 16) * 10 / ratio_x10,
+                Duration::from_nanos(3 << 16),
+            );
+            let mut probes = Vec::new();
+            for i in 0..500u64 {
+                // 0.25 and 1.5 ns per byte, in runs of 16 blocks.
+                let ns = if (i / 16) % 2 == 0 { 1 << 18 } else { 3 << 19 };
+                a.wrote(1 << 20, Duration::from_nanos(ns));
+                if a.plan() == Plan::RawProbe {
+                    probes.push(i + 1);
+                    a.encoded(
+                        1 << 16,
+                        (1 << 16) * 10 / ratio_x10,
+                        Duration::from_nanos(3 << 16),
+                    );
+                }
+            }
+            assert_eq!(probes, [32, 96, 224, 480], "ratio {ratio_x10}/10");
+        }
     }
 
     #[test]
