@@ -181,3 +181,21 @@ def test_a_compressed_run_reports_its_ratio_and_pairs_the_path_without() -> None
     assert result["verified"] is True
     assert result["compression_ratio"] == 1.0 and result["codec_cpu_s_per_gb"] == 0
     assert "ratio_vs_off" not in result and result["goodput_over_line"] is None
+
+
+def test_data_from_a_file_is_sent_and_a_bad_path_is_a_usage_error(tmp_path: Path) -> None:
+    # --data file:PATH (how the vLLM tiny model's KV is measured): the file's bytes,
+    # repeated, land verified and compress like the bf16 they are.
+    from pdd_transport.bench.kv_data import kv_bytes
+
+    path = tmp_path / "kv.npy"
+    np.save(path, kv_bytes("gaussian", 1 << 20, seed=5), allow_pickle=False)
+    result = run_cli("--bytes", "4M", "--page-bytes", "64K", "--repeat", "1", "--lanes", "2", "--no-baselines",
+                     "--compress", "on", "--data", f"file:{path}")
+    assert result["verified"] is True and result["data"] == f"file:{path}"
+    assert isinstance(result["compression_ratio"], float) and result["compression_ratio"] > 1.2
+    exe = shutil.which("pdd-transport")
+    cmd = [exe] if exe else [sys.executable, "-m", "pdd_transport.cli"]
+    out = subprocess.run([*cmd, "bench", "stream", "--json", "--data", f"file:{tmp_path / 'none.npy'}"],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 2 and "is not a non-empty file" in out.stderr, out.stderr

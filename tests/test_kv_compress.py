@@ -8,10 +8,12 @@ frames; a bad setting is refused naming itself. Speed is the benchmark's busines
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from pdd_transport import kv
-from pdd_transport.bench.kv_data import DATA_KINDS, kv_bytes
+from pdd_transport.bench.kv_data import DATA_KINDS, check_kind, kv_bytes
 from pdd_transport.connector_config import Settings
 from pdd_transport.errors import InvalidArgument
 from pdd_transport.wire import CAPABILITIES
@@ -91,3 +93,26 @@ def test_bench_data_kinds() -> None:
     assert len(np.unique(kv_bytes("random", 1 << 16)[1::2])) > 200
     with pytest.raises(InvalidArgument):
         kv_bytes("zeros", 16)
+
+
+def test_bench_data_from_a_file(tmp_path: Path) -> None:
+    # file:PATH (the vLLM tiny model's KV, scripts/vllm_kv_dump.py): a .npy array's raw
+    # bytes, any other file as it is, repeated to the size asked for.
+    kv = kv_bytes("gaussian", 3000, seed=2).view(np.uint16)
+    np.save(tmp_path / "kv.npy", kv, allow_pickle=False)
+    (tmp_path / "kv.bin").write_bytes(kv.tobytes())
+    for name in ("kv.npy", "kv.bin"):
+        kind = f"file:{tmp_path / name}"
+        assert check_kind(kind) == kind
+        b = kv_bytes(kind, 7000)
+        assert b.dtype == np.uint8 and b.size == 7000
+        assert b[:3000].tobytes() == kv.tobytes() and b[3000:6000].tobytes() == kv.tobytes()
+        assert b[6000:].tobytes() == kv.tobytes()[:1000]
+    # A pickled object array is refused, not loaded.
+    np.save(tmp_path / "obj.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError, match="pickle"):
+        kv_bytes(f"file:{tmp_path / 'obj.npy'}", 16)
+    (tmp_path / "empty.bin").write_bytes(b"")
+    for bad in (f"file:{tmp_path / 'missing.npy'}", f"file:{tmp_path / 'empty.bin'}", "file:", "vllm"):
+        with pytest.raises(InvalidArgument):
+            check_kind(bad)

@@ -6,23 +6,60 @@
   engine's page layout.
 - ``gaussian``: independent N(0, 1) values in bf16.
 - ``random``: uniformly random bytes (nothing a lossless codec can gain on).
+- ``file:PATH``: the bytes of a file, such as the vLLM tiny model's bf16 KV that
+  ``scripts/vllm_kv_dump.py`` writes (a ``.npy`` file is read with ``np.load``,
+  ``allow_pickle=False``, and taken as its array's raw bytes; any other file as it is).
 
-Model KV is computed once (a few MiB) and repeated to the size asked for; a page
+Model KV is computed (or a file read) once (a few MiB) and repeated to the size asked for; a page
 codec sees one page at a time, so the repetition gives it nothing to exploit as
 long as pages are no longer than what was computed.
 """
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from pdd_transport.errors import InvalidArgument
 
-__all__ = ["DATA_KINDS", "kv_bytes"]
+__all__ = ["DATA_KINDS", "FILE_PREFIX", "check_kind", "kv_bytes"]
 
 DATA_KINDS = ("model", "gaussian", "random")
 
+FILE_PREFIX = "file:"
+"""``--data file:PATH``: the bytes of the file at ``PATH``."""
+
 _MODEL_CACHE: dict[int, np.ndarray] = {}
+_FILE_CACHE: dict[str, np.ndarray] = {}
+
+
+def check_kind(kind: str) -> str:
+    """``kind`` if it names bytes :func:`kv_bytes` can make (one of :data:`DATA_KINDS`,
+    or ``file:PATH`` of a readable, non-empty file); else :class:`InvalidArgument`."""
+    if kind in DATA_KINDS:
+        return kind
+    if isinstance(kind, str) and kind.startswith(FILE_PREFIX):
+        path = kind[len(FILE_PREFIX):]
+        if not os.path.isfile(path) or os.path.getsize(path) == 0:
+            raise InvalidArgument(f"data {kind!r}: {path!r} is not a non-empty file", "invalid_argument")
+        return kind
+    raise InvalidArgument(f"data must be one of {', '.join(DATA_KINDS)} or file:PATH, got {kind!r}",
+                          "invalid_argument")
+
+
+def _file_bytes(path: str) -> np.ndarray:
+    """The raw bytes of ``path`` (of its array, for a ``.npy`` file), read once."""
+    if path not in _FILE_CACHE:
+        if path.endswith(".npy"):
+            arr = np.load(path, allow_pickle=False)
+            raw = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
+        else:
+            raw = np.fromfile(path, dtype=np.uint8)
+        if raw.size == 0:
+            raise InvalidArgument(f"data file {path!r} holds no bytes", "invalid_argument")
+        _FILE_CACHE[path] = raw
+    return _FILE_CACHE[path]
 
 
 def _model_kv(seed: int) -> np.ndarray:
@@ -56,9 +93,9 @@ def _model_kv(seed: int) -> np.ndarray:
 
 
 def kv_bytes(kind: str, nbytes: int, seed: int = 0) -> np.ndarray:
-    """``nbytes`` bytes (uint8, contiguous) of ``kind``: ``model``, ``gaussian`` or ``random``."""
-    if kind not in DATA_KINDS:
-        raise InvalidArgument(f"data must be one of {', '.join(DATA_KINDS)}, got {kind!r}", "invalid_argument")
+    """``nbytes`` bytes (uint8, contiguous) of ``kind``: ``model``, ``gaussian``, ``random``
+    or ``file:PATH`` (the file's bytes, repeated to ``nbytes``; ``seed`` does not apply)."""
+    check_kind(kind)
     if not isinstance(nbytes, int) or nbytes < 0:
         raise InvalidArgument(f"nbytes must be an int >= 0, got {nbytes!r}", "invalid_argument")
     rng = np.random.default_rng(seed)
@@ -70,6 +107,6 @@ def kv_bytes(kind: str, nbytes: int, seed: int = 0) -> np.ndarray:
         gen = torch.Generator().manual_seed(seed)
         values = torch.randn((nbytes + 1) // 2, generator=gen).to(torch.bfloat16)
         return values.view(torch.int16).numpy().view(np.uint8)[:nbytes].copy()
-    src = _model_kv(seed)
+    src = _file_bytes(kind[len(FILE_PREFIX):]) if kind.startswith(FILE_PREFIX) else _model_kv(seed)
     reps = -(-nbytes // src.size) if nbytes else 0
     return np.tile(src, reps)[:nbytes].copy() if reps > 1 else src[:nbytes].copy()

@@ -10,7 +10,8 @@ Requests (``cmd``):
 
 - ``ping``; ``cpu``: this process's CPU seconds so far (every thread) -> ``cpu``
 - ``pdd_open`` (slot, layers, pages, page_bytes, socket_buffer, congestion, tls, secret_hex,
-  wan): a KvReceiver over a fresh pool, on the bind address, port 0 -> ``address``;
+  wan, share_slot): a KvReceiver over a fresh pool (or over slot ``share_slot``'s
+  memory: a paired path), on the bind address, port 0 -> ``address``;
   with ``wan`` (``Wanem`` keyword arguments) a WAN emulator in this process in front
   of it, whose address ``address`` then is
 - ``pdd_wait_peer`` (slot) -> ``peer``
@@ -84,8 +85,16 @@ class _Receiver:
         tls: dict[str, Any] | None = None,
         secret_hex: str | None = None,
         wan: dict[str, Any] | None = None,
+        share_slot: int | None = None,
     ) -> dict[str, Any]:
-        arrays = [np.zeros(pages * page_bytes, dtype=np.uint8) for _ in range(layers)]
+        if share_slot is None:
+            arrays = [np.zeros(pages * page_bytes, dtype=np.uint8) for _ in range(layers)]
+        else:
+            # The same memory as that slot's (paths measured one after the other, paired:
+            # a pool's placement in memory moved a path's figures by ~4 % on loopback).
+            arrays = self.slots[share_slot].layers
+            if len(arrays) != layers or any(a.size != pages * page_bytes for a in arrays):
+                raise ValueError(f"slot {share_slot}'s pool is not {layers} layer(s) of {pages} pages")
         pool = kv.pool_from_buffers(arrays, page_bytes)
         tls_config = None
         if tls is not None:

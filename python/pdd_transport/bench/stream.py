@@ -184,9 +184,11 @@ def run(cfg: StreamConfig, progress: Any = None) -> dict[str, Any]:
         main = PddPath(peer, cfg, cfg.page_bytes, 0, stack, pki)
         others = [PddPath(peer, cfg, p, i + 1, stack, pki) for i, p in enumerate(cfg.compare_page_bytes)]
         # With --tls, the plain path in the same run, paired repetition by repetition.
-        plain = PddPath(peer, cfg, cfg.page_bytes, len(others) + 1, stack) if cfg.tls else None
+        # Paired paths share the main path's pools: measured on loopback, a path in other
+        # memory moved by ~4 % whatever its setting (slot 0 against slot 2, swapped).
+        plain = PddPath(peer, cfg, cfg.page_bytes, len(others) + 1, stack, share=main) if cfg.tls else None
         # With compression, the same path without it in the same run, paired.
-        off = (PddPath(peer, cfg, cfg.page_bytes, len(others) + 2, stack, pki, compress="off")
+        off = (PddPath(peer, cfg, cfg.page_bytes, len(others) + 2, stack, pki, compress="off", share=main)
                if cfg.pair_off and cfg.compress != "off" else None)
         flat = main.src[0] if cfg.layers == 1 else np.concatenate(main.src)
         # Each repetition measures every path once, in a shuffled order, so that a

@@ -103,7 +103,8 @@ class StreamConfig:
     (``off_gbytes_per_s``, ``ratio_vs_off``)."""
     data: str = "random"
     """The bytes sent (:mod:`pdd_transport.bench.kv_data`): ``random``, ``model`` (the
-    reference engine's KV in bf16) or ``gaussian`` (bf16)."""
+    reference engine's KV in bf16), ``gaussian`` (bf16) or ``file:PATH`` (a file's bytes,
+    such as the vLLM tiny model's KV from ``scripts/vllm_kv_dump.py``)."""
     packet_end: dict[str, str] | None = None
     """Set in the child that runs inside end A: ``ns_b`` and ``addr_b`` of the other end."""
 
@@ -138,8 +139,12 @@ class StreamConfig:
             raise bad("--loss needs --packet (the stream proxy cannot lose packets)")
         if self.compress not in ("auto", "on", "off"):
             raise bad(f"--compress must be auto, on or off, got {self.compress!r}")
-        if self.data not in ("random", "model", "gaussian"):
-            raise bad(f"--data must be random, model or gaussian, got {self.data!r}")
+        from pdd_transport.bench.kv_data import check_kind
+
+        try:
+            check_kind(self.data)
+        except InvalidArgument as e:
+            raise bad(f"--{e}") from None
         if self.layers < 1:
             raise bad(f"--layers must be >= 1, got {self.layers}")
         for p in (self.page_bytes, *self.compare_page_bytes):
@@ -166,9 +171,22 @@ def add_compression_arguments(parser: Any) -> None:
     parser.add_argument("--compress", choices=("auto", "on", "off"),
                         help="KV compression of our path (not given: auto, the sender's default, unpaired); "
                         "given as auto or on, the same path with off is measured too, paired (ratio_vs_off)")
-    parser.add_argument("--data", choices=("random", "model", "gaussian"), default="random",
-                        help="the bytes sent: random, the reference engine's KV in bf16, or Gaussian bf16 "
+    parser.add_argument("--data", type=_data_kind, default="random", metavar="random|model|gaussian|file:PATH",
+                        help="the bytes sent: random, the reference engine's KV in bf16, Gaussian bf16, or a "
+                        "file's bytes (file:PATH; the vLLM tiny model's KV: scripts/vllm_kv_dump.py) "
                         "(default %(default)s)")
+
+
+def _data_kind(value: str) -> str:
+    """argparse type of ``--data``: the kind, or a clear usage error."""
+    import argparse
+
+    from pdd_transport.bench.kv_data import check_kind
+
+    try:
+        return check_kind(value)
+    except InvalidArgument as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _median(values: Sequence[float | None]) -> float | None:

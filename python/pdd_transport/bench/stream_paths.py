@@ -199,14 +199,15 @@ def _random_layers(layers: int, nbytes: int, seed: int) -> list[np.ndarray[Any, 
 
 
 def _layers(data: str, layers: int, nbytes: int, seed: int) -> list[np.ndarray[Any, np.dtype[np.uint8]]]:
-    """The source layers: random bytes as always, or ``model`` / ``gaussian`` bf16 KV
-    (:mod:`pdd_transport.bench.kv_data`; model KV is computed once per seed and shared)."""
+    """The source layers: random bytes as always, ``model`` / ``gaussian`` bf16 KV or a
+    file's bytes (:mod:`pdd_transport.bench.kv_data`; model KV is computed, a file read,
+    once and shared)."""
     if data == "random":
         return _random_layers(layers, nbytes, seed)
     from pdd_transport.bench.kv_data import kv_bytes
 
-    if data == "model":
-        base = kv_bytes("model", nbytes, 0)
+    if data == "model" or data.startswith("file:"):
+        base = kv_bytes(data, nbytes, 0)
         # Each layer its own bytes: the same KV, rotated by a whole number of 16-bit values.
         return [np.roll(base, 2 * 4099 * i) for i in range(layers)]
     return [kv_bytes(data, nbytes, seed * 64 + i) for i in range(layers)]
@@ -224,18 +225,28 @@ class PddPath:
         stack: ExitStack,
         pki: Any = None,
         compress: str | None = None,
+        share: PddPath | None = None,
     ) -> None:
+        """``share``: a path of the same page size whose source and destination memory
+        this one uses too (a paired path: only the setting under test differs, not
+        where the pools lie; the paths run one after the other)."""
         from pdd_transport import kv
 
         self.peer, self.cfg, self.page_bytes, self.slot = peer, cfg, page_bytes, slot
         self.compress = cfg.compress if compress is None else compress
         per_layer = cfg.bytes // cfg.layers
         self.pages = per_layer // page_bytes
-        self.src = _layers(cfg.data, cfg.layers, per_layer, cfg.seed + slot)
         self.src_pages = np.arange(self.pages, dtype=np.uint32)
-        # Grant page i is filled from source page i; the receiver puts it wherever its
-        # grant says, so the digests to compare are simply those of the source order.
-        self.src_digests = page_digests(self.src, page_bytes, range(self.pages))
+        self.src: list[np.ndarray[Any, np.dtype[np.uint8]]]
+        self.src_digests: list[str]
+        if share is not None:
+            assert share.page_bytes == page_bytes
+            self.src, self.src_digests = share.src, share.src_digests
+        else:
+            self.src = _layers(cfg.data, cfg.layers, per_layer, cfg.seed + slot)
+            # Grant page i is filled from source page i; the receiver puts it wherever
+            # its grant says, so the digests to compare are simply those of the source order.
+            self.src_digests = page_digests(self.src, page_bytes, range(self.pages))
         # Off loopback (--packet: end B's address) a receiver refuses to listen without
         # authentication: a fresh secret per path, both ends.
         secret = os.urandom(32) if cfg.packet else None
@@ -252,6 +263,7 @@ class PddPath:
                 "ca": str(pki.ca), "server_name": TLS_RECEIVER, "allowed_peers": [TLS_SENDER],
             },
             secret_hex=None if secret is None else secret.hex(),
+            share_slot=None if share is None else share.slot,
         )
         address = stack.enter_context(_via_wan(r["address"], cfg.proxy_wan))
         self.pool = kv.pool_from_buffers(self.src, page_bytes)
