@@ -253,10 +253,34 @@ pub async fn connect(
     tls: Option<&TlsConfig>,
     timeout: Duration,
 ) -> Result<Connected, Error> {
+    connect_noting_refusal(
+        addr, local, session_id, lane, key, tuning, tls, timeout, None,
+    )
+    .await
+}
+
+/// [`connect`], and sets `refused` when the TCP connect itself was refused (nothing
+/// listens at `addr`: a receiver's process is gone, unlike a line that is down,
+/// where the connect hangs until `timeout`).
+#[allow(clippy::too_many_arguments)]
+pub async fn connect_noting_refusal(
+    addr: SocketAddr,
+    local: &LocalHello,
+    session_id: u64,
+    lane: u16,
+    key: &LaneKey,
+    tuning: &SocketTuning,
+    tls: Option<&TlsConfig>,
+    timeout: Duration,
+    refused: Option<&std::sync::atomic::AtomicBool>,
+) -> Result<Connected, Error> {
     let attempt = async {
-        let tcp = TcpStream::connect(addr)
-            .await
-            .map_err(|e| lost(e, &format!("connect to {addr}")))?;
+        let tcp = TcpStream::connect(addr).await.map_err(|e| {
+            if let (Some(r), std::io::ErrorKind::ConnectionRefused) = (refused, e.kind()) {
+                r.store(true, std::sync::atomic::Ordering::Release);
+            }
+            lost(e, &format!("connect to {addr}"))
+        })?;
         tune(&tcp, tuning, true);
         // On TLS the acceptor proves its certificate first, then both prove the
         // secret inside it; AEAD is offered only there.

@@ -72,6 +72,9 @@ counters! {
     sessions_resumed_total: "counter", "sessions resumed after a loss";
     /// Transfers that went on after a resume from the pages that had landed.
     transfers_resumed_total: "counter", "transfers resumed from what had landed";
+    /// Sender: resumes given up because nothing listened at the receiver's address
+    /// (the connect was refused): the suspended transfers failed at once.
+    resumes_refused_total: "counter", "resumes given up at once: the receiver's address refused the connection";
     /// Sender: page bytes the receiver said it held at a resume (not sent again).
     resume_held_bytes_total: "counter", "page bytes held by the receiver at a resume, not sent again";
     /// Connections refused before admission (version, authentication, role, no

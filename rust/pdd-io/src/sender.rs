@@ -234,6 +234,9 @@ struct Shared {
     resume_log: Mutex<HashMap<u64, Vec<Job>>>,
     /// A reconnect loop for suspended transfers is running (`resume.rs`).
     reconnecting: AtomicBool,
+    /// The last session connect found nothing listening at the receiver's address
+    /// (its control lane's TCP connect was refused; `resume.rs` gives up on it).
+    connect_refused: AtomicBool,
 }
 
 type PendingQuery = (u64, oneshot::Sender<Result<PrefixReply, Error>>);
@@ -313,6 +316,7 @@ impl KvSender {
             session_secret: Mutex::new(None),
             resume_log: Mutex::new(HashMap::new()),
             reconnecting: AtomicBool::new(false),
+            connect_refused: AtomicBool::new(false),
         });
         // The machine's timers, for the sender's whole life: sleep until its next
         // one, or until a call armed an earlier one.
@@ -577,8 +581,11 @@ fn has_live_conn(shared: &Shared) -> bool {
 
 async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
     let cfg = &shared.cfg;
+    shared.connect_refused.store(false, Ordering::Release);
     let open = |key: LaneKey, lane_no: u16| async move {
-        lane::connect(
+        // The control lane's connect tells whether anything listens there at all.
+        let refused = (lane_no == 0).then_some(&shared.connect_refused);
+        lane::connect_noting_refusal(
             cfg.addr,
             &cfg.hello,
             cfg.session_id,
@@ -587,6 +594,7 @@ async fn connect_session(shared: &Arc<Shared>) -> Result<Arc<Conn>, Error> {
             &cfg.tuning,
             cfg.tls.as_ref(),
             cfg.connect_timeout,
+            refused,
         )
         .await
     };

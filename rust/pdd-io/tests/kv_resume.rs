@@ -15,7 +15,7 @@ use std::time::Duration;
 use pdd_core::wire::handshake::LocalHello;
 use pdd_core::wire::{capability, Role};
 use pdd_io::pool::PagePool;
-use pdd_io::receiver::{KvReceiver, ReceiverConfig};
+use pdd_io::receiver::{InboundTransfer, KvReceiver, ReceiverConfig};
 use pdd_io::sender::{KvSender, OutboundTransfer, SenderConfig};
 use pdd_io::wanem::{Direction, LinkProfile, Wanem, WanemConfig, WanemHandle};
 
@@ -92,6 +92,26 @@ async fn send_all(out: &OutboundTransfer) -> Result<(), pdd_core::Error> {
     out.finish().await
 }
 
+/// Grant every page as transfer 1, send them all, and run `cut` once a quarter of
+/// the payload landed; returns both ends of the transfer.
+async fn send_and_cut_at_a_quarter<F: std::future::Future<Output = ()>>(
+    s: &Setup,
+    cut: impl FnOnce() -> F,
+) -> (InboundTransfer, OutboundTransfer) {
+    let pages: Vec<u32> = (0..PAGES).collect();
+    let inbound = s.rx.grant(1, &pages, None, Some(77), None).unwrap();
+    let out = bounded(s.tx.wait_grant(1)).await.unwrap();
+    let sending = async {
+        let _ = send_all(&out).await;
+    };
+    let cutting = async {
+        until_received(&s.rx, payload() / 4).await;
+        cut().await;
+    };
+    bounded(async { tokio::join!(sending, cutting) }).await;
+    (inbound, out)
+}
+
 fn payload() -> u64 {
     u64::from(LAYERS) * u64::from(PAGES) * u64::from(PAGE)
 }
@@ -163,17 +183,7 @@ async fn without_resume_on_either_side_the_reset_fails_the_transfer() {
         (Some(Duration::from_secs(10)), None),
     ] {
         let s = setup(rx_window, tx_window).await;
-        let pages: Vec<u32> = (0..PAGES).collect();
-        let inbound = s.rx.grant(1, &pages, None, Some(77), None).unwrap();
-        let out = bounded(s.tx.wait_grant(1)).await.unwrap();
-        let sending = async {
-            let _ = send_all(&out).await;
-        };
-        let cut = async {
-            until_received(&s.rx, payload() / 4).await;
-            s.wan.reset_all();
-        };
-        bounded(async { tokio::join!(sending, cut) }).await;
+        let (inbound, out) = send_and_cut_at_a_quarter(&s, || async { s.wan.reset_all() }).await;
         let e = bounded(inbound.wait()).await.unwrap_err();
         assert_eq!(e.reason(), "connection_lost", "{e}");
         assert!(bounded(out.wait()).await.is_err());
@@ -186,23 +196,41 @@ async fn without_resume_on_either_side_the_reset_fails_the_transfer() {
     }
 }
 
+/// Nothing listens at the receiver's address any more (its process is gone): the
+/// sender's first reconnect is refused, and the suspended transfer fails then, not
+/// at the end of a 30 s window (a line that is down hangs the connect instead: the
+/// next test).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_reconnect_fails_the_suspended_transfer_at_once() {
+    let window = Duration::from_secs(30);
+    let s = setup(Some(window), Some(window)).await;
+    let (_inbound, out) = send_and_cut_at_a_quarter(&s, || async {
+        s.wan.reset_all();
+        s.wan.shutdown().await.unwrap();
+    })
+    .await;
+    let cut_at = std::time::Instant::now();
+    let e = tokio::time::timeout(Duration::from_secs(8), out.wait())
+        .await
+        .expect("the transfer waited on after a refused reconnect")
+        .unwrap_err();
+    assert!(e.to_string().contains("refused the connection"), "{e}");
+    assert!(cut_at.elapsed() < window / 3, "{:?}", cut_at.elapsed());
+    let m = s.tx.metrics();
+    assert_eq!(m.resumes_refused_total.load(Ordering::Relaxed), 1);
+    assert_eq!(m.sessions_suspended_total.load(Ordering::Relaxed), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_not_resumed_within_the_window_fails_on_both_ends() {
     let window = Duration::from_millis(800);
     let s = setup(Some(window), Some(window)).await;
-    let pages: Vec<u32> = (0..PAGES).collect();
-    let inbound = s.rx.grant(1, &pages, None, Some(77), None).unwrap();
-    let out = bounded(s.tx.wait_grant(1)).await.unwrap();
-    let sending = async {
-        let _ = send_all(&out).await;
-    };
-    let cut = async {
-        until_received(&s.rx, payload() / 4).await;
+    let (inbound, out) = send_and_cut_at_a_quarter(&s, || async {
         // Nothing gets through any more: every reconnect hangs in the emulator.
         s.wan.blackhole(true);
         s.wan.reset_all();
-    };
-    bounded(async { tokio::join!(sending, cut) }).await;
+    })
+    .await;
     let e = bounded(inbound.wait()).await.unwrap_err();
     assert_eq!(e.reason(), "connection_lost", "{e}");
     assert!(e.to_string().contains("did not resume"), "{e}");

@@ -35,8 +35,9 @@ pub(super) fn forget(shared: &Shared, transfer_id: u64) {
 
 /// The connection was lost with transfers in progress and both sides offered
 /// `kv_resume`: reconnect (resuming the session) until it works, the transfers end
-/// (the machine's resume bound fails them when the window runs out), or the sender
-/// closes. One loop at a time.
+/// (the machine's resume bound fails them when the window runs out), nothing listens
+/// at the receiver's address any more (they fail at once), or the sender closes. One
+/// loop at a time.
 pub(super) fn reconnect_while_suspended(shared: &Arc<Shared>) {
     if shared
         .reconnecting
@@ -52,8 +53,23 @@ pub(super) fn reconnect_while_suspended(shared: &Arc<Shared>) {
             if shared.cancel.is_cancelled() || lock(&shared.machine).suspended().is_empty() {
                 break;
             }
-            if super::conn_of(&shared).await.is_ok() {
-                break;
+            match super::conn_of(&shared).await {
+                Ok(_) => break,
+                // Nothing listens at the receiver's address: the process that held
+                // the session is gone (a line that is down hangs the connect instead,
+                // and a restarted receiver that accepts refuses the session, which
+                // fails the suspended transfers as well). No reason to wait out the
+                // window.
+                Err(e)
+                    if shared
+                        .connect_refused
+                        .load(std::sync::atomic::Ordering::Acquire) =>
+                {
+                    Metrics::add(&shared.metrics.resumes_refused_total, 1);
+                    super::with_machine(&shared, |m| m.resume_refused(&e.to_string()));
+                    break;
+                }
+                Err(_) => {}
             }
             tokio::select! {
                 _ = shared.cancel.cancelled() => break,

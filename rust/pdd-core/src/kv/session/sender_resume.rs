@@ -68,6 +68,20 @@ impl SenderSession {
         v
     }
 
+    /// Nothing listened at the receiver's address when the I/O layer reconnected to
+    /// resume (the TCP connect was refused, `detail` says how): the process that held
+    /// the session, whose state lives in it, is gone, and a new one could not resume
+    /// it. Every suspended transfer fails now, not at the window's end, so its source
+    /// pages are the engine's again. Nothing happens when none is suspended.
+    pub fn resume_refused(&mut self, detail: &str) {
+        let e = Error::ConnectionLost {
+            detail: format!(
+                "not resumed: the receiver's address refused the connection ({detail})"
+            ),
+        };
+        self.fail_suspended(&e);
+    }
+
     /// Fail every suspended transfer with `error` (no resume: the window ran out,
     /// the receiver opened a new session, or its KV_HELD list ended without them).
     pub(super) fn fail_suspended(&mut self, error: &Error) {
