@@ -199,3 +199,20 @@ def test_data_from_a_file_is_sent_and_a_bad_path_is_a_usage_error(tmp_path: Path
     out = subprocess.run([*cmd, "bench", "stream", "--json", "--data", f"file:{tmp_path / 'none.npy'}"],
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 2 and "is not a non-empty file" in out.stderr, out.stderr
+
+
+def test_a_paired_path_lands_in_the_main_paths_pool_and_a_mismatch_is_refused() -> None:
+    # `share_slot` (the off path and --tls's plain path share the main path's memory):
+    # the same arrays; a pool of another shape is refused before anything is opened.
+    from pdd_transport.bench.peer import _Receiver
+
+    r = _Receiver()
+    try:
+        r.pdd_open(slot=0, layers=2, pages=4, page_bytes=4096)
+        r.pdd_open(slot=2, layers=2, pages=4, page_bytes=4096, share_slot=0)
+        assert all(a is b for a, b in zip(r.slots[0].layers, r.slots[2].layers, strict=True))
+        with pytest.raises(ValueError, match="is not 2 layer"):
+            r.pdd_open(slot=3, layers=2, pages=8, page_bytes=4096, share_slot=0)
+        assert 3 not in r.slots
+    finally:
+        r.close()

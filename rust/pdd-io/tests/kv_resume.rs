@@ -214,8 +214,15 @@ async fn a_refused_reconnect_fails_the_suspended_transfer_at_once() {
         .await
         .expect("the transfer waited on after a refused reconnect")
         .unwrap_err();
+    assert_eq!(e.reason(), "connection_lost", "{e}");
     assert!(e.to_string().contains("refused the connection"), "{e}");
-    assert!(cut_at.elapsed() < window / 3, "{:?}", cut_at.elapsed());
+    // The first reconnect comes 100 ms after the loss and is refused at once: far
+    // inside the 30 s window, not at its end.
+    assert!(
+        cut_at.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        cut_at.elapsed()
+    );
     let m = s.tx.metrics();
     assert_eq!(m.resumes_refused_total.load(Ordering::Relaxed), 1);
     assert_eq!(m.sessions_suspended_total.load(Ordering::Relaxed), 1);
